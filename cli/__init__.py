@@ -1,0 +1,1 @@
+"""kvxfer's command line: demo, plan, bench."""

@@ -1,0 +1,29 @@
+"""Entry point for the ``kvxfer`` console script. Each ``cmd_*`` module registers its commands on ``app``."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_bench")
+
+
+def build_app():
+    try:
+        import typer
+    except ImportError as e:
+        raise SystemExit(f"kvxfer's CLI needs typer and rich: pip install 'kvxfer[cli]' ({e})") from None
+    app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                      help="Plan, inspect and run KV-cache block transfers.")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvxfer.cli.{name}").register(app)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI. Bad input prints one line (no traceback) and exits 2."""
+    app = build_app()
+    try:
+        app(args=argv, standalone_mode=True)
+    except ValueError as e:  # PlanError, BindingError, pydantic errors: all ValueError subclasses
+        print(f"kvxfer: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,13 @@
+"""kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only."""
+from .coalesce import plan_transfer
+from .errors import LayoutError, MappingError, PlanError, TargetError
+from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
+from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, Region
+from .target import (AccessOrder, CopyApi, Platform, PlanOptions, Target, cuda_version, hip_version)
+
+__all__ = [
+    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Layout",
+    "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanOptions", "Platform",
+    "Region", "SCHEMA_VERSION", "Target", "TargetError", "TransferPlan", "cuda_version", "hip_version",
+    "plan_transfer",
+]

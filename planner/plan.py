@@ -1,0 +1,249 @@
+"""TransferPlan: the immutable, columnar, pointer-free result of planning."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+
+from ._model import Spec
+from .errors import PlanError
+from .spec import Buffer, Direction, Location
+from .target import AccessOrder, CopyApi, PlanOptions, Target
+
+SCHEMA_VERSION = 1
+COLUMNS: dict[str, np.dtype] = {
+    "src_buf": np.dtype("<i4"), "src_offset": np.dtype("<u8"),
+    "dst_buf": np.dtype("<i4"), "dst_offset": np.dtype("<u8"),
+    "nbytes": np.dtype("<u8"), "region": np.dtype("<i4"), "attr": np.dtype("<u2"),
+}
+
+
+class LocationHint(Spec):
+    """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
+
+    location: Location
+    id: int = 0
+
+    @property
+    def code(self) -> int:
+        return 1 if self.location is Location.DEVICE else 2
+
+
+class CopyAttributes(Spec):
+    """One CUmemcpyAttributes / hipMemcpyAttributes record."""
+
+    src_access_order: AccessOrder
+    src_location: LocationHint
+    dst_location: LocationHint
+    flags: int = 0
+
+    def short(self) -> str:
+        def loc(h: LocationHint) -> str:
+            return f"dev{h.id}" if h.location is Location.DEVICE else "host"
+        return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+class TransferPlan:
+    """Merged byte ranges as read-only columns, chunked into driver calls, with the attributes to pass.
+
+    Ranges are ``(buffer index, offset)`` pairs into ``buffers``; no raw pointers. Ranges are in canonical
+    order (destination buffer, destination offset) unless a call boundary option groups them otherwise.
+    ``call_offsets`` has one more entry than there are calls; call ``i`` covers ranges
+    ``call_offsets[i]:call_offsets[i+1]``. ``attr`` indexes ``attrs``; a call passes attributes only when
+    ``passes_attrs`` (numAttrs = the number of attribute runs in that call).
+    """
+
+    __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "attrs", "passes_attrs",
+                 "requested_copies", "call_offsets", *COLUMNS, "_fingerprint")
+
+    def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
+                 regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
+                 call_offsets: np.ndarray, columns: dict[str, np.ndarray], passes_attrs: bool | None = None,
+                 api: CopyApi | None = None):
+        set_ = object.__setattr__
+        set_(self, "direction", Direction(direction))
+        set_(self, "target", target)
+        set_(self, "options", options)
+        set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
+        set_(self, "buffers", tuple(buffers))
+        set_(self, "regions", tuple(regions))
+        set_(self, "attrs", tuple(attrs))
+        set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
+        set_(self, "requested_copies", int(requested_copies))
+        n = None
+        for name, dtype in COLUMNS.items():
+            col = np.ascontiguousarray(columns[name], dtype=dtype)
+            if n is not None and len(col) != n:
+                raise PlanError(name, len(col), f"column length differs from {n}")
+            n = len(col)
+            col.flags.writeable = False
+            set_(self, name, col)
+        co = np.ascontiguousarray(call_offsets, dtype=np.int64)
+        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or np.any(np.diff(co) <= 0):
+            raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
+        co.flags.writeable = False
+        set_(self, "call_offsets", co)
+        set_(self, "_fingerprint", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("TransferPlan is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("TransferPlan is immutable")
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def num_ranges(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.call_offsets) - 1
+
+    @property
+    def call_sizes(self) -> np.ndarray:
+        return np.diff(self.call_offsets)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum(dtype=np.uint64))
+
+    def calls(self) -> Iterator[slice]:
+        for i in range(self.num_calls):
+            yield slice(int(self.call_offsets[i]), int(self.call_offsets[i + 1]))
+
+    def attr_runs(self, call: int) -> tuple[np.ndarray, np.ndarray]:
+        """For call ``call``: (attribute ids, first descriptor of each within the call) -- attrs/attrsIdxs."""
+        a = self.attr[self.call_offsets[call]:self.call_offsets[call + 1]]
+        if len(a) == 0:
+            return a[:0].astype(np.int64), np.zeros(0, dtype=np.int64)
+        starts = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+        return a[starts].astype(np.int64), starts.astype(np.int64)
+
+    # ---- identity ----------------------------------------------------------------------------------------
+    def _header(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "direction": self.direction.value,
+            "target": self.target.model_dump(mode="json"),
+            "options": self.options.model_dump(mode="json"),
+            "api": self.api.value,
+            "passes_attrs": self.passes_attrs,
+            "buffers": [b.model_dump(mode="json") for b in self.buffers],
+            "regions": list(self.regions),
+            "attrs": [a.model_dump(mode="json") for a in self.attrs],
+            "requested_copies": self.requested_copies,
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the header and the little-endian columns; identical on any machine and process."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode())
+            for name in COLUMNS:
+                h.update(name.encode())
+                h.update(getattr(self, name).tobytes())
+            h.update(self.call_offsets.astype("<i8").tobytes())
+            object.__setattr__(self, "_fingerprint", h.hexdigest())
+        return self._fingerprint
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TransferPlan) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        calls = self.num_calls
+        return (f"TransferPlan({self.direction.value} {self.target.label}: {self.requested_copies} -> "
+                f"{self.num_ranges} ranges, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
+
+    # ---- views (planner/inspect.py) ---------------------------------------------------------------------
+    def explain(self, **kw: Any) -> str:
+        """Deterministic fixed-width text: header and range table. See kvxfer.planner.inspect.explain."""
+        from .inspect import explain
+        return explain(self, **kw)
+
+    def _repr_html_(self) -> str:
+        from .inspect import to_html
+        return to_html(self)
+
+    def stats(self) -> dict[str, Any]:
+        from .inspect import stats
+        return stats(self)
+
+    # ---- serialization -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = self._header()
+        d["call_offsets"] = self.call_offsets.tolist()
+        d["columns"] = {name: getattr(self, name).tolist() for name in COLUMNS}
+        d["fingerprint"] = self.fingerprint
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransferPlan:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError("schema_version", version, f"this kvxfer reads plan schema {SCHEMA_VERSION}")
+        try:
+            plan = cls(
+                direction=Direction(d["direction"]), target=Target.model_validate(d["target"]),
+                options=PlanOptions.model_validate(d["options"]),
+                buffers=tuple(Buffer.model_validate(b) for b in d["buffers"]), regions=tuple(d["regions"]),
+                attrs=tuple(CopyAttributes.model_validate(a) for a in d["attrs"]),
+                requested_copies=d["requested_copies"], passes_attrs=d["passes_attrs"], api=CopyApi(d["api"]),
+                call_offsets=np.asarray(d["call_offsets"], dtype=np.int64),
+                columns={name: np.asarray(d["columns"][name], dtype=dt) for name, dt in COLUMNS.items()})
+        except KeyError as e:
+            raise PlanError(str(e.args[0]), None, "missing from the serialized plan") from None
+        want = d.get("fingerprint")
+        if want is not None and want != plan.fingerprint:
+            raise PlanError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> TransferPlan:
+        return cls.from_dict(json.loads(text))
+
+    def to_npz_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        header = json.dumps(self._header() | {"fingerprint": self.fingerprint})
+        np.savez_compressed(buf, header=np.frombuffer(header.encode(), dtype=np.uint8),
+                            call_offsets=self.call_offsets, **{n: getattr(self, n) for n in COLUMNS})
+        return buf.getvalue()
+
+    @classmethod
+    def from_npz_bytes(cls, data: bytes) -> TransferPlan:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            d = json.loads(z["header"].tobytes().decode())
+            d["call_offsets"] = z["call_offsets"]
+            d["columns"] = {n: z[n] for n in COLUMNS}
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> Path:
+        """Write JSON (``.json``) or compressed numpy (``.npz``)."""
+        path = Path(path)
+        if path.suffix == ".npz":
+            path.write_bytes(self.to_npz_bytes())
+        else:
+            path.write_text(self.to_json(indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> TransferPlan:
+        path = Path(path)
+        return cls.from_npz_bytes(path.read_bytes()) if path.suffix == ".npz" else cls.from_json(path.read_text())

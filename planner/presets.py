@@ -1,0 +1,77 @@
+"""Built-in layouts and block patterns shaped like real restores (for the demo, benchmarks, goldens and tests).
+
+Deterministic: every pattern takes an explicit seed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, Region
+
+PATTERNS = ("contiguous", "runs8", "fragmented", "descending", "interleaved")
+
+
+def kv_layout(num_regions: int = 118, num_blocks: int = 512, page_bytes: int = 32 * 1024, *,
+              host_blocks: int | None = None, shared_device: bool = False, shared_host: bool = True,
+              device: int = 0, prefix: str = "kv") -> Layout:
+    """``num_regions`` KV tensors of ``num_blocks`` pages each (MiniMax-M3 at TP4 has 118 per rank).
+
+    Device side: one buffer per region (separate tensors), or one shared allocation when ``shared_device``.
+    Host side: one pinned buffer holding every region back to back (``shared_host``), or one per region.
+    """
+    host_blocks = num_blocks if host_blocks is None else host_blocks
+    buffers: list[Buffer] = []
+    regions: list[Region] = []
+    if shared_device:
+        buffers.append(Buffer(name="gpu", nbytes=num_regions * num_blocks * page_bytes, location=Location.DEVICE, device=device))
+    if shared_host:
+        buffers.append(Buffer(name="cpu", nbytes=num_regions * host_blocks * page_bytes, location=Location.HOST))
+    for r in range(num_regions):
+        name = f"{prefix}{r}"
+        if not shared_device:
+            buffers.append(Buffer(name=f"gpu.{name}", nbytes=num_blocks * page_bytes, location=Location.DEVICE, device=device))
+        if not shared_host:
+            buffers.append(Buffer(name=f"cpu.{name}", nbytes=host_blocks * page_bytes, location=Location.HOST))
+        dev = Placement(buffer="gpu", byte_offset=r * num_blocks * page_bytes) if shared_device else Placement(buffer=f"gpu.{name}")
+        host = Placement(buffer="cpu", byte_offset=r * host_blocks * page_bytes) if shared_host else Placement(buffer=f"cpu.{name}")
+        regions.append(Region(name=name, page_bytes=page_bytes, device=dev, host=host))
+    return Layout(buffers=tuple(buffers), regions=tuple(regions))
+
+
+def block_pattern(pattern: str, n: int, num_blocks: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(src ids, dst ids) of ``n`` block pairs drawn from ``num_blocks`` blocks per side.
+
+    contiguous: one ascending run; runs8: runs of 8 at shuffled places; fragmented: no two pairs adjacent on
+    both sides; descending: ``[k..1] -> [m..1]`` as lazy eviction produces; interleaved: four runs whose
+    members alternate in the input order.
+    """
+    if n > num_blocks // 2:
+        raise ValueError(f"n = {n}: patterns need num_blocks >= 2*n (num_blocks = {num_blocks})")
+    rng = np.random.default_rng(seed)
+    if pattern == "contiguous":
+        return np.arange(n), np.arange(n) + num_blocks - n
+    if pattern == "descending":
+        return np.arange(n)[::-1].copy(), (np.arange(n) + 3)[::-1].copy()
+    if pattern == "runs8":
+        runs = -(-n // 8)
+        slots_s = rng.permutation(num_blocks // 8)[:runs] * 8
+        slots_d = rng.permutation(num_blocks // 8)[:runs] * 8
+        s = (slots_s[:, None] + np.arange(8)).ravel()[:n]
+        d = (slots_d[:, None] + np.arange(8)).ravel()[:n]
+        return s, d
+    if pattern == "fragmented":
+        s = rng.permutation(num_blocks // 2)[:n] * 2
+        d = np.sort(rng.permutation(num_blocks // 2)[:n] * 2)
+        return s, d
+    if pattern == "interleaved":
+        k = 4
+        per = -(-n // k)
+        s = (np.arange(k)[:, None] * (per + 1) + np.arange(per)).T.ravel()[:n]
+        d = (np.arange(k)[:, None] * (per + 3) + np.arange(per) + 1).T.ravel()[:n]
+        return s, d
+    raise ValueError(f"pattern = {pattern!r}: unknown (known: {', '.join(PATTERNS)})")
+
+
+def mapping(pattern: str, n: int, num_blocks: int, direction: Direction | str = Direction.H2D, seed: int = 0) -> BlockMapping:
+    s, d = block_pattern(pattern, n, num_blocks, seed)
+    return BlockMapping(direction=Direction(direction), src_ids=s, dst_ids=d)

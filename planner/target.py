@@ -1,0 +1,134 @@
+"""Where a plan will run. Every platform difference the planner knows of is a pure function of a Target."""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar
+
+from pydantic import Field
+
+from ._model import Spec
+from .errors import TargetError
+
+
+class Platform(StrEnum):
+    CUDA = "cuda"
+    ROCM = "rocm"
+    CPU = "cpu"
+
+
+class CopyApi(StrEnum):
+    """The driver call an executor lowers each chunk to."""
+
+    CUDA_BATCH_V2 = "cuMemcpyBatchAsync_v2"  # CUDA >= 13.0: no failIdx
+    CUDA_BATCH = "cuMemcpyBatchAsync"  # CUDA 12.8 ABI: with failIdx
+    CUDA_PER_RANGE = "cuMemcpyAsync"  # below 12.8: one call per range, same semantics
+    HIP_BATCH = "hipMemcpyBatchAsync"  # ROCm >= 7.1
+    HIP_PER_RANGE = "hipMemcpyAsync"  # older or unknown ROCm
+    MEMCPY = "memcpy"  # host-only reference
+
+
+def hip_version(major: int, minor: int, patch: int = 0) -> int:
+    """HIP's runtime version encoding: major*10,000,000 + minor*100,000 + patch (7.2.2 build 53211 -> 70253211)."""
+    return major * 10_000_000 + minor * 100_000 + patch
+
+
+def cuda_version(major: int, minor: int) -> int:
+    """CUDA driver version encoding: 1000*major + 10*minor (12.8 -> 12080)."""
+    return major * 1000 + minor * 10
+
+
+HIP_BATCH_MIN = hip_version(7, 1)
+HIP_ATTRS_MIN = hip_version(7, 13)  # 7.2.1-7.2.3 reject numAttrs > 0
+HIP_PREFER_CE_MIN = hip_version(7, 16)  # batches run as a blit kernel unless hipMemcpyFlagExtPreferCE
+HIP_MAX_DESCRIPTORS = 8192  # larger batches fault on ROCm
+CUDA_BATCH_MIN = cuda_version(12, 8)
+CUDA_BATCH_V2_MIN = cuda_version(13, 0)
+
+HIP_FLAG_PREFER_CE = 0x100
+FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+
+
+class AccessOrder(StrEnum):
+    """Source access order; ``code`` is the CUmemcpySrcAccessOrder / hipMemcpySrcAccessOrder value."""
+
+    STREAM = "stream"  # stores: the source is the live GPU cache, read in stream order
+    DURING_API_CALL = "during_api_call"
+    ANY = "any"  # loads: host memory no stream writes, so the driver may pipeline
+
+    @property
+    def code(self) -> int:
+        return {"stream": 1, "during_api_call": 2, "any": 3}[self.value]
+
+
+class Target(Spec):
+    """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown)."""
+
+    _error: ClassVar = TargetError
+    platform: Platform = Platform.CPU
+    runtime_version: int = Field(default=0, ge=0)
+
+    @property
+    def label(self) -> str:
+        v = self.runtime_version
+        if self.platform is Platform.CPU:
+            return "cpu"
+        if v == 0:
+            return f"{self.platform.value}-unknown"
+        if self.platform is Platform.ROCM:
+            major, minor, patch = v // 10_000_000, v // 100_000 % 100, v % 100_000
+            return f"rocm-{major}.{minor}" + (f".{patch}" if patch else "")
+        return f"cuda-{v // 1000}.{v % 1000 // 10}"
+
+    @property
+    def copy_api(self) -> CopyApi:
+        v = self.runtime_version
+        if self.platform is Platform.CUDA:
+            return (CopyApi.CUDA_BATCH_V2 if v >= CUDA_BATCH_V2_MIN
+                    else CopyApi.CUDA_BATCH if v >= CUDA_BATCH_MIN else CopyApi.CUDA_PER_RANGE)
+        if self.platform is Platform.ROCM:
+            return CopyApi.HIP_BATCH if v >= HIP_BATCH_MIN else CopyApi.HIP_PER_RANGE
+        return CopyApi.MEMCPY
+
+    @property
+    def default_max_descriptors(self) -> int | None:
+        return HIP_MAX_DESCRIPTORS if self.platform is Platform.ROCM else None
+
+    @property
+    def passes_attrs(self) -> bool:
+        """Whether batch calls pass attributes (numAttrs > 0). Unknown ROCm counts as the oldest."""
+        if self.platform is Platform.ROCM:
+            return self.runtime_version >= HIP_ATTRS_MIN
+        return self.platform is Platform.CUDA and self.copy_api is not CopyApi.CUDA_PER_RANGE
+
+    def flags(self, prefer_overlap_with_compute: bool = False) -> int:
+        f = FLAG_PREFER_OVERLAP_WITH_COMPUTE if prefer_overlap_with_compute else 0
+        if self.platform is Platform.ROCM and self.runtime_version >= HIP_PREFER_CE_MIN:
+            f |= HIP_FLAG_PREFER_CE
+        return f
+
+    def gates(self) -> tuple[tuple[str, bool], ...]:
+        """Every version gate this target sits on one side of; executors compare these with the runtime found."""
+        v = self.runtime_version
+        if self.platform is Platform.ROCM:
+            return (("hip>=7.1 batch", v >= HIP_BATCH_MIN), ("hip>=7.13 attrs", v >= HIP_ATTRS_MIN),
+                    ("hip>=7.16 prefer-ce", v >= HIP_PREFER_CE_MIN))
+        if self.platform is Platform.CUDA:
+            return (("cuda>=12.8 batch", v >= CUDA_BATCH_MIN), ("cuda>=13.0 batch_v2", v >= CUDA_BATCH_V2_MIN))
+        return ()
+
+    def __str__(self) -> str:
+        return self.label
+
+
+class PlanOptions(Spec):
+    """How to plan: merging, call size cap (None = target default, 0 = unlimited), range size cap, CUDA flags."""
+
+    _error: ClassVar = TargetError
+    coalesce: bool = True
+    max_descriptors: int | None = Field(default=None, ge=0)
+    max_range_bytes: int | None = Field(default=None, gt=0)
+    prefer_overlap_with_compute: bool = False
+
+    def descriptor_cap(self, target: Target) -> int | None:
+        cap = target.default_max_descriptors if self.max_descriptors is None else self.max_descriptors
+        return cap or None

@@ -1,0 +1,42 @@
+"""Shared test setup: hypothesis profiles and device-test skipping."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("dev", max_examples=200, deadline=None)
+    settings.register_profile("ci", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("long", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+except ImportError:  # hypothesis is in the dev extra
+    pass
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available() and torch.version.hip is None
+    except ImportError:
+        return False
+
+
+def _has_rocm() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available() and torch.version.hip is not None
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = None if _has_cuda() else pytest.mark.skip(reason="no NVIDIA GPU visible to torch on this machine")
+    skip_rocm = None if _has_rocm() else pytest.mark.skip(reason="no AMD GPU visible to torch on this machine")
+    for item in items:
+        if skip_gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if skip_rocm and "rocm" in item.keywords:
+            item.add_marker(skip_rocm)
