@@ -1,4 +1,5 @@
 """kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only."""
+from .case import Case
 from .coalesce import plan_transfer
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
@@ -6,7 +7,7 @@ from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, 
 from .target import (AccessOrder, CopyApi, Platform, PlanOptions, Target, cuda_version, hip_version)
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Layout",
+    "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Layout",
     "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanOptions", "Platform",
     "Region", "SCHEMA_VERSION", "Target", "TargetError", "TransferPlan", "cuda_version", "hip_version",
     "plan_transfer",

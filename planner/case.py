@@ -1,0 +1,58 @@
+"""A case: everything needed to build one plan (layout, mapping, target, options), as one JSON file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ._model import Spec
+from .coalesce import plan_transfer
+from .plan import TransferPlan
+from .spec import BlockMapping, Layout
+from .target import PlanOptions, Target
+
+
+class Case(Spec):
+    """Inputs of one plan. ``Case.load(path)`` reads JSON; ``case.plan()`` plans it."""
+
+    layout: Layout
+    mapping: BlockMapping
+    target: Target = Target()
+    options: PlanOptions = PlanOptions()
+
+    def plan(self) -> TransferPlan:
+        return plan_transfer(self.layout, self.mapping, self.target, self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.model_dump(mode="json"), "mapping": self.mapping.model_dump(),
+                "target": self.target.model_dump(mode="json"), "options": self.options.model_dump(mode="json")}
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Case:
+        return cls.coerce(path, "case")
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """JSON Schema of the case file (block ids are integer arrays)."""
+        schema = {
+            "title": "kvxfer case", "type": "object", "additionalProperties": False,
+            "required": ["layout", "mapping"],
+            "properties": {
+                "layout": Layout.model_json_schema(),
+                "mapping": {"type": "object", "additionalProperties": False, "required": ["direction", "src_ids", "dst_ids"],
+                            "properties": {"direction": {"enum": ["h2d", "d2h"]},
+                                           "src_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                           "dst_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+                "target": Target.model_json_schema(),
+                "options": PlanOptions.model_json_schema(),
+            },
+        }
+        return schema
