@@ -29,7 +29,10 @@ def _reraise(err: ValidationError, error_cls: type[PlanError]) -> PlanError:
     path, _ = _loc(tuple(first["loc"]))
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, PlanError):
-        field = f"{path}.{cause.field}" if path and cause.field else (cause.field or path)
+        field = cause.field or path
+        if path and cause.field:  # field validators already name their field, which ends the path
+            last = path.rsplit(".", 1)[-1]
+            field = path + cause.field[len(last):] if cause.field.split(".")[0] == last else f"{path}.{cause.field}"
         return type(cause)(field, cause.value, cause.reason, cause.index)
     msg = first["msg"]
     return error_cls(path or error_cls.__name__, first.get("input"), msg[0].lower() + msg[1:])

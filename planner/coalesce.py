@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 
 from .errors import LayoutError, MappingError
-from .plan import CopyAttributes, LocationHint, TransferPlan
+from .plan import CopyAttributes, LocationHint, Runs, TransferPlan, dense
 from .spec import BlockMapping, Direction, Layout, LayoutInfo, Location
 from .target import AccessOrder, PlanOptions, Target
 
-Ranges = dict[str, np.ndarray]  # src_buf, src_offset, dst_buf, dst_offset, nbytes, region (int64 while planning)
+ROW_WISE_MIN = 2048  # ranges per region from which offsets are computed row by row (cache-resident)
+Ranges = dict[str, np.ndarray]  # src/dst_buf, region: int32; src/dst_offset, nbytes: int64 while planning
 
 
 def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | Any, target: Target | dict | None = None,
@@ -44,15 +45,20 @@ def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | An
     attrs, region_attr = _attributes(layout, direction, target, options)
 
     if len(s) == 0 or info.nregions == 0:
-        ranges = {k: np.zeros(0, dtype=np.int64) for k in ("src_buf", "src_offset", "dst_buf", "dst_offset", "nbytes", "region")}
+        ranges = {k: np.zeros(0, dtype=np.int64) for k in ("src_offset", "dst_offset", "nbytes")}
+        ranges |= {k: np.zeros(0, dtype=np.int32) for k in ("src_buf", "dst_buf", "region")}
     else:
-        ranges = _ranges(info, direction, s, d, options.coalesce)
-        _check_overlaps(layout, direction, ranges, s, d)
+        ranges, disjoint = _ranges(layout, direction, s, d, options.coalesce)
+        _check_overlaps(layout, direction, ranges, d, within_regions_only=disjoint)
     ranges = _split_large(ranges, options.max_range_bytes)
     cap = options.descriptor_cap(target)
     n = len(ranges["nbytes"])
     call_offsets = np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
-    ranges["attr"] = region_attr[ranges["region"]]
+    reg = ranges["region"]
+    ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
+    for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
+        if not isinstance(ranges[k], Runs):
+            ranges[k] = ranges[k].view(np.uint64)
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
                         regions=tuple(r.name for r in layout.regions), attrs=attrs,
                         requested_copies=len(s) * info.nregions, call_offsets=call_offsets, columns=ranges)
@@ -76,15 +82,22 @@ def _check_ids(layout: Layout, ids: np.ndarray, side: dict[str, np.ndarray], fie
                        f"past buffer {buf.name!r} of {buf.nbytes} bytes (last block that fits: {limit})", i)
 
 
-def _check_overlaps(layout: Layout, direction: Direction, r: Ranges, s: np.ndarray, d: np.ndarray) -> None:
-    """No destination byte written twice; no range reading bytes another range writes in the same buffer."""
+def _check_overlaps(layout: Layout, direction: Direction, r: Ranges, d: np.ndarray, within_regions_only: bool) -> None:
+    """No destination byte written twice; no range reading bytes another range writes in the same buffer.
+
+    Ranges arrive sorted by (dst buffer, dst offset), so one pass over neighbours finds any overlap. When
+    the layout keeps regions' destination extents apart, only repeated destination ids can overlap, and
+    those were checked in id space (``within_regions_only``).
+    """
+    shared = layout.info.shared_buffers(direction)
+    if within_regions_only and not shared:
+        return
+    r = _dense_all(r)
     db, do, nb = r["dst_buf"], r["dst_offset"], r["nbytes"]
     bad = np.flatnonzero((db[1:] == db[:-1]) & (do[:-1] + nb[:-1] > do[1:]))
     if bad.size:
         _explain_dst_overlap(layout, r, int(bad[0]), d)
-    info = layout.info
-    shared = np.intersect1d(info.side[direction.src_side]["buf"], info.side[direction.dst_side]["buf"])
-    for b in shared.tolist():
+    for b in shared:
         sm = r["src_buf"] == b
         ss, se = r["src_offset"][sm], r["src_offset"][sm] + nb[sm]
         dm = np.flatnonzero(db == b)
@@ -102,15 +115,16 @@ def _check_overlaps(layout: Layout, direction: Direction, r: Ranges, s: np.ndarr
                               f"source bytes of the same transfer")
 
 
-def _explain_dst_overlap(layout: Layout, r: Ranges, i: int, d: np.ndarray) -> None:
-    """Slow path, only on error: say which ids (or which regions) write the same bytes."""
+def _explain_dst_overlap(layout: Layout, r: Ranges | None, i: int, d: np.ndarray) -> None:
+    """Slow path, only on error: say which ids (or else which regions) write the same bytes."""
+    first: dict[int, int] = {}
+    for j, v in enumerate(d.tolist()):
+        if v in first:
+            raise MappingError("dst_ids", v, f"destination block is written twice (also dst_ids[{first[v]}])", j)
+        first[v] = j
+    if r is None:
+        raise AssertionError("unreachable: an id-space overlap implies a repeated destination id")
     ra, rb = int(r["region"][i]), int(r["region"][i + 1])
-    if ra == rb:
-        first: dict[int, int] = {}
-        for j, v in enumerate(d.tolist()):
-            if v in first:
-                raise MappingError("dst_ids", v, f"destination block is written twice (also dst_ids[{first[v]}])", j)
-            first[v] = j
     name = layout.buffers[int(r["dst_buf"][i])].name
     na, nb_ = layout.regions[ra].name, layout.regions[rb].name
     raise LayoutError(f"regions[{rb}]", nb_, f"writes bytes at offset {int(r['dst_offset'][i + 1])} of buffer {name!r} "
@@ -121,10 +135,17 @@ def _explain_dst_overlap(layout: Layout, r: Ranges, i: int, d: np.ndarray) -> No
 def _attributes(layout: Layout, direction: Direction, target: Target,
                 options: PlanOptions) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:
     """The attribute table and each region's entry in it (location hints follow the region's buffers)."""
+    key = ("attrs", direction.value, target.flags(options.prefer_overlap_with_compute))
+    memo = layout.info.memo
+    if key not in memo:
+        memo[key] = _attribute_table(layout, direction, key[2])
+    return memo[key]
+
+
+def _attribute_table(layout: Layout, direction: Direction, flags: int) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:
     order = AccessOrder.ANY if direction is Direction.H2D else AccessOrder.STREAM
-    flags = target.flags(options.prefer_overlap_with_compute)
     table: dict[CopyAttributes, int] = {}
-    idx = np.zeros(max(len(layout.regions), 1), dtype=np.int64)
+    idx = np.zeros(max(len(layout.regions), 1), dtype=np.uint16)
     for i, reg in enumerate(layout.regions):
         hints = []
         for side in (direction.src_side, direction.dst_side):
@@ -132,6 +153,7 @@ def _attributes(layout: Layout, direction: Direction, target: Target,
             hints.append(LocationHint(location=b.location, id=b.device if b.location is Location.DEVICE else 0))
         a = CopyAttributes(src_access_order=order, src_location=hints[0], dst_location=hints[1], flags=flags)
         idx[i] = table.setdefault(a, len(table))
+    idx.flags.writeable = False
     return tuple(table), idx
 
 
@@ -139,79 +161,99 @@ def _attributes(layout: Layout, direction: Direction, target: Target,
 def _id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs (src id, dst id, length) where both ids advance by one, sorted by dst id.
 
-    Sorting by (dst - src, dst) puts every run's members next to each other whatever the input order;
-    ascending and descending inputs are recognised in O(n) and not sorted.
+    Destination ids are distinct (repeats are rejected later), so the only possible successor of a pair
+    (s, d) is the pair with destination d+1, which sits right after it in destination order. Ascending and
+    descending destinations are recognised in O(n) and not sorted.
     """
-    n = len(s)
+    o = _order_by(d)
+    s, d = s[o], d[o]
     if not coalesce:
-        o = _order_by(d)
-        return s[o], d[o], np.ones(n, dtype=np.int64)
-    diag = d - s
-    same = diag[1:] == diag[:-1]
-    if np.all((diag[1:] > diag[:-1]) | (same & (d[1:] >= d[:-1]))):
-        o = None
-    elif np.all((diag[1:] < diag[:-1]) | (same & (d[1:] <= d[:-1]))):
-        o = slice(None, None, -1)
-    else:
-        o = np.lexsort((d, diag))
-    if o is not None:
-        s, d, diag = s[o], d[o], diag[o]
-    brk = (diag[1:] != diag[:-1]) | (d[1:] != d[:-1] + 1)
+        return s, d, np.ones(len(s), dtype=np.int64)
+    brk = (d[1:] != d[:-1] + 1) | (s[1:] != s[:-1] + 1)
     starts = np.flatnonzero(np.concatenate(([True], brk)))
-    length = np.diff(np.append(starts, n))
-    rs, rd = s[starts], d[starts]
-    o = _order_by(rd)
-    return rs[o], rd[o], length[o]
+    return s[starts], d[starts], np.diff(np.append(starts, len(s)))
 
 
 def _order_by(x: np.ndarray) -> slice | np.ndarray:
-    if len(x) < 2 or np.all(x[1:] >= x[:-1]):
+    """Indices that sort ``x`` (stable); a slice when it is already ascending or strictly descending."""
+    if len(x) < 2:
         return slice(None)
+    step = x[1:] - x[:-1]
+    if np.all(step >= 0):
+        return slice(None)
+    if np.all(step < 0):
+        return slice(None, None, -1)
     return np.argsort(x, kind="stable")
 
 
 def _expand(info: LayoutInfo, direction: Direction, regs: np.ndarray, rs: np.ndarray, rd: np.ndarray,
             rl: np.ndarray) -> Ranges:
-    """Every id run in every region of ``regs`` as a byte range, region-major."""
+    """Every id run in every region of ``regs`` as a byte range, region-major.
+
+    Columns constant within a region stay run-length encoded (one run per region). Offsets are computed
+    one region row at a time so the multiply and the add both stay in cache.
+    """
     S, D = info.side[direction.src_side], info.side[direction.dst_side]
     k = len(rs)
-    so = np.multiply.outer(S["stride"][regs], rs)
-    so += S["base"][regs][:, None]
-    do = np.multiply.outer(D["stride"][regs], rd)
-    do += D["base"][regs][:, None]
-    return {"src_buf": np.repeat(S["buf"][regs].astype(np.int64), k), "src_offset": so.ravel(),
-            "dst_buf": np.repeat(D["buf"][regs].astype(np.int64), k), "dst_offset": do.ravel(),
-            "nbytes": np.multiply.outer(info.page[regs], rl).ravel(), "region": np.repeat(regs.astype(np.int64), k)}
+    if k < ROW_WISE_MIN:
+        so = np.multiply.outer(S["stride"][regs], rs)
+        so += S["base"][regs][:, None]
+        do = np.multiply.outer(D["stride"][regs], rd)
+        do += D["base"][regs][:, None]
+    else:
+        so, do = np.empty((len(regs), k), dtype=np.int64), np.empty((len(regs), k), dtype=np.int64)
+        for i, r in enumerate(regs.tolist()):  # a loop over regions, not descriptors
+            np.multiply(rs, S["stride"][r], out=so[i])
+            so[i] += S["base"][r]
+            np.multiply(rd, D["stride"][r], out=do[i])
+            do[i] += D["base"][r]
+    lengths = np.full(len(regs), k, dtype=np.int64)
+    uniform = k == 0 or bool(np.all(rl == rl[0]))
+    nbytes = Runs(info.page[regs] * (rl[0] if k else 0), lengths) if uniform else np.multiply.outer(info.page[regs], rl).ravel()
+    return {"src_buf": Runs(S["buf"][regs], lengths), "src_offset": so.ravel(),
+            "dst_buf": Runs(D["buf"][regs], lengths), "dst_offset": do.ravel(),
+            "nbytes": nbytes, "region": Runs(regs.astype(np.int32), lengths)}
 
 
-def _ranges(info: LayoutInfo, direction: Direction, s: np.ndarray, d: np.ndarray, coalesce: bool) -> Ranges:
+def _ranges(layout: Layout, direction: Direction, s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[Ranges, bool]:
+    """All ranges in canonical order, and whether regions' destination extents are disjoint (no global check needed)."""
+    info = layout.info
     order, disjoint = info.dst_order(direction)
     S, D = info.side[direction.src_side], info.side[direction.dst_side]
-    dense = (S["dense"] & D["dense"])[order]
-    runs = _id_runs(s, d, coalesce) if coalesce and dense.any() else None
-    singles = _id_runs(s, d, False) if not (coalesce and dense.all()) else None
+    merges = (S["dense"] & D["dense"])[order]  # stride == page on both sides: id runs are byte runs
+    runs = _id_runs(s, d, coalesce) if coalesce and merges.any() else None
+    singles = _id_runs(s, d, False) if not (coalesce and merges.all()) else None
+    rd, rl = (runs or singles)[1:]
+    if np.any(rd[:-1] + rl[:-1] > rd[1:]):  # some destination id repeats (id runs sorted by destination)
+        _explain_dst_overlap(layout, None, 0, d)
     if runs is not None and singles is None:
         r = _expand(info, direction, order, *runs)
     elif runs is None:
         r = _expand(info, direction, order, *singles)
     else:  # mixed: regions keep their destination order
-        parts = [_expand(info, direction, order[i:i + 1], *(runs if dense[i] else singles)) for i in range(len(order))]
-        r = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        parts = [_expand(info, direction, order[i:i + 1], *(runs if merges[i] else singles)) for i in range(len(order))]
+        r = {k: np.concatenate([dense(p[k]) for p in parts]) for k in parts[0]}
     linked = info.linked_regions(direction) if coalesce else None
     if linked is not None and linked.any():
+        r = _dense_all(r)
         m = linked[r["region"]]
         merged = _merge(_take(r, m))
         r = {k: np.concatenate((r[k][~m], merged[k])) for k in r}
         disjoint = False
     if not disjoint:
+        r = _dense_all(r)
         db, do = r["dst_buf"], r["dst_offset"]
         if not np.all((db[1:] > db[:-1]) | ((db[1:] == db[:-1]) & (do[1:] >= do[:-1]))):
             r = _take(r, np.lexsort((do, db)))
-    return r
+    return r, disjoint
 
 
 def _take(r: Ranges, sel: Any) -> Ranges:
-    return {k: v[sel] for k, v in r.items()}
+    return {k: dense(v)[sel] for k, v in r.items()}
+
+
+def _dense_all(r: Ranges) -> Ranges:
+    return {k: dense(v) for k, v in r.items()}
 
 
 def _merge(r: Ranges) -> Ranges:
@@ -238,8 +280,10 @@ def _merge(r: Ranges) -> Ranges:
 
 def _split_large(r: Ranges, cap: int | None) -> Ranges:
     """Cut ranges longer than ``cap`` bytes into cap-sized pieces plus a remainder, in place order."""
-    if cap is None or len(r["nbytes"]) == 0 or int(r["nbytes"].max()) <= cap:
+    nb = r["nbytes"]
+    if cap is None or len(nb) == 0 or int((nb.values if isinstance(nb, Runs) else nb).max()) <= cap:
         return r
+    r = _dense_all(r)
     pieces = -(-r["nbytes"] // cap)
     idx = np.repeat(np.arange(len(pieces)), pieces)
     first = np.cumsum(pieces) - pieces

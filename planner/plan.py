@@ -22,6 +22,25 @@ COLUMNS: dict[str, np.dtype] = {
 }
 
 
+class Runs:
+    """A run-length encoded column: ``values[i]`` repeated ``lengths[i]`` times. Dense on first access."""
+
+    __slots__ = ("values", "lengths")
+
+    def __init__(self, values: np.ndarray, lengths: np.ndarray):
+        self.values, self.lengths = np.asarray(values), np.asarray(lengths, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.lengths.sum())
+
+    def dense(self, dtype: Any = None) -> np.ndarray:
+        return np.repeat(self.values if dtype is None else self.values.astype(dtype), self.lengths)
+
+
+def dense(col: np.ndarray | Runs, dtype: Any = None) -> np.ndarray:
+    return col.dense(dtype) if isinstance(col, Runs) else col
+
+
 class LocationHint(Spec):
     """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
 
@@ -65,11 +84,11 @@ class TransferPlan:
     """
 
     __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "attrs", "passes_attrs",
-                 "requested_copies", "call_offsets", *COLUMNS, "_fingerprint")
+                 "requested_copies", "call_offsets", "_store", "_fingerprint")
 
     def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
-                 call_offsets: np.ndarray, columns: dict[str, np.ndarray], passes_attrs: bool | None = None,
+                 call_offsets: np.ndarray, columns: dict[str, np.ndarray | Runs], passes_attrs: bool | None = None,
                  api: CopyApi | None = None):
         set_ = object.__setattr__
         set_(self, "direction", Direction(direction))
@@ -82,13 +101,20 @@ class TransferPlan:
         set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
         set_(self, "requested_copies", int(requested_copies))
         n = None
+        store: dict[str, np.ndarray | Runs] = {}
         for name, dtype in COLUMNS.items():
-            col = np.ascontiguousarray(columns[name], dtype=dtype)
+            col = columns[name]
+            if isinstance(col, Runs):  # kept run-length encoded until first read (columns constant per region)
+                col = Runs(col.values.astype(dtype), col.lengths)
+                col.values.flags.writeable = col.lengths.flags.writeable = False
+            else:
+                col = np.ascontiguousarray(col, dtype=dtype)
+                col.flags.writeable = False
             if n is not None and len(col) != n:
                 raise PlanError(name, len(col), f"column length differs from {n}")
             n = len(col)
-            col.flags.writeable = False
-            set_(self, name, col)
+            store[name] = col
+        set_(self, "_store", store)
         co = np.ascontiguousarray(call_offsets, dtype=np.int64)
         if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or np.any(np.diff(co) <= 0):
             raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
@@ -102,10 +128,29 @@ class TransferPlan:
     def __delattr__(self, name: str) -> None:
         raise AttributeError("TransferPlan is immutable")
 
+    def _column(self, name: str) -> np.ndarray:
+        col = self._store[name]
+        if isinstance(col, Runs):
+            col = col.dense()
+            col.flags.writeable = False
+            self._store[name] = col
+        return col
+
+    def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(values, lengths) of a column's runs of equal values, without expanding run-length columns."""
+        col = self._store[name]
+        if isinstance(col, Runs):
+            keep = col.lengths > 0
+            return col.values[keep], col.lengths[keep]
+        if len(col) == 0:
+            return col, np.zeros(0, dtype=np.int64)
+        starts = np.flatnonzero(np.concatenate(([True], col[1:] != col[:-1])))
+        return col[starts], np.diff(np.append(starts, len(col)))
+
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def num_ranges(self) -> int:
-        return len(self.nbytes)
+        return len(self._store["nbytes"])
 
     @property
     def num_calls(self) -> int:
@@ -117,7 +162,8 @@ class TransferPlan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.nbytes.sum(dtype=np.uint64))
+        values, lengths = self.column_runs("nbytes")
+        return int((values * lengths.astype(np.uint64)).sum(dtype=np.uint64))
 
     def calls(self) -> Iterator[slice]:
         for i in range(self.num_calls):
@@ -247,3 +293,9 @@ class TransferPlan:
     def load(cls, path: str | Path) -> TransferPlan:
         path = Path(path)
         return cls.from_npz_bytes(path.read_bytes()) if path.suffix == ".npz" else cls.from_json(path.read_text())
+
+
+for _name in COLUMNS:
+    setattr(TransferPlan, _name, property(lambda self, _n=_name: self._column(_n),
+                                          doc=f"Read-only column ``{_name}`` ({COLUMNS[_name]}), one entry per range."))
+del _name

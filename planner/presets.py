@@ -67,7 +67,9 @@ def block_pattern(pattern: str, n: int, num_blocks: int, seed: int = 0) -> tuple
         k = 4
         per = -(-n // k)
         s = (np.arange(k)[:, None] * (per + 1) + np.arange(per)).T.ravel()[:n]
-        d = (np.arange(k)[:, None] * (per + 3) + np.arange(per) + 1).T.ravel()[:n]
+        d = (np.arange(k)[:, None] * (per + 2) + np.arange(per) + 1).T.ravel()[:n]
+        if max(s.max(), d.max()) >= num_blocks:
+            raise ValueError(f"num_blocks = {num_blocks}: too few for {n} interleaved pairs (need {max(s.max(), d.max()) + 1})")
         return s, d
     raise ValueError(f"pattern = {pattern!r}: unknown (known: {', '.join(PATTERNS)})")
 

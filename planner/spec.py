@@ -136,6 +136,15 @@ class LayoutInfo:
             self.side[side] = cols
         self._links: dict[str, np.ndarray] = {}
         self._disjoint: dict[str, bool] = {}
+        self.memo: dict[tuple, object] = {}  # other per-layout results, keyed by their caller
+
+    def shared_buffers(self, direction: Direction) -> tuple[int, ...]:
+        """Buffers that some region reads and some region writes in this direction (rare; needs overlap checks)."""
+        key = ("shared", direction.value)
+        if key not in self.memo:
+            both = np.intersect1d(self.side[direction.src_side]["buf"], self.side[direction.dst_side]["buf"])
+            self.memo[key] = tuple(both.tolist())
+        return self.memo[key]
 
     def linked_regions(self, direction: Direction) -> np.ndarray:
         """Boolean mask of regions whose ranges might merge with another region's (same buffers, touching extents on both sides)."""

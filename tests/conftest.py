@@ -9,7 +9,7 @@ try:
     from hypothesis import HealthCheck, settings
 
     settings.register_profile("dev", max_examples=200, deadline=None)
-    settings.register_profile("ci", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("long", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 except ImportError:  # hypothesis is in the dev extra
