@@ -40,9 +40,17 @@ def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | An
     direction = mapping.direction
     src_side, dst_side = info.side[direction.src_side], info.side[direction.dst_side]
     s, d = mapping.src_ids, mapping.dst_ids
+    attrs, region_attr = _attributes(layout, direction, target, options)
+    cap = options.descriptor_cap(target)
+    extended = (not info.plain or not mapping.plain or options.regions_per_call is not None
+                or (direction is Direction.D2H and options.num_writers > 1))
+    if extended:
+        from .layouts import plan_extended  # sub-block chunks, groups, fragments, writer rotation, layer-wise calls
+
+        ranges, requested, call_offsets = plan_extended(layout, mapping, options, cap)
+        return _finish(layout, direction, target, options, attrs, region_attr, ranges, requested, call_offsets)
     _check_ids(layout, s, src_side, "src_ids", direction.src_side)
     _check_ids(layout, d, dst_side, "dst_ids", direction.dst_side)
-    attrs, region_attr = _attributes(layout, direction, target, options)
 
     if len(s) == 0 or info.nregions == 0:
         ranges = {k: np.zeros(0, dtype=np.int64) for k in ("src_offset", "dst_offset", "nbytes")}
@@ -51,9 +59,13 @@ def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | An
         ranges, disjoint = _ranges(layout, direction, s, d, options.coalesce)
         _check_overlaps(layout, direction, ranges, d, within_regions_only=disjoint)
     ranges = _split_large(ranges, options.max_range_bytes)
-    cap = options.descriptor_cap(target)
     n = len(ranges["nbytes"])
     call_offsets = np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
+    return _finish(layout, direction, target, options, attrs, region_attr, ranges, len(s) * info.nregions, call_offsets)
+
+
+def _finish(layout: Layout, direction: Direction, target: Target, options: PlanOptions, attrs: tuple,
+            region_attr: np.ndarray, ranges: Ranges, requested: int, call_offsets: np.ndarray) -> TransferPlan:
     reg = ranges["region"]
     ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
     for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
@@ -61,7 +73,7 @@ def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | An
             ranges[k] = ranges[k].view(np.uint64)
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
                         regions=tuple(r.name for r in layout.regions), attrs=attrs,
-                        requested_copies=len(s) * info.nregions, call_offsets=call_offsets, columns=ranges)
+                        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
 
 
 # ---- validation -------------------------------------------------------------------------------------------
@@ -256,22 +268,23 @@ def _dense_all(r: Ranges) -> Ranges:
     return {k: dense(v) for k, v in r.items()}
 
 
-def _merge(r: Ranges) -> Ranges:
+def _merge(r: Ranges, key: np.ndarray | None = None) -> Ranges:
     """General maximal merge of byte ranges: same buffers, contiguous on both sides.
 
-    Two ranges chain only if they share (src buffer, dst buffer, dst - src); within that class the
+    Two ranges chain only if they share (``key``, src buffer, dst buffer, dst - src); within that class the
     destinations are disjoint, so each range has at most one successor and sorting by destination
     offset finds every chain. Region of a merged range = region of its first byte.
     """
     if len(r["nbytes"]) < 2:
         return r
     diag = r["dst_offset"] - r["src_offset"]
-    o = np.lexsort((r["dst_offset"], diag, r["dst_buf"], r["src_buf"]))
+    key = np.zeros(len(diag), dtype=np.int64) if key is None else key
+    o = np.lexsort((r["dst_offset"], diag, r["dst_buf"], r["src_buf"], key))
     r = _take(r, o)
-    diag = diag[o]
+    diag, key = diag[o], key[o]
     do, nb = r["dst_offset"], r["nbytes"]
     link = ((r["src_buf"][1:] == r["src_buf"][:-1]) & (r["dst_buf"][1:] == r["dst_buf"][:-1])
-            & (diag[1:] == diag[:-1]) & (do[:-1] + nb[:-1] == do[1:]))
+            & (diag[1:] == diag[:-1]) & (do[:-1] + nb[:-1] == do[1:]) & (key[1:] == key[:-1]))
     starts = np.flatnonzero(np.concatenate(([True], ~link)))
     out = _take(r, starts)
     out["nbytes"] = np.add.reduceat(nb, starts)

@@ -44,36 +44,88 @@ class Buffer(Spec):
 
 
 class Placement(Spec):
-    """Where a region's block 0 sits in a buffer, and the distance between consecutive blocks."""
+    """Where a region's block 0 sits in a buffer, and the distance between consecutive blocks.
+
+    With ``blocks_per_chunk`` k > 1 the ids on this side are chunk ids: chunk c holds k pages back to back
+    at ``byte_offset + c * stride_bytes`` (stride defaults to k pages; a larger stride means padded rows).
+    """
 
     _error: ClassVar = LayoutError
     buffer: str = Field(min_length=1)
     byte_offset: int = Field(default=0, ge=0)
     stride_bytes: int | None = Field(default=None, gt=0)
+    blocks_per_chunk: int = Field(default=1, ge=1)
+
+
+class Fragment(Spec):
+    """A run of ``count`` pieces of ``fragment_bytes``: piece i sits at ``local_offset + i*local_stride`` in the
+    device (local, per-rank) page and at ``canonical_offset + i*canonical_stride`` in the host (canonical) page."""
+
+    _error: ClassVar = LayoutError
+    local_offset: int = Field(ge=0)
+    local_stride: int = Field(ge=0)
+    canonical_offset: int = Field(ge=0)
+    canonical_stride: int = Field(ge=0)
+    fragment_bytes: int = Field(gt=0)
+    count: int = Field(default=1, ge=1)
 
 
 class Region(Spec):
-    """One KV tensor: every block is page_bytes, placed once on the device side and once on the host side."""
+    """One KV tensor: every block is page_bytes, placed once on the device side and once on the host side.
+
+    ``host_page_bytes`` (default page_bytes) is the host (canonical) page size; when it differs, or when a
+    rank's page is a slice of the canonical page, ``fragments`` say which bytes correspond. ``group`` is the
+    region's KV-cache group (hybrid models), which consumes its own slice of the mapping's id lists.
+    """
 
     _error: ClassVar = LayoutError
     name: str = Field(min_length=1)
     page_bytes: int = Field(gt=0)
     device: Placement
     host: Placement
+    host_page_bytes: int | None = Field(default=None, gt=0)
+    fragments: tuple[Fragment, ...] = ()
+    group: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _strides(self) -> Region:
         for side in ("device", "host"):
             p: Placement = getattr(self, side)
-            if p.byte_offset + self.page_bytes > U64:
-                raise LayoutError(f"{side}.byte_offset", p.byte_offset, f"block 0 ends past 2^64 (page_bytes {self.page_bytes})")
-            if p.stride_bytes is not None and p.stride_bytes < self.page_bytes:
-                raise LayoutError(f"{side}.stride_bytes", p.stride_bytes, f"stride is smaller than page_bytes {self.page_bytes}")
+            page = self.side_page(side)
+            if p.byte_offset + page > U64:
+                raise LayoutError(f"{side}.byte_offset", p.byte_offset, f"block 0 ends past 2^64 (page_bytes {page})")
+            row = page * p.blocks_per_chunk
+            if p.stride_bytes is not None and p.stride_bytes < row:
+                what = "page_bytes" if p.blocks_per_chunk == 1 else f"blocks_per_chunk x page_bytes ({p.blocks_per_chunk} x {page})"
+                raise LayoutError(f"{side}.stride_bytes", p.stride_bytes, f"stride is smaller than {what} {row}")
+        if not self.fragments and self.side_page("host") != self.page_bytes:
+            raise LayoutError("host_page_bytes", self.host_page_bytes,
+                              f"differs from page_bytes {self.page_bytes}; fragments must say which bytes correspond")
+        for side, off, stride, page in (("local", "local_offset", "local_stride", self.page_bytes),
+                                        ("canonical", "canonical_offset", "canonical_stride", self.side_page("host"))):
+            spans = []
+            for j, f in enumerate(self.fragments):
+                start, step = getattr(f, off), getattr(f, stride)
+                end = start + (f.count - 1) * step + f.fragment_bytes
+                if end > page:
+                    raise LayoutError(f"fragments[{j}].{off}", start, f"{side} fragments end at byte {end}, past the "
+                                      f"{side} page of {page} bytes")
+                if f.count > 1 and step < f.fragment_bytes:
+                    raise LayoutError(f"fragments[{j}].{stride}", step, f"pieces of {f.fragment_bytes} bytes overlap")
+                spans += [(start + i * step, start + i * step + f.fragment_bytes, j) for i in range(f.count)]
+            spans.sort()
+            for (a0, a1, ja), (b0, _, jb) in zip(spans, spans[1:]):
+                if b0 < a1:
+                    raise LayoutError(f"fragments[{jb}].{off}", b0, f"{side} bytes [{b0}, {a1}) overlap fragments[{ja}]")
         return self
+
+    def side_page(self, side: str) -> int:
+        """Page size on ``side``: page_bytes on the device, host_page_bytes (default page_bytes) on the host."""
+        return self.host_page_bytes or self.page_bytes if side == "host" else self.page_bytes
 
     def stride(self, side: str) -> int:
         p: Placement = getattr(self, side)
-        return self.page_bytes if p.stride_bytes is None else p.stride_bytes
+        return self.side_page(side) * p.blocks_per_chunk if p.stride_bytes is None else p.stride_bytes
 
 
 class Layout(Spec):
@@ -100,10 +152,11 @@ class Layout(Spec):
                 if p.buffer not in seen:
                     raise LayoutError(f"regions[{i}].{side}.buffer", p.buffer, f"unknown buffer (known: {sorted(seen)})")
                 b = self.buffers[seen[p.buffer]]
-                if p.byte_offset + r.page_bytes > b.nbytes:
+                page = r.side_page(side)
+                if p.byte_offset + page > b.nbytes:
                     raise LayoutError(
                         f"regions[{i}].{side}.byte_offset", p.byte_offset,
-                        f"block 0 of {r.page_bytes} bytes runs past buffer {b.name!r} of {b.nbytes} bytes")
+                        f"block 0 of {page} bytes runs past buffer {b.name!r} of {b.nbytes} bytes")
         return self
 
     @functools.cached_property
@@ -123,14 +176,21 @@ class LayoutInfo:
         self.nregions = len(regs)
         self.page = np.array([r.page_bytes for r in regs], dtype=np.int64)
         self.side: dict[str, dict[str, np.ndarray]] = {}
+        self.group = np.array([r.group for r in regs], dtype=np.int64)
+        self.num_groups = int(self.group.max()) + 1 if regs else 1
+        # plain: one group, k == 1, no fragments -- the fast path in coalesce.py applies
+        self.plain = self.num_groups == 1 and all(
+            not r.fragments and r.device.blocks_per_chunk == 1 and r.host.blocks_per_chunk == 1 for r in regs)
         for side in ("device", "host"):
             buf = np.array([self.buffer_index[getattr(r, side).buffer] for r in regs], dtype=np.int32)
             base = np.array([getattr(r, side).byte_offset for r in regs], dtype=np.int64)
             stride = np.array([r.stride(side) for r in regs], dtype=np.int64)
+            page = np.array([r.side_page(side) for r in regs], dtype=np.int64)
+            k = np.array([getattr(r, side).blocks_per_chunk for r in regs], dtype=np.int64)
             cap = np.array([layout.buffers[i].nbytes for i in buf], dtype=np.int64)
-            max_id = (cap - base - self.page) // stride  # last block that fits; >= 0 by validation
-            cols = dict(buf=buf, base=base, stride=stride, max_id=max_id,
-                        end=base + max_id * stride + self.page, dense=stride == self.page)
+            max_id = (cap - base - page * k) // stride  # last chunk (block when k == 1) that fits whole
+            cols = dict(buf=buf, base=base, stride=stride, max_id=max_id, page=page, k=k, cap=cap,
+                        end=base + np.maximum(max_id, 0) * stride + page * k, dense=stride == page * k)
             for a in cols.values():
                 a.flags.writeable = False
             self.side[side] = cols
@@ -213,6 +273,16 @@ class BlockMapping(Spec):
     direction: Direction
     src_ids: np.ndarray
     dst_ids: np.ndarray
+    group_sizes: tuple[int, ...] | None = None
+    group_starts: tuple[int, ...] | None = None
+
+    @field_validator("group_sizes", "group_starts")
+    @classmethod
+    def _non_negative(cls, v: tuple[int, ...] | None, info: Any) -> tuple[int, ...] | None:
+        for i, x in enumerate(v or ()):
+            if x < 0:
+                raise MappingError(info.field_name, x, "must be non-negative", i)
+        return v
 
     @field_validator("src_ids", "dst_ids", mode="plain")
     @classmethod
@@ -221,13 +291,23 @@ class BlockMapping(Spec):
 
     @model_validator(mode="after")
     def _lengths(self) -> BlockMapping:
-        if len(self.src_ids) != len(self.dst_ids):
+        if self.group_starts is not None and self.group_sizes is None:
+            raise MappingError("group_starts", self.group_starts, "needs group_sizes")
+        if self.group_starts is not None and len(self.group_starts) != len(self.group_sizes or ()):
+            raise MappingError("group_starts", f"length {len(self.group_starts)}",
+                               f"group_sizes has {len(self.group_sizes or ())} groups")
+        if self.group_sizes is None and len(self.src_ids) != len(self.dst_ids):
             raise MappingError("dst_ids", f"length {len(self.dst_ids)}",
                                f"src_ids has {len(self.src_ids)} ids; the lists must have equal length")
         return self
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips
-        return {"direction": self.direction.value, "src_ids": self.src_ids.tolist(), "dst_ids": self.dst_ids.tolist()}
+        d = {"direction": self.direction.value, "src_ids": self.src_ids.tolist(), "dst_ids": self.dst_ids.tolist()}
+        if self.group_sizes is not None:
+            d["group_sizes"] = list(self.group_sizes)
+        if self.group_starts is not None:
+            d["group_starts"] = list(self.group_starts)
+        return d
 
     def model_dump_json(self, **kw: Any) -> str:
         import json
@@ -235,10 +315,16 @@ class BlockMapping(Spec):
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, BlockMapping) and self.direction == other.direction
+                and self.group_sizes == other.group_sizes and self.group_starts == other.group_starts
                 and np.array_equal(self.src_ids, other.src_ids) and np.array_equal(self.dst_ids, other.dst_ids))
 
     def __hash__(self) -> int:
-        return hash((self.direction, self.src_ids.tobytes(), self.dst_ids.tobytes()))
+        return hash((self.direction, self.src_ids.tobytes(), self.dst_ids.tobytes(), self.group_sizes, self.group_starts))
 
     def __len__(self) -> int:
-        return len(self.src_ids)
+        return len(self.src_ids) if self.group_sizes is None else sum(self.group_sizes)
+
+    @property
+    def plain(self) -> bool:
+        """One group starting at a chunk boundary: ids pair up one to one."""
+        return self.group_sizes is None or (len(self.group_sizes) == 1 and not any(self.group_starts or ()))

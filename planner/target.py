@@ -4,7 +4,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ._model import Spec
 from .errors import TargetError
@@ -121,13 +121,30 @@ class Target(Spec):
 
 
 class PlanOptions(Spec):
-    """How to plan: merging, call size cap (None = target default, 0 = unlimited), range size cap, CUDA flags."""
+    """How to plan.
+
+    coalesce: merge byte-contiguous copies. max_descriptors: call size cap (None = target default, 0 =
+    unlimited). max_range_bytes: split longer ranges. prefer_overlap_with_compute: the CUDA/HIP flag.
+    num_writers / writer_index: on stores of replicated data, write only canonical pages with
+    page % num_writers == writer_index (loads read everything). regions_per_call: cut calls at region
+    boundaries (one call per N regions, e.g. per layer) so completion can be reported per layer; merging
+    then stays inside a call.
+    """
 
     _error: ClassVar = TargetError
     coalesce: bool = True
     max_descriptors: int | None = Field(default=None, ge=0)
     max_range_bytes: int | None = Field(default=None, gt=0)
     prefer_overlap_with_compute: bool = False
+    num_writers: int = Field(default=1, ge=1)
+    writer_index: int = Field(default=0, ge=0)
+    regions_per_call: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _writer(self) -> PlanOptions:
+        if self.writer_index >= self.num_writers:
+            raise TargetError("writer_index", self.writer_index, f"must be below num_writers {self.num_writers}")
+        return self
 
     def descriptor_cap(self, target: Target) -> int | None:
         cap = target.default_max_descriptors if self.max_descriptors is None else self.max_descriptors
