@@ -163,6 +163,14 @@ class Layout(Spec):
     def info(self) -> LayoutInfo:
         return LayoutInfo(self)
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Layout:
+        """A copy, validated again when ``update`` changes fields (derived arrays are rebuilt, never shared)."""
+        if update:
+            return type(self).model_validate(self.model_dump() | update)
+        copy = super().model_copy(deep=deep)
+        copy.__dict__.pop("info", None)
+        return copy
+
     def buffer_index(self, name: str) -> int:
         return self.info.buffer_index[name]
 
