@@ -1,0 +1,110 @@
+"""Layouts from torch tensors, and bindings for the plans made from them.
+
+Views of one allocation become one buffer with byte offsets, so neighbouring layer views can merge
+across regions. A K/V outer dimension (shape[0] == 2) can be split into two regions.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kvxfer.planner import Buffer, Layout, LayoutError, Location, Placement, Region
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"building layouts from tensors needs torch: pip install 'kvxfer[torch]' ({e})") from None
+    return torch
+
+
+class _Buffers:
+    """Storages seen so far on one side, each one named buffer."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.by_ptr, self.buffers, self.tensors = prefix, {}, [], {}
+
+    def place(self, t: Any, region: str) -> tuple[str, int]:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.by_ptr:
+            name = f"{self.prefix}.{region}"
+            dev = t.device
+            self.by_ptr[ptr] = name
+            self.buffers.append(Buffer(name=name, nbytes=storage.nbytes(),
+                                       location=Location.HOST if dev.type == "cpu" else Location.DEVICE,
+                                       device=dev.index or 0))
+            self.tensors[name] = t
+        return self.by_ptr[ptr], t.data_ptr() - ptr
+
+
+def _page(t: Any, field: str) -> tuple[int, int]:
+    """(page bytes, block stride bytes) of a [blocks, ...] tensor whose page dims are row-major contiguous."""
+    if t.dim() < 1:
+        raise LayoutError(field, "0-d tensor", "needs a block dimension")
+    elt = t.element_size()
+    expect = 1
+    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
+        if size != 1 and stride != expect:
+            raise LayoutError(field, f"shape {tuple(t.shape)} stride {tuple(t.stride())}",
+                              "the dimensions inside a block are not row-major contiguous, so a page is not one byte range")
+        expect *= size
+    page = expect * elt
+    stride = t.stride(0) * elt if t.shape[0] > 1 else page
+    if stride < page:
+        raise LayoutError(field, f"stride {tuple(t.stride())}", f"blocks overlap: block stride {stride} B < page {page} B")
+    return page, stride
+
+
+def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, kv_split: bool = False,
+                        device_type: str | None = None) -> tuple[Layout, dict[str, Any]]:
+    """A Layout and its bindings from per-layer tensors.
+
+    ``device`` and ``host`` map a layer name to a tensor shaped [num_blocks, ...] (or [2, num_blocks, ...]
+    with ``kv_split``, giving regions ``<name>.k`` and ``<name>.v``). Host tensors must be on the CPU; device
+    tensors must be on ``device_type`` when given (CPU tensors are accepted otherwise, for testing).
+    Returns (layout, bindings) where bindings map each buffer name to a tensor over its whole storage.
+    Raises LayoutError naming the layer for mismatched keys, devices, dtypes, page sizes or strides.
+    """
+    torch = _torch()
+    if set(device) != set(host):
+        missing = sorted(set(device) ^ set(host))
+        raise LayoutError("host" if set(device) - set(host) else "device", missing, "layers must match on both sides")
+    dev_bufs, host_bufs = _Buffers("device"), _Buffers("host")
+    regions = []
+    for name in device:
+        d, h = device[name], host[name]
+        for side, t in (("device", d), ("host", h)):
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"{side}[{name!r}]", type(t).__name__, "expected a torch.Tensor")
+        if h.device.type != "cpu":
+            raise LayoutError(f"host[{name!r}]", str(h.device), "host tensors must be in CPU memory")
+        if device_type is not None and d.device.type != device_type:
+            raise LayoutError(f"device[{name!r}]", str(d.device), f"expected a {device_type} tensor")
+        if d.dtype != h.dtype:
+            raise LayoutError(f"host[{name!r}]", str(h.dtype), f"dtype differs from the device tensor's {d.dtype}")
+        parts = [(name, d, h)]
+        if kv_split:
+            for side, t in (("device", d), ("host", h)):
+                if t.dim() < 2 or t.shape[0] != 2:
+                    raise LayoutError(f"{side}[{name!r}]", f"shape {tuple(t.shape)}", "kv_split needs a leading K/V dimension of 2")
+            parts = [(f"{name}.k", d[0], h[0]), (f"{name}.v", d[1], h[1])]
+        for rname, dt, ht in parts:
+            dpage, dstride = _page(dt, f"device[{name!r}]")
+            hpage, hstride = _page(ht, f"host[{name!r}]")
+            if dpage != hpage:
+                raise LayoutError(f"host[{name!r}]", f"{hpage} B pages", f"device pages are {dpage} B")
+            dbuf, doff = dev_bufs.place(dt, rname)
+            hbuf, hoff = host_bufs.place(ht, rname)
+            regions.append(Region(name=rname, page_bytes=dpage,
+                                  device=Placement(buffer=dbuf, byte_offset=doff, stride_bytes=dstride),
+                                  host=Placement(buffer=hbuf, byte_offset=hoff, stride_bytes=hstride)))
+    layout = Layout(buffers=tuple(dev_bufs.buffers + host_bufs.buffers), regions=tuple(regions))
+    bindings = {n: storage_bytes(t) for n, t in (dev_bufs.tensors | host_bufs.tensors).items()}
+    return layout, bindings
+
+
+def storage_bytes(t: Any) -> Any:
+    """A flat uint8 tensor over the whole storage behind ``t`` (no copy)."""
+    torch = _torch()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
