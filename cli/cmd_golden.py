@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("check")
     def check_cmd(folder: Path = typer.Argument(..., help="folder of golden files"),
-                  verbose: bool = typer.Option(False, "--verbose", "-v", help="print the diff of each failure")) -> None:
+                  verbose: bool = typer.Option(False, "--verbose", "-v", help="print each failure's diff")) -> None:
         """Exit 0 when every golden file's case still plans to its stored plan, else 1."""
         from kvxfer.planner import golden
 

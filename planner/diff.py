@@ -22,9 +22,9 @@ DEFAULT_DIFF_ROWS = 40
 _KEY = ("dst_buf", "dst_offset", "src_buf", "src_offset", "nbytes")  # sort priority: destination first
 
 
-def _named(plan: TransferPlan, names: list[str]) -> dict[str, np.ndarray]:
-    """The plan's range geometry with buffer indices replaced by indices into ``names`` (sorted, shared)."""
-    remap = np.searchsorted(np.array(names), np.array([b.name for b in plan.buffers]))
+def _named(plan: TransferPlan, ids: dict[str, int]) -> dict[str, np.ndarray]:
+    """The plan's range geometry with buffer indices replaced by ``ids[buffer name]`` (shared between plans)."""
+    remap = np.array([ids.get(b.name, -1) for b in plan.buffers], dtype=np.int64)
     return {"src_buf": remap[plan.src_buf].astype(np.int64), "src_offset": plan.src_offset,
             "dst_buf": remap[plan.dst_buf].astype(np.int64), "dst_offset": plan.dst_offset, "nbytes": plan.nbytes}
 
@@ -38,7 +38,7 @@ def normalize(plan: TransferPlan) -> tuple[tuple[str, ...], dict[str, np.ndarray
     """
     used = np.union1d(plan.src_buf, plan.dst_buf) if plan.num_ranges else np.zeros(0, np.int32)
     names = sorted({plan.buffers[i].name for i in used.tolist()})
-    r = _named(plan, names)
+    r = _named(plan, {n: i for i, n in enumerate(names)})
     keep = r["nbytes"] > 0
     r = {k: v[keep] for k, v in r.items()}
     idx = np.flatnonzero(keep)
@@ -128,8 +128,10 @@ def summary_line(a: TransferPlan, b: TransferPlan, same_bytes: bool | None) -> s
 def _differing(a: TransferPlan, b: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
     """Ranges present in only one plan (matched on buffer names, offsets and size), in destination order with
     removed before added at the same place: (side 0 = only in a / 1 = only in b, index into that plan)."""
-    names = sorted({x.name for x in a.buffers} | {x.name for x in b.buffers})
-    ka, kb = _named(a, names), _named(b, names)
+    ids: dict[str, int] = {}
+    for buf in a.buffers + b.buffers:  # a's buffer order, then b's new buffers: rows follow the plans' order
+        ids.setdefault(buf.name, len(ids))
+    ka, kb = _named(a, ids), _named(b, ids)
     cols = {k: np.concatenate((ka[k].astype(np.uint64), kb[k].astype(np.uint64))) for k in _KEY}
     side = np.concatenate((np.zeros(a.num_ranges, np.int8), np.ones(b.num_ranges, np.int8)))
     index = np.concatenate((np.arange(a.num_ranges), np.arange(b.num_ranges)))

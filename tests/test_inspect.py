@@ -78,7 +78,8 @@ def test_explain_rejects_bad_max_rows(small):
 
 def test_block_counts_use_each_regions_page_with_a_layout():
     layout = Layout(buffers=(Buffer(name="h", nbytes=1 << 20, location="host"), Buffer(name="d", nbytes=1 << 20)),
-                    regions=(Region(name="k", page_bytes=4096, device=Placement(buffer="d"), host=Placement(buffer="h")),
+                    regions=(Region(name="k", page_bytes=4096, device=Placement(buffer="d"),
+                                    host=Placement(buffer="h")),
                              Region(name="v", page_bytes=1024, device=Placement(buffer="d", byte_offset=1 << 19),
                                     host=Placement(buffer="h", byte_offset=1 << 19))))
     plan = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1], dst_ids=[0, 1]), ROCM716)
@@ -161,7 +162,7 @@ def test_rich_rendering_matches_the_header_and_rows(small):
     console = Console(record=True, width=200)
     console.print(plan)  # __rich__
     out = console.export_text()
-    for key, value in header_rows(plan):
+    for _, value in header_rows(plan):
         assert value in out
     assert "gpu.kv1:16384" in out and "cpu:102400" in out
     console = Console(record=True, width=200)
@@ -176,7 +177,7 @@ def test_stats_agree_with_a_loop_over_ranges():
     assert json.loads(json.dumps(s)) is not None  # JSON-ready
     per_region: dict[str, list[int]] = {}
     per_call: list[int] = []
-    for c, sl in enumerate(plan.calls()):
+    for sl in plan.calls():
         per_call.append(sum(int(x) for x in plan.nbytes[sl]))
     for i in range(plan.num_ranges):
         e = per_region.setdefault(plan.regions[plan.region[i]], [0, 0])
@@ -216,3 +217,13 @@ def test_stats_frames():
     assert np.array_equal(ranges["nbytes"].to_numpy(), plan.nbytes) and set(ranges["blocks"]) == {8.0}
     with pytest.raises(PlanError, match="by"):
         stats_frame(plan, "nope")
+
+
+def test_views_import_no_heavy_or_device_modules():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvxfer.planner.inspect, kvxfer.planner.diff, kvxfer.planner.golden, kvxfer.planner.viz; "
+            "print(sorted(m for m in ('pandas', 'matplotlib', 'rich', 'torch', 'pytest', 'cuda') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
