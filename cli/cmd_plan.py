@@ -1,9 +1,49 @@
-"""kvxfer plan (placeholder until implemented)."""
+"""kvxfer plan CASE: plan a case file and show it (summary, explain, JSON, stats, HTML, transfer map)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Optional
 
-def register(app) -> None:
+import typer
+
+from ._inputs import read_plan
+
+
+def register(app: typer.Typer) -> None:
     @app.command("plan")
-    def _cmd() -> None:
-        """Not implemented yet."""
-        raise SystemExit("kvxfer plan: not implemented yet")
+    def plan_cmd(
+        case: Path = typer.Argument(..., help="case file (kvxfer schema), plan file (.json/.npz) or golden file"),
+        as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+        explain: bool = typer.Option(False, "--explain", help="print the fixed-width explain() text"),
+        stats: bool = typer.Option(False, "--stats", help="print statistics as JSON"),
+        full: bool = typer.Option(False, "--full", help="show every range (no elision)"),
+        max_rows: int = typer.Option(20, "--max-rows", help="ranges shown before eliding the middle"),
+        html: Optional[Path] = typer.Option(None, "--html", help="write the HTML view to this file"),
+        png: Optional[Path] = typer.Option(None, "--png", help="write the transfer map (needs kvxfer[viz])"),
+    ) -> None:
+        """Plan CASE and print a summary (or --explain, --json, --stats); --html/--png write files."""
+        from rich.console import Console
+
+        from kvxfer.planner.inspect import stats as plan_stats
+        from kvxfer.planner.inspect import to_html, to_rich
+
+        c, plan = read_plan(case)
+        layout = c.layout if c is not None else None
+        rows = None if full else max_rows
+        if as_json:
+            typer.echo(plan.to_json(indent=1))
+        elif explain:
+            typer.echo(plan.explain(max_rows=rows, layout=layout), nl=False)
+        elif stats:
+            typer.echo(json.dumps(plan_stats(plan, layout), indent=1))
+        elif html is None and png is None:
+            Console(highlight=False).print(to_rich(plan, ranges=False, layout=layout))
+        if html is not None:
+            page = f"<!doctype html>\n<meta charset=\"utf-8\">\n<title>{case.name}</title>\n"
+            html.write_text(page + to_html(plan, max_rows=rows, layout=layout) + "\n")
+            typer.echo(f"wrote {html}", err=True)
+        if png is not None:
+            from kvxfer.planner.viz import save_transfer_map
+            save_transfer_map(plan, png, layout=layout)
+            typer.echo(f"wrote {png}", err=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_bench")
+COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_bench")
 
 
 def build_app():
@@ -24,6 +24,6 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app()
     try:
         app(args=argv, standalone_mode=True)
-    except ValueError as e:  # PlanError, BindingError, pydantic errors: all ValueError subclasses
+    except (ValueError, OSError, ImportError) as e:  # bad input, unreadable files, a missing optional extra
         print(f"kvxfer: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

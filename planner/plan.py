@@ -225,6 +225,10 @@ class TransferPlan:
         from .inspect import to_html
         return to_html(self)
 
+    def __rich__(self) -> Any:
+        from .inspect import to_rich
+        return to_rich(self)
+
     def stats(self) -> dict[str, Any]:
         from .inspect import stats
         return stats(self)

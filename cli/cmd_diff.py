@@ -1,0 +1,39 @@
+"""kvxfer diff A B: compare two plans (from case, plan or golden files). Exit 0 identical, 1 different."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._inputs import read_plan
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("diff")
+    def diff_cmd(
+        a: Path = typer.Argument(..., help="case, plan or golden file"),
+        b: Path = typer.Argument(..., help="case, plan or golden file"),
+        full: bool = typer.Option(False, "--full", help="show every changed range"),
+        max_rows: int = typer.Option(40, "--max-rows", help="changed ranges shown before eliding the middle"),
+        html: Optional[Path] = typer.Option(None, "--html", help="also write the HTML view to this file"),
+        equivalent: bool = typer.Option(False, "--equivalent",
+                                        help="exit 0 when the plans move the same bytes, even if they differ"),
+    ) -> None:
+        """Print what differs (summary line, -/+ ranges); exit 0 identical, 1 different, 2 bad input."""
+        from rich.console import Console
+        from rich.text import Text
+
+        from kvxfer.planner.inspect import diff_plans
+
+        d = diff_plans(read_plan(a)[1], read_plan(b)[1])
+        if html is not None:
+            html.write_text(f"<!doctype html>\n<meta charset=\"utf-8\">\n{d.to_html(None if full else max_rows)}\n")
+        if not d:
+            typer.echo(f"identical: {d.a!r}")
+            return
+        console = Console(highlight=False, soft_wrap=True)
+        styles = {"-": "red", "+": "green"}
+        for line in d.text(None if full else max_rows).splitlines():
+            console.print(Text(line, style=styles.get(line[:1], "") if line[:3] not in ("---", "+++") else "bold"))
+        raise typer.Exit(0 if equivalent and d.equivalent else 1)

@@ -1,0 +1,38 @@
+"""Rebuild inspect_plans.ipynb from inspect_plans.py (cells split at '# %%'; outputs left empty)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SCRIPT, NOTEBOOK = HERE / "inspect_plans.py", HERE / "inspect_plans.ipynb"
+
+
+def cells(text: str) -> list[tuple[str, str]]:
+    """[(kind 'code'|'markdown', source)] of a '# %%' script."""
+    out: list[tuple[str, str]] = []
+    for chunk in text.split("# %%")[1:]:
+        head, _, body = chunk.partition("\n")
+        if head.strip() == "[markdown]":
+            out.append(("markdown", "\n".join(line[2:] for line in body.strip().splitlines())))
+        else:
+            out.append(("code", body.strip()))
+    return out
+
+
+def notebook(text: str):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
+                for kind, src in cells(text)]
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i}"  # stable ids keep the file diff-free across rebuilds
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+if __name__ == "__main__":
+    import nbformat
+
+    nbformat.write(notebook(SCRIPT.read_text()), NOTEBOOK)
+    print(f"wrote {NOTEBOOK}")

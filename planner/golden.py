@@ -1,0 +1,218 @@
+"""Golden plans: a case and the plan it must produce, in one JSON file formatted for code review.
+
+A golden file holds ``kvxfer_golden`` (this format's version), the case (layout, mapping, target, options)
+and the plan: its header, call offsets and one range per line. Pure: functions take paths and values and
+never read the environment; the pytest plugin and the CLI decide when to update.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .case import Case
+from .diff import PlanDiff, diff_plans
+from .errors import PlanError
+from .plan import COLUMNS, TransferPlan
+
+GOLDEN_SCHEMA = 1
+_WIDTH = 120  # containers whose one-line form is longer are broken, one element per line
+# version -> function turning a golden dict of that version into one of the next version
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+class GoldenError(PlanError):
+    """A golden file cannot be read: not JSON, not a golden file, or a schema this kvxfer cannot migrate."""
+
+
+# ---- stable formatting ------------------------------------------------------------------------------------
+def _scalar(x: Any) -> bool:
+    return not isinstance(x, (dict, list, tuple))
+
+
+def _format(obj: Any, indent: str = "") -> str:
+    """JSON where lists of scalars stay on one line, lists of lists (the ranges) put one per line, and other
+    containers break when longer than _WIDTH."""
+    one = json.dumps(obj)
+    if _scalar(obj) or (isinstance(obj, (list, tuple)) and all(_scalar(x) for x in obj)):
+        return one
+    rows = isinstance(obj, (list, tuple)) and all(isinstance(x, (list, tuple)) for x in obj)
+    if len(indent) + len(one) <= _WIDTH and not rows:
+        return one
+    inner = indent + " "
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(str(k))}: {_format(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    return "[\n" + ",\n".join(inner + _format(v, inner) for v in obj) + "\n" + indent + "]"
+
+
+def golden_dict(case: Case, plan: TransferPlan | None = None) -> dict[str, Any]:
+    """The golden file's content for ``case`` and its ``plan`` (planned now when not given)."""
+    plan = case.plan() if plan is None else plan
+    d = plan.to_dict()
+    columns = d.pop("columns")
+    ranges = [list(r) for r in zip(*(columns[name] for name in COLUMNS))] if plan.num_ranges else []
+    plan_part = {"summary": repr(plan), **d, "range_columns": list(COLUMNS), "ranges": ranges}
+    return {"kvxfer_golden": GOLDEN_SCHEMA, "case": case.to_dict(), "plan": plan_part}
+
+
+def dumps(case: Case, plan: TransferPlan | None = None) -> str:
+    """The golden file's text: stable key order, one range per line, trailing newline."""
+    return _format(golden_dict(case, plan)) + "\n"
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Golden:
+    """A golden file's case and stored plan."""
+
+    case: Case
+    plan: TransferPlan
+
+
+def migrate(d: dict[str, Any], source: str = "golden file") -> dict[str, Any]:
+    """Bring a golden dict to GOLDEN_SCHEMA through MIGRATIONS. Raises GoldenError naming the version."""
+    version = d.get("kvxfer_golden")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise GoldenError("kvxfer_golden", version, f"{source} is not a kvxfer golden file (no schema version)")
+    if version > GOLDEN_SCHEMA:
+        raise GoldenError("kvxfer_golden", version, f"{source} was written by a newer kvxfer "
+                          f"(this one reads golden schema {GOLDEN_SCHEMA}); upgrade kvxfer")
+    while version < GOLDEN_SCHEMA:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise GoldenError("kvxfer_golden", version, f"{source} uses golden schema {version}, which this kvxfer "
+                              f"cannot migrate to {GOLDEN_SCHEMA}; regenerate it (kvxfer golden update DIR, "
+                              f"or pytest --update-golden)")
+        d = step(d)
+        version = d.get("kvxfer_golden", version + 1)
+    return d
+
+
+def from_dict(d: dict[str, Any], source: str = "golden file") -> Golden:
+    """Read a golden dict (any migratable schema). Raises GoldenError / PlanError naming what is wrong."""
+    d = migrate(d, source)
+    try:
+        case = Case.model_validate(d["case"])
+        p = dict(d["plan"])
+        rows = np.asarray(p.pop("ranges"), dtype=np.uint64).reshape(-1, len(COLUMNS))
+        names = p.pop("range_columns")
+        if list(names) != list(COLUMNS):
+            raise GoldenError("plan.range_columns", names, f"expected {list(COLUMNS)}")
+        p["columns"] = {name: rows[:, i] for i, name in enumerate(COLUMNS)}
+        # the stored fingerprint is for readers; a newer planner may hash new header fields differently
+        p.pop("fingerprint", None)
+        plan = TransferPlan.from_dict(p)
+    except KeyError as e:
+        raise GoldenError(str(e.args[0]), None, f"missing from {source}") from None
+    except PlanError as e:
+        if isinstance(e, GoldenError):
+            raise
+        raise GoldenError(f"plan.{e.field}", e.value, f"{source}: {e.reason}") from None
+    return Golden(case, plan)
+
+
+def _parse(text: str, source: str) -> dict[str, Any]:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GoldenError("json", f"line {e.lineno}", f"{source} is not valid JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise GoldenError("kvxfer_golden", type(d).__name__, f"{source} is not a kvxfer golden file")
+    return d
+
+
+def _read(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise GoldenError("path", str(path), "no such golden file")
+    return _parse(path.read_text(), str(path))
+
+
+def loads(text: str, source: str = "golden file") -> Golden:
+    return from_dict(_parse(text, source), source)
+
+
+def load(path: str | Path) -> Golden:
+    """Read a golden file. Raises GoldenError when it is missing or unreadable."""
+    return from_dict(_read(path), str(path))
+
+
+def load_case(path: str | Path) -> Case:
+    """Only the case of a golden file (readable even when the stored plan's schema is not)."""
+    d = migrate(_read(path), str(path))
+    if "case" not in d:
+        raise GoldenError("case", None, f"missing from {path}")
+    return Case.model_validate(d["case"])
+
+
+def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool:
+    """Write the golden file for ``case`` (and ``plan``); returns False when the file already had this text."""
+    path = Path(path)
+    text = dumps(case, plan)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return True
+
+
+# ---- comparing --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GoldenCheck:
+    """Outcome of comparing a plan with a golden file. ``status``: ok, missing, unreadable, case-changed, differs.
+
+    ``message`` says what differs (with the plan diff) in a form ready to print; ``diff`` is the plan diff
+    (stored -> current) when both plans are known.
+    """
+
+    path: Path
+    status: str
+    message: str
+    diff: PlanDiff | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def check(path: str | Path, case: Case, plan: TransferPlan | None = None) -> GoldenCheck:
+    """Compare ``case`` and its ``plan`` (planned now when not given) with the golden file at ``path``."""
+    path = Path(path)
+    plan = case.plan() if plan is None else plan
+    if not path.is_file():
+        return GoldenCheck(path, "missing", f"no golden file at {path}; the plan is:\n{plan.explain(max_rows=10)}")
+    try:
+        stored = load(path)
+    except PlanError as e:
+        return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
+    diff = diff_plans(stored.plan, plan)
+    if stored.case != case:
+        what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{diff.text()}"
+        return GoldenCheck(path, "case-changed", f"the case differs from the one stored in {path}{what}", diff)
+    if diff:
+        return GoldenCheck(path, "differs", f"plan differs from {path} (stored -> new):\n{diff.text()}", diff)
+    return GoldenCheck(path, "ok", f"{path}: ok", diff)
+
+
+def check_file(path: str | Path) -> GoldenCheck:
+    """Re-plan the case stored in the golden file at ``path`` with this kvxfer and compare with its plan."""
+    path = Path(path)
+    try:
+        case = load_case(path)
+    except PlanError as e:
+        return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
+    return check(path, case)
+
+
+def update_file(path: str | Path) -> bool:
+    """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed.
+    Raises GoldenError when the file (its case) cannot be read."""
+    return save(path, load_case(path))
+
+
+__all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "check", "check_file", "dumps",
+           "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "save", "update_file"]

@@ -1,0 +1,261 @@
+"""Views of a TransferPlan: ``explain`` (fixed-width text), ``to_html``, ``to_rich``, ``stats``, ``stats_frame``.
+
+Every view is built from the same two pieces, ``header_rows`` and ``range_rows``, so the text that tests pin,
+the notebook HTML and the terminal rendering always agree. Diffs and equivalence live in ``planner/diff.py``
+and are re-exported here. Pure: pandas and rich are imported only inside the functions that need them.
+"""
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ._views import (DEFAULT_MAX_ROWS, NUMERIC, RANGE_COLUMNS, STYLE, block_bytes, count, format_table, html_table,
+                     plural, range_rows)
+from .diff import PlanDiff, diff_plans, equivalent, normalize
+from .errors import PlanError
+from .plan import TransferPlan, _fmt_bytes
+from .spec import Layout, Location
+from .target import CopyApi
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas
+
+_HIST_SHOWN = 8
+
+
+# ---- shared pieces ----------------------------------------------------------------------------------------
+def _runs(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
+    """[8192, 8192, 8192, 5632] -> '8192 x3, 5632' (run-length, in order; long lists elided)."""
+    if len(values) == 0:
+        return "none"
+    v = np.asarray(values)
+    starts = np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
+    lengths = np.diff(np.append(starts, len(v)))
+    parts = [f"{v[s]}" + (f" x{k}" if k > 1 else "") for s, k in zip(starts.tolist(), lengths.tolist())]
+    if len(parts) > shown:
+        parts = parts[:shown] + [f"... ({len(parts) - shown} more)"]
+    return ", ".join(parts)
+
+
+def run_length_histogram(plan: TransferPlan, layout: Layout | None = None) -> dict[float, int]:
+    """{blocks covered by a range: number of ranges}, ascending by blocks."""
+    blocks = plan.nbytes.astype(np.float64) / block_bytes(plan, layout)
+    keys, counts = np.unique(blocks, return_counts=True)
+    return {(int(k) if float(k).is_integer() else float(k)): int(c) for k, c in zip(keys.tolist(), counts.tolist())}
+
+
+def _gates(plan: TransferPlan) -> str:
+    gates = plan.target.gates()
+    return " | ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in gates) if gates else "none"
+
+
+def _options(plan: TransferPlan) -> str:
+    opts = plan.options.model_dump(mode="json")
+    cap = plan.options.descriptor_cap(plan.target)
+    parts = [f"{k}={v}" for k, v in opts.items()]
+    return " ".join(parts) + f" (cap {cap or 'unlimited'})"
+
+
+def _attrs_line(plan: TransferPlan) -> str:
+    if not plan.passes_attrs:
+        return "not passed (numAttrs 0)"
+    per_call = [len(plan.attr_runs(c)[0]) for c in range(plan.num_calls)]
+    return f"passed (numAttrs per call: {_runs(per_call)})"
+
+
+def _buffers_line(plan: TransferPlan) -> str:
+    host = sum(1 for b in plan.buffers if b.location is Location.HOST)
+    used = len(set(plan.src_buf.tolist()) | set(plan.dst_buf.tolist())) if plan.num_ranges else 0
+    return (f"{len(plan.buffers)} ({host} host, {len(plan.buffers) - host} device; {used} used), "
+            f"{plural(len(plan.regions), 'region')}")
+
+
+def _calls_line(plan: TransferPlan) -> str:
+    if not plan.num_calls:
+        return "none"
+    line = f"{plan.num_calls}: {_runs(plan.call_sizes.tolist())} ranges"
+    if plan.api in (CopyApi.CUDA_PER_RANGE, CopyApi.HIP_PER_RANGE, CopyApi.MEMCPY):
+        line += f" ({plan.api.value} per range: {plan.num_ranges} driver calls)"
+    return line
+
+
+def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[str, str]]:
+    """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls."""
+    n, req = plan.num_ranges, plan.requested_copies
+    ratio = f"merge {req / n:.2f}x" if n else "nothing to copy"
+    rows = [
+        ("plan", f"{plan.direction.value} {plan.target.label} via {plan.api.value}"),
+        ("gates", _gates(plan)),
+        ("options", _options(plan)),
+        ("attrs", _attrs_line(plan)),
+    ]
+    rows += [(f"  [{i}]", a.short()) for i, a in enumerate(plan.attrs)]
+    rows += [
+        ("buffers", _buffers_line(plan)),
+        ("copies", f"{req} requested -> {plural(n, 'range')} ({ratio})"),
+        ("bytes", f"{_fmt_bytes(plan.total_bytes)} ({plan.total_bytes} B)"),
+        ("calls", _calls_line(plan)),
+    ]
+    if n:
+        nb = plan.nbytes
+        unit = block_bytes(plan, layout)
+        uniform = len(np.unique(unit)) == 1
+        hist = run_length_histogram(plan, layout)
+        shown = list(hist.items())[:_HIST_SHOWN]
+        more = f", ... ({len(hist) - _HIST_SHOWN} more)" if len(hist) > _HIST_SHOWN else ""
+        rows += [
+            ("range", f"min {_fmt_bytes(int(nb.min()))}, median {_fmt_bytes(int(np.median(nb)))}, "
+                      f"max {_fmt_bytes(int(nb.max()))}"),
+            ("blocks", ("of " + _fmt_bytes(int(unit[0])) if uniform else "per region page")
+             + ": " + ", ".join(f"{count(k)} x{c}" for k, c in shown) + more),
+        ]
+    return rows
+
+
+def _elision(elided: int) -> str:
+    return f"... {plural(elided, 'range')} not shown (full=True shows all) ..."
+
+
+# ---- text -------------------------------------------------------------------------------------------------
+def explain(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
+            ranges: bool = True, layout: Layout | None = None) -> str:
+    """Deterministic fixed-width text: the header, then the range table.
+
+    ``max_rows`` ranges are shown (head and tail, with a count of the elided middle); ``full=True`` shows all;
+    ``ranges=False`` prints the header only. With ``layout`` (the plan's), block counts use each region's
+    page size. Raises PlanError for ``max_rows < 2`` or a layout with other regions.
+    """
+    head = header_rows(plan, layout)
+    width = max(len(k) for k, _ in head)
+    lines = [repr(plan)] + [f"  {k.ljust(width)}  {v}" for k, v in head]
+    if ranges and plan.num_ranges:
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        lines += [""] + format_table(RANGE_COLUMNS, rows, NUMERIC, cut, _elision(elided))
+    return "\n".join(lines) + "\n"
+
+
+# ---- HTML -------------------------------------------------------------------------------------------------
+def to_html(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
+            layout: Layout | None = None) -> str:
+    """The content of ``explain`` as plain HTML (a header table and the range table); no scripts, no subprocess."""
+    head = "\n".join(f"<tr><th>{html.escape(k.strip())}</th><td>{html.escape(v)}</td></tr>"
+                     for k, v in header_rows(plan, layout))
+    parts = ['<div class="kvxfer kvxfer-plan">', STYLE, f"<p><b>{html.escape(repr(plan))}</b></p>",
+             f'<table class="kvxfer-header">\n{head}\n</table>']
+    if plan.num_ranges:
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        parts.append(html_table(RANGE_COLUMNS, rows, NUMERIC, cut, _elision(elided)))
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
+# ---- terminal ---------------------------------------------------------------------------------------------
+def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
+            ranges: bool = True, layout: Layout | None = None) -> Any:
+    """A rich renderable (header grid and range table) with the content of ``explain``. Needs ``rich``."""
+    try:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError as e:
+        raise ImportError(f"terminal rendering needs rich: pip install 'kvxfer[cli]' ({e})") from None
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for k, v in header_rows(plan, layout):
+        grid.add_row(k, v)
+    parts: list[Any] = [Text(repr(plan), style="bold"), grid]
+    if ranges and plan.num_ranges:
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for c in RANGE_COLUMNS:
+            table.add_column(c, justify="right" if c in NUMERIC else "left")
+        for i, r in enumerate(rows):
+            if i == cut:
+                table.add_row("", "", Text(_elision(elided), style="italic dim"))
+            table.add_row(*r)
+        parts.append(table)
+    return Group(*parts)
+
+
+# ---- statistics -------------------------------------------------------------------------------------------
+def _range_record(plan: TransferPlan, i: int) -> dict[str, Any]:
+    names = [b.name for b in plan.buffers]
+    return {"index": i, "call": int(np.searchsorted(plan.call_offsets, i, side="right") - 1),
+            "src": names[int(plan.src_buf[i])], "src_offset": int(plan.src_offset[i]),
+            "dst": names[int(plan.dst_buf[i])], "dst_offset": int(plan.dst_offset[i]),
+            "nbytes": int(plan.nbytes[i]), "region": plan.regions[int(plan.region[i])]}
+
+
+def _totals(keys: np.ndarray, nbytes: np.ndarray, size: int) -> tuple[list[int], list[int]]:
+    ranges = np.bincount(keys, minlength=size)
+    total = np.bincount(keys, weights=nbytes.astype(np.float64), minlength=size)
+    return ranges.tolist(), [int(t) for t in total.tolist()]
+
+
+def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
+    """Numbers about a plan, as plain Python values (JSON-ready).
+
+    Keys: direction, target, api, requested_copies, ranges, calls, total_bytes, merge_ratio, call_sizes,
+    bytes_per_call, range_bytes (min/median/mean/max), largest_range and smallest_range (first such range),
+    run_length_histogram ({blocks: ranges}), per_region and per_buffer ({name: {ranges, bytes}}; a buffer
+    counts as src_* and dst_*). Regions and buffers that no range touches are left out.
+    """
+    n = plan.num_ranges
+    nb = plan.nbytes
+    per_call = np.add.reduceat(nb, plan.call_offsets[:-1]) if n else np.zeros(0, np.uint64)
+    out: dict[str, Any] = {
+        "direction": plan.direction.value, "target": plan.target.label, "api": plan.api.value,
+        "requested_copies": plan.requested_copies, "ranges": n, "calls": plan.num_calls,
+        "total_bytes": plan.total_bytes, "merge_ratio": plan.requested_copies / n if n else None,
+        "call_sizes": plan.call_sizes.tolist(), "bytes_per_call": [int(x) for x in per_call.tolist()],
+        "range_bytes": ({"min": int(nb.min()), "median": float(np.median(nb)), "mean": float(nb.mean()),
+                         "max": int(nb.max())} if n else None),
+        "largest_range": _range_record(plan, int(np.argmax(nb))) if n else None,
+        "smallest_range": _range_record(plan, int(np.argmin(nb))) if n else None,
+        "run_length_histogram": run_length_histogram(plan, layout),
+    }
+    r_ranges, r_bytes = _totals(plan.region, nb, len(plan.regions))
+    out["per_region"] = {name: {"ranges": c, "bytes": b}
+                         for name, c, b in zip(plan.regions, r_ranges, r_bytes) if c}
+    nbuf = len(plan.buffers)
+    s_ranges, s_bytes = _totals(plan.src_buf, nb, nbuf)
+    d_ranges, d_bytes = _totals(plan.dst_buf, nb, nbuf)
+    out["per_buffer"] = {
+        b.name: {"src_ranges": s_ranges[i], "src_bytes": s_bytes[i], "dst_ranges": d_ranges[i], "dst_bytes": d_bytes[i]}
+        for i, b in enumerate(plan.buffers) if s_ranges[i] or d_ranges[i]}
+    return out
+
+
+def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = None) -> pandas.DataFrame:
+    """Per-``by`` totals as a pandas DataFrame: by "region", "buffer", "call" or "range" (the range table).
+
+    Raises ImportError with an install hint without pandas, PlanError for an unknown ``by``.
+    """
+    try:
+        import pandas as pd
+    except ImportError as e:
+        raise ImportError(f"stats_frame needs pandas: pip install pandas ({e})") from None
+    if by == "range":
+        names = np.array([b.name for b in plan.buffers], dtype=object)
+        return pd.DataFrame({
+            "call": np.searchsorted(plan.call_offsets, np.arange(plan.num_ranges), side="right") - 1,
+            "src": names[plan.src_buf], "src_offset": plan.src_offset, "dst": names[plan.dst_buf],
+            "dst_offset": plan.dst_offset, "nbytes": plan.nbytes,
+            "blocks": plan.nbytes / block_bytes(plan, layout),
+            "region": np.array(plan.regions, dtype=object)[plan.region], "attr": plan.attr})
+    s = stats(plan, layout)
+    if by == "region":
+        return pd.DataFrame.from_dict(s["per_region"], orient="index").rename_axis("region")
+    if by == "buffer":
+        return pd.DataFrame.from_dict(s["per_buffer"], orient="index").rename_axis("buffer")
+    if by == "call":
+        return pd.DataFrame({"ranges": s["call_sizes"], "bytes": s["bytes_per_call"]}).rename_axis("call")
+    raise PlanError("by", by, "expected 'region', 'buffer', 'call' or 'range'")
+
+
+
+__all__ = ["DEFAULT_MAX_ROWS", "PlanDiff", "block_bytes", "diff_plans", "equivalent", "explain", "header_rows",
+           "normalize", "run_length_histogram", "stats", "stats_frame", "to_html", "to_rich"]

@@ -1,0 +1,110 @@
+"""A picture of a plan: the transfer map (needs matplotlib, the ``viz`` extra; imported only when drawing).
+
+Source blocks run along x, destination blocks along y; every buffer used on a side gets its own stretch of
+the axis, in buffer order. A range is a band from (source, destination) along the diagonal, as long as the
+blocks it covers, coloured by region. The first range of each driver call is marked and numbered.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._views import block_bytes
+from .plan import TransferPlan, _fmt_bytes
+from .spec import Layout
+
+_LEGEND_REGIONS = 12
+_LABELLED_CALLS = 32
+_LABELLED_BUFFERS = 16
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"the transfer map needs matplotlib: pip install 'kvxfer[viz]' ({e})") from None
+    return matplotlib
+
+
+def _axis(plan: TransferPlan, bufs: np.ndarray, unit: float) -> tuple[np.ndarray, list[tuple[float, float, str]]]:
+    """Start (in blocks) of every buffer on one side's axis, and (start, end, name) of the used ones."""
+    used = np.unique(bufs)
+    start = np.zeros(len(plan.buffers))
+    spans, pos = [], 0.0
+    for b in used.tolist():
+        start[b] = pos
+        size = plan.buffers[b].nbytes / unit
+        spans.append((pos, pos + size, plan.buffers[b].name))
+        pos += size
+    return start, spans
+
+
+def _buffer_ticks(ax: Any, spans: list[tuple[float, float, str]], axis: str) -> None:
+    line = ax.axvline if axis == "x" else ax.axhline
+    for s, _, _ in spans[1:]:
+        line(s, color="0.85", linewidth=0.6, zorder=0)
+    if 1 < len(spans) <= _LABELLED_BUFFERS:  # one buffer: its name is in the axis label, keep numeric ticks
+        mids = [(s + e) / 2 for s, e, _ in spans]
+        names = [n for _, _, n in spans]
+        (ax.set_xticks if axis == "x" else ax.set_yticks)(mids, names, fontsize=7,
+                                                          rotation=30 if axis == "x" else 0)
+
+
+def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = None,
+                 title: str | None = None, linewidth: float = 3.0) -> Any:
+    """Draw the transfer map of ``plan`` on ``ax`` (a new Figure when None, no pyplot state) and return the
+    Figure. With ``layout``, block lengths use each region's page size. Raises ImportError without matplotlib."""
+    _matplotlib()
+    from matplotlib import colormaps
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+
+    if ax is None:
+        fig = Figure(figsize=(8, 7), layout="constrained")
+        ax = fig.add_subplot()
+    fig = ax.figure
+    unit = float(np.median(block_bytes(plan, layout))) if plan.num_ranges else 1.0
+    xs, xspans = _axis(plan, plan.src_buf, unit)
+    ys, yspans = _axis(plan, plan.dst_buf, unit)
+    x0 = xs[plan.src_buf] + plan.src_offset / unit
+    y0 = ys[plan.dst_buf] + plan.dst_offset / unit
+    length = plan.nbytes / unit
+    segments = np.stack([np.stack([x0, y0], 1), np.stack([x0 + length, y0 + length], 1)], 1)
+    cmap = colormaps["tab20"]
+    colours = cmap((plan.region % 20) / 19.0)
+    ax.add_collection(LineCollection(segments, colors=colours, linewidths=linewidth, capstyle="butt"))
+    starts = plan.call_offsets[:-1]
+    if plan.num_ranges:
+        ax.scatter(x0[starts], y0[starts], marker="o", s=28, facecolors="none", edgecolors="black",
+                   zorder=3, label="first range of a call")
+        for c, i in enumerate(starts.tolist()[:_LABELLED_CALLS]):
+            ax.annotate(f"call {c}", (x0[i], y0[i]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    _buffer_ticks(ax, xspans, "x")
+    _buffer_ticks(ax, yspans, "y")
+    ax.set_xlim(0, max(xspans[-1][1], 1) if xspans else 1)
+    ax.set_ylim(0, max(yspans[-1][1], 1) if yspans else 1)
+    def label(side: str, spans: list[tuple[float, float, str]]) -> str:
+        return f"{side} block" + (f" of {spans[0][2]}" if len(spans) == 1 else "")
+
+    ax.set_xlabel(label(f"source ({plan.direction.src_side})", xspans) + f", {_fmt_bytes(int(unit))} each")
+    ax.set_ylabel(label(f"destination ({plan.direction.dst_side})", yspans))
+    ax.set_title(title or repr(plan), fontsize=9)
+    regions = np.unique(plan.region).tolist()
+    if len(regions) <= _LEGEND_REGIONS:
+        from matplotlib.lines import Line2D
+        handles = [Line2D([], [], color=cmap((r % 20) / 19.0), linewidth=linewidth, label=plan.regions[r])
+                   for r in regions]
+        ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, loc="best")
+    else:
+        ax.text(0.01, 0.99, f"colour: region ({len(regions)} regions, tab20 cycled)", transform=ax.transAxes,
+                va="top", fontsize=7)
+    return fig
+
+
+def save_transfer_map(plan: TransferPlan, path: str | Path, *, dpi: int = 120, **kw: Any) -> Path:
+    """Draw the transfer map (see ``transfer_map``) and save it to ``path`` (PNG, SVG or PDF by suffix)."""
+    path = Path(path)
+    transfer_map(plan, **kw).savefig(path, dpi=dpi)
+    return path
