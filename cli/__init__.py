@@ -1,1 +1,1 @@
-"""kvxfer's command line: demo, plan, bench."""
+"""kvxfer's command line: demo, plan, diff, golden, schema, run, bench."""

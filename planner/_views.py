@@ -16,8 +16,9 @@ NUMERIC = {"call", "#", "bytes", "blocks"}
 
 
 def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
-    """Bytes of one block for every range (float64): the page of the range's region when ``layout`` is given,
-    else the plan's mean bytes per requested copy (exact whenever all regions share one page size).
+    """Bytes of one block for every range (float64): the device page of the range's region (from ``layout``
+    when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the mean
+    bytes per requested copy, exact whenever all regions share one page size).
 
     Raises PlanError when ``layout`` does not have the plan's regions.
     """
@@ -27,6 +28,8 @@ def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
             raise PlanError("layout.regions", f"{len(names)} regions",
                             f"do not match the plan's {len(plan.regions)} regions")
         return layout.info.page.astype(np.float64)[plan.region]
+    if plan.region_page_bytes:
+        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]
     unit = plan.total_bytes / plan.requested_copies if plan.requested_copies else 1.0
     return np.full(plan.num_ranges, unit or 1.0)
 

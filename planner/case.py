@@ -24,8 +24,10 @@ class Case(Spec):
         return plan_transfer(self.layout, self.mapping, self.target, self.options)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.model_dump(mode="json"), "mapping": self.mapping.model_dump(),
-                "target": self.target.model_dump(mode="json"), "options": self.options.model_dump(mode="json")}
+        """JSON-ready dict; fields at their defaults are left out so files stay stable as fields are added."""
+        return {"layout": self.layout.model_dump(mode="json", exclude_defaults=True), "mapping": self.mapping.model_dump(),
+                "target": self.target.model_dump(mode="json"),
+                "options": self.options.model_dump(mode="json", exclude_defaults=True)}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -73,6 +73,7 @@ def _finish(layout: Layout, direction: Direction, target: Target, options: PlanO
             ranges[k] = ranges[k].view(np.uint64)
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
                         regions=tuple(r.name for r in layout.regions), attrs=attrs,
+                        region_page_bytes=tuple(r.page_bytes for r in layout.regions),
                         requested_copies=requested, call_offsets=call_offsets, columns=ranges)
 
 

@@ -52,9 +52,9 @@ def _gates(plan: TransferPlan) -> str:
 
 
 def _options(plan: TransferPlan) -> str:
-    opts = plan.options.model_dump(mode="json")
+    opts = plan.options.model_dump(mode="json", exclude_defaults=True)  # only what differs from the defaults
     cap = plan.options.descriptor_cap(plan.target)
-    parts = [f"{k}={v}" for k, v in opts.items()]
+    parts = [f"{k}={v}" for k, v in opts.items()] or ["defaults"]
     return " ".join(parts) + f" (cap {cap or 'unlimited'})"
 
 

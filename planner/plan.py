@@ -83,13 +83,13 @@ class TransferPlan:
     ``passes_attrs`` (numAttrs = the number of attribute runs in that call).
     """
 
-    __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "attrs", "passes_attrs",
+    __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "region_page_bytes", "attrs", "passes_attrs",
                  "requested_copies", "call_offsets", "_store", "_fingerprint")
 
     def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
                  call_offsets: np.ndarray, columns: dict[str, np.ndarray | Runs], passes_attrs: bool | None = None,
-                 api: CopyApi | None = None):
+                 api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None):
         set_ = object.__setattr__
         set_(self, "direction", Direction(direction))
         set_(self, "target", target)
@@ -97,6 +97,9 @@ class TransferPlan:
         set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
         set_(self, "buffers", tuple(buffers))
         set_(self, "regions", tuple(regions))
+        set_(self, "region_page_bytes", tuple(int(p) for p in region_page_bytes or ()))
+        if self.region_page_bytes and len(self.region_page_bytes) != len(self.regions):
+            raise PlanError("region_page_bytes", len(self.region_page_bytes), f"expected one per region ({len(self.regions)})")
         set_(self, "attrs", tuple(attrs))
         set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
         set_(self, "requested_copies", int(requested_copies))
@@ -183,11 +186,12 @@ class TransferPlan:
             "schema_version": SCHEMA_VERSION,
             "direction": self.direction.value,
             "target": self.target.model_dump(mode="json"),
-            "options": self.options.model_dump(mode="json"),
+            "options": self.options.model_dump(mode="json", exclude_defaults=True),
             "api": self.api.value,
             "passes_attrs": self.passes_attrs,
             "buffers": [b.model_dump(mode="json") for b in self.buffers],
             "regions": list(self.regions),
+            "region_page_bytes": list(self.region_page_bytes),
             "attrs": [a.model_dump(mode="json") for a in self.attrs],
             "requested_copies": self.requested_copies,
         }
@@ -213,7 +217,7 @@ class TransferPlan:
     def __repr__(self) -> str:
         calls = self.num_calls
         return (f"TransferPlan({self.direction.value} {self.target.label}: {self.requested_copies} -> "
-                f"{self.num_ranges} ranges, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
+                f"{self.num_ranges} range{'s' if self.num_ranges != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
 
     # ---- views (planner/inspect.py) ---------------------------------------------------------------------
     def explain(self, **kw: Any) -> str:
@@ -254,6 +258,7 @@ class TransferPlan:
                 direction=Direction(d["direction"]), target=Target.model_validate(d["target"]),
                 options=PlanOptions.model_validate(d["options"]),
                 buffers=tuple(Buffer.model_validate(b) for b in d["buffers"]), regions=tuple(d["regions"]),
+                region_page_bytes=tuple(d.get("region_page_bytes") or ()),
                 attrs=tuple(CopyAttributes.model_validate(a) for a in d["attrs"]),
                 requested_copies=d["requested_copies"], passes_attrs=d["passes_attrs"], api=CopyApi(d["api"]),
                 call_offsets=np.asarray(d["call_offsets"], dtype=np.int64),

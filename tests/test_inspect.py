@@ -26,7 +26,7 @@ SMALL_EXPLAIN = """\
 TransferPlan(h2d rocm-7.16: 10 -> 4 ranges, 2 calls, 40.0 KiB)
   plan     h2d rocm-7.16 via hipMemcpyBatchAsync
   gates    hip>=7.1 batch: yes | hip>=7.13 attrs: yes | hip>=7.16 prefer-ce: yes
-  options  coalesce=True max_descriptors=3 max_range_bytes=None prefer_overlap_with_compute=False (cap 3)
+  options  max_descriptors=3 (cap 3)
   attrs    passed (numAttrs per call: 1 x2)
     [0]    any host->dev0 flags 0x100
   buffers  3 (1 host, 2 device; 3 used), 2 regions
@@ -86,8 +86,8 @@ def test_block_counts_use_each_regions_page_with_a_layout():
     rows = {r.split()[-1]: r.split() for r in plan.explain(layout=layout).split("\n\n")[1].splitlines()[1:]}
     assert rows["k"][5] == "2" and rows["v"][5] == "2"
     assert "blocks   per region page: 2 x2" in plan.explain(layout=layout)
-    # without the layout, the unit is the mean bytes per copy (2560): the count is then approximate
-    assert run_length_histogram(plan) == {0.8: 1, 3.2: 1}
+    # without the layout, the plan's own region_page_bytes give the same exact counts
+    assert run_length_histogram(plan) == {2: 2}
     with pytest.raises(PlanError, match="layout.regions"):
         plan.explain(layout=presets.kv_layout(3, 16, 4096))
 
