@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .coalesce import Ranges, _dense_all, _merge, _split_large, _take
+from .coalesce import Ranges, _id_runs, _merge, _split_large, _take
 from .errors import LayoutError, MappingError
 from .spec import BlockMapping, Direction, Layout, LayoutInfo
 from .target import PlanOptions
@@ -41,19 +41,26 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
 def _offsets(info: LayoutInfo, side: str, r: int, pages: np.ndarray) -> np.ndarray:
     col = info.side[side]
     k = int(col["k"][r])
+    if k == 1:
+        return col["base"][r] + pages * col["stride"][r]
     return col["base"][r] + (pages // k) * col["stride"][r] + (pages % k) * col["page"][r]
 
 
-def _check_fit(layout: Layout, info: LayoutInfo, side: str, r: int, off: np.ndarray, index: np.ndarray,
+def _check_fit(layout: Layout, info: LayoutInfo, side: str, r: int, pages: np.ndarray, index: np.ndarray,
                ids: np.ndarray, field: str) -> None:
+    """Every page must end inside its buffer. Offsets grow with the page id, so the largest page decides."""
+    if not len(pages):
+        return
     col = info.side[side]
     page, cap = int(col["page"][r]), int(col["cap"][r])
-    bad = np.flatnonzero(off + page > cap)
-    if bad.size:
-        i = int(index[bad[0]])
-        buf = layout.buffers[int(col["buf"][r])]
-        raise MappingError(field, int(ids[i]), f"block of region {layout.regions[r].name!r} ({side} side) ends at byte "
-                           f"{int(off[bad[0]]) + page}, past buffer {buf.name!r} of {buf.nbytes} bytes", i)
+    if int(_offsets(info, side, r, pages.max(initial=0)[None])[0]) + page <= cap:
+        return
+    off = _offsets(info, side, r, pages)
+    i = int(index[np.argmax(off + page > cap)])
+    end = int(off[np.argmax(off + page > cap)]) + page
+    buf = layout.buffers[int(col["buf"][r])]
+    raise MappingError(field, int(ids[i]), f"block of region {layout.regions[r].name!r} ({side} side) ends at byte "
+                       f"{end}, past buffer {buf.name!r} of {buf.nbytes} bytes", i)
 
 
 def _fragment_table(layout: Layout, r: int, direction: Direction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,6 +74,90 @@ def _fragment_table(layout: Layout, r: int, direction: Direction) -> tuple[np.nd
     return (canon, local, size) if direction is Direction.H2D else (local, canon, size)
 
 
+PAGE, PIECES, GENERAL = 0, 1, 2  # how a region's pages become ranges (see _region_kinds)
+
+
+def _region_kinds(layout: Layout, direction: Direction) -> tuple[np.ndarray, list]:
+    """Per region: its kind and its fragment table (src piece offsets, dst piece offsets, sizes, in dst order).
+
+    PAGE: whole pages, offsets linear in the page id -- id runs give the ranges, as for plain layouts.
+    PIECES: real fragments whose merged table cannot join across pages -- pages x pieces are the ranges.
+    GENERAL: anything else (padded chunk rows, pieces that chain across pages) -- expanded, then merged.
+    Depends on the layout alone, so it is computed once per layout and direction.
+    """
+    memo = layout.info.memo
+    key = ("kinds", direction.value)
+    if key in memo:
+        return memo[key]
+    info = layout.info
+    kinds = np.zeros(info.nregions, dtype=np.int64)
+    tables = []
+    for r, reg in enumerate(layout.regions):
+        fs, fd, fb = _fragment_table(layout, r, direction)
+        t = _merge({"src_buf": np.zeros(len(fb), np.int32), "dst_buf": np.zeros(len(fb), np.int32),
+                    "src_offset": fs, "dst_offset": fd, "nbytes": fb, "region": np.zeros(len(fb), np.int32)})
+        o = np.argsort(t["dst_offset"], kind="stable")
+        fs, fd, fb = t["src_offset"][o], t["dst_offset"][o], t["nbytes"][o]
+        tables.append((fs, fd, fb))
+        S, D = info.side[direction.src_side], info.side[direction.dst_side]
+        linear = all(int(c["k"][r]) == 1 or bool(c["dense"][r]) for c in (S, D))
+        pages_chain = bool(S["dense"][r] and D["dense"][r])
+        ps, pd = int(S["page"][r]), int(D["page"][r])
+        whole = len(fb) == 1 and fs[0] == 0 and fd[0] == 0 and fb[0] == ps == pd
+        if linear and whole:
+            kinds[r] = PAGE
+        elif linear and not (pages_chain and bool(np.isin(fs + fb - ps, fs).any() and np.isin(fd + fb - pd, fd).any())):
+            kinds[r] = PIECES
+        else:
+            kinds[r] = GENERAL
+    memo[key] = (kinds, tables)
+    return memo[key]
+
+
+def _linear_stride(info: LayoutInfo, side: str, regs: np.ndarray) -> np.ndarray:
+    col = info.side[side]
+    return np.where(col["k"][regs] == 1, col["stride"][regs], col["page"][regs])
+
+
+def _page_ranges(info: LayoutInfo, direction: Direction, regs: np.ndarray, sp: np.ndarray, dp: np.ndarray,
+                 coalesce: bool) -> list[Ranges]:
+    """PAGE regions: runs of page ids advancing together on both sides, one broadcast per run set."""
+    S, D = info.side[direction.src_side], info.side[direction.dst_side]
+    dense = S["dense"][regs] & D["dense"][regs]
+    out = []
+    for sel, merge in ((regs[dense], coalesce), (regs[~dense], False)):
+        if not len(sel):
+            continue
+        rs, rd, rl = _id_runs(sp, dp, merge)
+        so = S["base"][sel][:, None] + np.multiply.outer(_linear_stride(info, direction.src_side, sel), rs)
+        do = D["base"][sel][:, None] + np.multiply.outer(_linear_stride(info, direction.dst_side, sel), rd)
+        k = len(rs)
+        out.append({"src_buf": np.repeat(S["buf"][sel], k), "src_offset": so.ravel(), "dst_buf": np.repeat(D["buf"][sel], k),
+                    "dst_offset": do.ravel(), "nbytes": np.multiply.outer(S["page"][sel], rl).ravel(),
+                    "region": np.repeat(sel.astype(np.int32), k)})
+    return out
+
+
+def _by_region(r: Ranges) -> dict[int, Ranges]:
+    """Split region-major ranges into one slice (a view) per region."""
+    reg = r["region"]
+    cut = np.flatnonzero(np.concatenate(([True], reg[1:] != reg[:-1], [True])))
+    return {int(reg[a]): {k: v[a:b] for k, v in r.items()} for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())}
+
+
+def _piece_ranges(info: LayoutInfo, direction: Direction, r: int, sp: np.ndarray, dp: np.ndarray,
+                  table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Ranges:
+    """Pages x pieces of one region, pages in destination order, pieces in destination order within a page."""
+    o = np.argsort(dp, kind="stable")
+    so, do = _offsets(info, direction.src_side, r, sp[o]), _offsets(info, direction.dst_side, r, dp[o])
+    fs, fd, fb = table
+    n = len(so) * len(fb)
+    return {"src_buf": np.full(n, info.side[direction.src_side]["buf"][r], np.int32),
+            "src_offset": (so[:, None] + fs).ravel(),
+            "dst_buf": np.full(n, info.side[direction.dst_side]["buf"][r], np.int32),
+            "dst_offset": (do[:, None] + fd).ravel(), "nbytes": np.tile(fb, len(so)), "region": np.full(n, r, np.int32)}
+
+
 def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
                   cap: int | None) -> tuple[Ranges, int, np.ndarray]:
     """Ranges (canonical order within each call), the number of elementary copies requested, call offsets."""
@@ -78,9 +169,12 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
     starts = mapping.group_starts if mapping.group_starts is not None else (0,) * len(sizes)
     if len(sizes) != info.num_groups:
         raise MappingError("group_sizes", list(sizes), f"the layout has {info.num_groups} KV-cache groups")
-    region_pos = np.arange(info.nregions)
-    cgroup_of = region_pos // options.regions_per_call if options.regions_per_call else np.zeros(info.nregions, np.int64)
-    parts: list[Ranges] = []
+    cgroup_of = (np.arange(info.nregions) // options.regions_per_call if options.regions_per_call
+                 else np.zeros(info.nregions, np.int64))
+    kinds, tables = _region_kinds(layout, direction)
+    parts: dict[int, Ranges] = {}  # region -> its ranges
+    repeated_page = False
+    requested = 0
     used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
         regs = np.flatnonzero(info.group == g)
@@ -94,33 +188,48 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
             keep = dp % options.num_writers == options.writer_index
             sp, si, dp, di = sp[keep], si[keep], dp[keep], di[keep]
         for r in regs.tolist():
-            so, do = _offsets(info, src_side, r, sp), _offsets(info, dst_side, r, dp)
-            _check_fit(layout, info, src_side, r, so, si, s_ids, "src_ids")
-            _check_fit(layout, info, dst_side, r, do, di, d_ids, "dst_ids")
-            fs, fd, fb = _fragment_table(layout, r, direction)
-            n = len(so) * len(fb)
-            parts.append({"src_buf": np.full(n, info.side[src_side]["buf"][r], np.int32),
-                          "src_offset": (so[:, None] + fs).ravel(),
-                          "dst_buf": np.full(n, info.side[dst_side]["buf"][r], np.int32),
-                          "dst_offset": (do[:, None] + fd).ravel(), "nbytes": np.tile(fb, len(so)),
-                          "region": np.full(n, r, np.int32)})
+            _check_fit(layout, info, src_side, r, sp, si, s_ids, "src_ids")
+            _check_fit(layout, info, dst_side, r, dp, di, d_ids, "dst_ids")
+            requested += len(sp) * len(tables[r][2]) if kinds[r] != PAGE else len(sp)
+        if len(sp):
+            sd = np.sort(dp)
+            repeated_page |= bool(np.any(sd[1:] == sd[:-1]))
+            for block in _page_ranges(info, direction, regs[kinds[regs] == PAGE], sp, dp, options.coalesce):
+                parts |= _by_region(block)
+            parts |= {r: _piece_ranges(info, direction, r, sp, dp, tables[r]) for r in regs[kinds[regs] != PAGE].tolist()}
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
                                f"consume {used} ids; the lists must add up exactly")
-    if parts:
-        r = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order, disjoint = info.dst_order(direction)
+    present = [p for p in (parts.get(i) for i in order.tolist()) if p is not None]
+    if present:
+        r = {k: np.concatenate([p[k] for p in present]) for k in present[0]}
     else:
         r = {k: np.zeros(0, np.int64) for k in ("src_offset", "dst_offset", "nbytes")}
         r |= {k: np.zeros(0, np.int32) for k in ("src_buf", "dst_buf", "region")}
-    requested = len(r["nbytes"])
-    _check_extended_overlaps(layout, direction, r)
-    if options.coalesce and requested:
-        r = _merge(r, cgroup_of[r["region"]])
-    cg = cgroup_of[r["region"]]
-    r = _take(r, np.lexsort((r["dst_offset"], r["dst_buf"], cg)))
+    # Regions in destination order, each in destination order: canonical already when the layout keeps
+    # regions' destinations apart; then only a repeated page could write a byte twice.
+    if not (disjoint and not cgroup_of.any() and not info.shared_buffers(direction) and not repeated_page):
+        r = _canonical(r, cgroup_of)
+        _check_extended_overlaps(layout, direction, r, cgroup_of)
+    mergeable = (kinds == GENERAL) | info.linked_regions(direction)  # the only regions that can still merge
+    if options.coalesce and len(r["nbytes"]) and mergeable.any():
+        m = mergeable[r["region"]]
+        if m.any():
+            merged = _merge(_take(r, m), cgroup_of[r["region"][m]])
+            r = _canonical({k: np.concatenate((r[k][~m], merged[k])) for k in r}, cgroup_of)
     r = _split_large(r, options.max_range_bytes)
     return r, requested, _call_offsets(cgroup_of[r["region"]], cap)
+
+
+def _canonical(r: Ranges, cgroup_of: np.ndarray) -> Ranges:
+    """Sort by (call group, destination buffer, destination offset), skipping the sort when already in order."""
+    if len(r["nbytes"]) < 2:
+        return r
+    cg, db, do = cgroup_of[r["region"]], r["dst_buf"], r["dst_offset"]
+    up = (cg[1:] > cg[:-1]) | ((cg[1:] == cg[:-1]) & ((db[1:] > db[:-1]) | ((db[1:] == db[:-1]) & (do[1:] >= do[:-1]))))
+    return r if up.all() else _take(r, np.lexsort((do, db, cg)))
 
 
 def _call_offsets(cgroup: np.ndarray, cap: int | None) -> np.ndarray:
@@ -133,10 +242,12 @@ def _call_offsets(cgroup: np.ndarray, cap: int | None) -> np.ndarray:
     return np.append(np.concatenate(out), n)
 
 
-def _check_extended_overlaps(layout: Layout, direction: Direction, r: Ranges) -> None:
-    """No destination byte written twice and no range reading bytes another writes (same buffer)."""
-    r = _dense_all(r)
-    o = np.lexsort((r["dst_offset"], r["dst_buf"]))
+def _check_extended_overlaps(layout: Layout, direction: Direction, r: Ranges, cgroup_of: np.ndarray) -> None:
+    """No destination byte written twice and no range reading bytes another writes (same buffer).
+
+    ``r`` is in canonical order; with one call group that is destination order, so no sort is needed.
+    """
+    o = slice(None) if not cgroup_of.any() else np.lexsort((r["dst_offset"], r["dst_buf"]))
     db, do, nb, reg = r["dst_buf"][o], r["dst_offset"][o], r["nbytes"][o], r["region"][o]
     bad = np.flatnonzero((db[1:] == db[:-1]) & (do[:-1] + nb[:-1] > do[1:]))
     if bad.size:

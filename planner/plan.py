@@ -160,6 +160,14 @@ class TransferPlan:
         return len(self.call_offsets) - 1
 
     @property
+    def stored_nbytes(self) -> int:
+        """Bytes held by the plan's arrays as stored (run-length columns count their runs, not their length)."""
+        total = self.call_offsets.nbytes
+        for col in self._store.values():
+            total += col.values.nbytes + col.lengths.nbytes if isinstance(col, Runs) else col.nbytes
+        return total
+
+    @property
     def call_sizes(self) -> np.ndarray:
         return np.diff(self.call_offsets)
 

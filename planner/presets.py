@@ -77,3 +77,37 @@ def block_pattern(pattern: str, n: int, num_blocks: int, seed: int = 0) -> tuple
 def mapping(pattern: str, n: int, num_blocks: int, direction: Direction | str = Direction.H2D, seed: int = 0) -> BlockMapping:
     s, d = block_pattern(pattern, n, num_blocks, seed)
     return BlockMapping(direction=Direction(direction), src_ids=s, dst_ids=d)
+
+
+def chunked_layout(num_regions: int = 118, num_blocks: int = 512, page_bytes: int = 32 * 1024,
+                   blocks_per_chunk: int = 4, host_chunks: int | None = None) -> Layout:
+    """Device blocks in one tensor per region; host pages in chunks of ``blocks_per_chunk`` (dense rows)."""
+    host_chunks = num_blocks // blocks_per_chunk if host_chunks is None else host_chunks
+    row = blocks_per_chunk * page_bytes
+    buffers = [Buffer(name="cpu", nbytes=num_regions * host_chunks * row, location=Location.HOST)]
+    regions = []
+    for r in range(num_regions):
+        buffers.append(Buffer(name=f"gpu.kv{r}", nbytes=num_blocks * page_bytes))
+        regions.append(Region(name=f"kv{r}", page_bytes=page_bytes, device=Placement(buffer=f"gpu.kv{r}"),
+                              host=Placement(buffer="cpu", byte_offset=r * host_chunks * row, blocks_per_chunk=blocks_per_chunk)))
+    return Layout(buffers=tuple(buffers), regions=tuple(regions))
+
+
+def tp_fragment_layout(num_regions: int = 118, num_blocks: int = 512, tokens: int = 16, heads: int = 8,
+                       head_bytes: int = 256, tp: int = 2, rank: int = 0) -> Layout:
+    """A tensor-parallel rank's slice of canonical host pages: pages are [tokens, heads, head_bytes]; the rank
+    holds heads/tp of them, so each page copies as ``tokens`` fragments (one per token)."""
+    local_heads = heads // tp
+    piece = local_heads * head_bytes
+    from .spec import Fragment
+
+    frag = Fragment(local_offset=0, local_stride=piece, canonical_offset=rank * piece,
+                    canonical_stride=heads * head_bytes, fragment_bytes=piece, count=tokens)
+    canon = tokens * heads * head_bytes
+    buffers = [Buffer(name="cpu", nbytes=num_regions * num_blocks * canon, location=Location.HOST)]
+    regions = []
+    for r in range(num_regions):
+        buffers.append(Buffer(name=f"gpu.kv{r}", nbytes=num_blocks * tokens * piece))
+        regions.append(Region(name=f"kv{r}", page_bytes=tokens * piece, host_page_bytes=canon, fragments=(frag,),
+                              device=Placement(buffer=f"gpu.kv{r}"), host=Placement(buffer="cpu", byte_offset=r * num_blocks * canon)))
+    return Layout(buffers=tuple(buffers), regions=tuple(regions))
