@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_bench")
+COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_bench", "cmd_run")
 
 
 def build_app():

@@ -17,8 +17,8 @@ class TargetMismatchError(ValueError):
         self.plan_target, self.runtime_target, self.gate = plan_target, runtime_target, gate
         why = f"they differ on gate {gate!r}" if gate else "the platforms differ"
         super().__init__(f"plan target {plan_target.label} does not fit the runtime found, {runtime_target.label}: "
-                         f"{why}; re-plan for {runtime_target.label} (Executor.run_case(case, ..., replan=True) "
-                         f"does this when you have the case)")
+                         f"{why}; re-plan for {runtime_target.label} (kvxfer run --replan, or Executor.run_case(case, ..., "
+                         f"replan=True))")
 
 
 def check_plan_target(plan: TransferPlan, runtime: Target) -> None:

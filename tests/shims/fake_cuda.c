@@ -30,7 +30,7 @@ int shim_null_batch = 0;  /* nonzero: cuGetProcAddress("cuMemcpyBatchAsync") ret
 
 CUresult fake_cuDriverGetVersion(int *v) {
     if (shim_version_fails) return (CUresult)shim_version_fails;
-    *v = (int)shim_version;
+    *v = (int)shim_reported_version();
     return E_OK;
 }
 
@@ -105,7 +105,8 @@ CUresult fake_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, 
     (void)flags;
     if (status) *status = 0;
     *pfn = NULL;
-    if (cudaVersion > shim_version) return E_INVALID_VALUE;
+    long version = shim_reported_version();
+    if (cudaVersion > version) return E_INVALID_VALUE;
     static const struct { const char *name; void *fn; } table[] = {
         {"cuGetErrorName", (void *)fake_cuGetErrorName},
         {"cuStreamCreate", (void *)fake_cuStreamCreate},
@@ -120,7 +121,7 @@ CUresult fake_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, 
         {"cuMemcpyAsync", (void *)fake_cuMemcpyAsync},
     };
     if (strcmp(symbol, "cuMemcpyBatchAsync") == 0) {
-        if (shim_null_batch || shim_version < 12080 || cudaVersion < 12080) return E_OK;
+        if (shim_null_batch || version < 12080 || cudaVersion < 12080) return E_OK;
         *pfn = cudaVersion >= 13000 ? (void *)fake_cuMemcpyBatchAsync_v13000 : (void *)fake_cuMemcpyBatchAsync_v12080;
         return E_OK;
     }

@@ -19,7 +19,7 @@ _Static_assert(sizeof(hipMemcpyAttributes) == SHIM_ATTR_BYTES, "hipMemcpyAttribu
 
 hipError_t hipRuntimeGetVersion(int *v) {
     if (shim_version_fails) return shim_version_fails;
-    *v = (int)shim_version;
+    *v = (int)shim_reported_version();
     return hipSuccess;
 }
 

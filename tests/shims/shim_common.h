@@ -9,6 +9,7 @@
 #define KVXFER_SHIM_COMMON_H
 
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -47,6 +48,12 @@ long shim_nlog = 0;
 long shim_log[SHIM_MAX_LOG][3];
 long shim_nregister = 0;
 long shim_registered = 0;         /* currently registered ranges */
+
+/* The version to report: shim_version, or $KVXFER_SHIM_VERSION while shim_version is 0 (for the CLI). */
+static long shim_reported_version(void) {
+    const char *env = getenv("KVXFER_SHIM_VERSION");
+    return shim_version == 0 && env ? strtol(env, NULL, 10) : shim_version;
+}
 
 static long shim_nstreams = 0;
 static long shim_nevents = 0;
