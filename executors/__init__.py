@@ -4,8 +4,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import (BindingError, Bound, Executor, ExecutorError, RawMemory, TargetMismatchError, Transfer,
-                   bind_addresses, check_plan_target)
+from .base import (
+    BindingError,
+    Bound,
+    Executor,
+    ExecutorError,
+    RawMemory,
+    TargetMismatchError,
+    Transfer,
+    bind_addresses,
+    check_plan_target,
+)
 from .ops_numpy import NumpyExecutor
 
 _LAZY = {  # backend classes import on first use, so importing kvxfer.executors stays light
@@ -15,7 +24,7 @@ _LAZY = {  # backend classes import on first use, so importing kvxfer.executors 
 }
 
 __all__ = ["BindingError", "Bound", "Executor", "ExecutorError", "NumpyExecutor", "RawMemory", "TargetMismatchError",
-           "Transfer", "bind_addresses", "check_plan_target", *_LAZY]
+           "Transfer", "bind_addresses", "check_plan_target", *list(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

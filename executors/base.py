@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
-
 from kvxfer.planner import Buffer, Case, Location, Target, TransferPlan
 
 

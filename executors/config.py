@@ -17,10 +17,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from pydantic import Field
-
 from kvxfer.planner import Direction, PlanError, Platform, Target, TransferPlan
 from kvxfer.planner._model import Spec
+from pydantic import Field
 
 from .base import Executor, Transfer, resolve_memory
 

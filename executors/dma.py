@@ -11,11 +11,9 @@ import weakref
 from typing import Any, Mapping
 
 import numpy as np
-
 from kvxfer.planner import CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
-from .base import (Bound, Buffer, Executor, ExecutorError, Transfer, bind_addresses, check_location,
-                   check_plan_target)
+from .base import Bound, Buffer, Executor, ExecutorError, Transfer, bind_addresses, check_location, check_plan_target
 
 SIZE_MAX = (1 << 64) - 1
 NOT_READY = 600  # CUDA_ERROR_NOT_READY and hipErrorNotReady share the value

@@ -13,11 +13,20 @@ import time
 from typing import Any, Mapping
 
 import numpy as np
-
 from kvxfer.planner import Location, Platform, Target, TransferPlan, cuda_version, hip_version
 
-from .base import (BindingError, Bound, Buffer, Executor, ExecutorError, TargetMismatchError, Transfer,
-                   bind_addresses, check_location, completed)
+from .base import (
+    BindingError,
+    Bound,
+    Buffer,
+    Executor,
+    ExecutorError,
+    TargetMismatchError,
+    Transfer,
+    bind_addresses,
+    check_location,
+    completed,
+)
 
 ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
 

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-
 from kvxfer.executors import NumpyExecutor, RawMemory
-from kvxfer.executors.config import (EXECUTORS, AutoExecutor, ConfigError, ExecutorConfig, ExecutorKind,
-                                     choose_executor, executor_class, get_executor)
+from kvxfer.executors.config import (
+    EXECUTORS,
+    AutoExecutor,
+    ConfigError,
+    ExecutorConfig,
+    ExecutorKind,
+    choose_executor,
+    executor_class,
+    get_executor,
+)
 from kvxfer.planner import Location, Platform, Target, plan_transfer, presets
 from shims.build import build, compiler
 from shims.cases import assert_same, expected, host_buffers

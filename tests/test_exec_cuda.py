@@ -6,11 +6,10 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from kvxfer.executors import ExecutorError, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
 from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
-from kvxfer.planner import Case, Direction, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
+from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 from shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
 from shims.cases import assert_same, expected, host_buffers
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import pytest
-
 from kvxfer.executors import ExecutorError, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE
 from kvxfer.executors.ops_hip import HIP_LIBRARIES, HipBatchExecutor, load_hip

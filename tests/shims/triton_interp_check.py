@@ -4,9 +4,9 @@ import json
 import sys
 
 import numpy as np
-
 from kvxfer.executors.ops_triton import TritonExecutor, launch_tables
 from kvxfer.planner import PlanOptions, Target, plan_transfer, presets
+
 from shims.cases import expected, host_buffers
 
 rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
@@ -24,10 +24,8 @@ for trial in range(16):
                          PlanOptions(coalesce=bool(trial % 3)))
     bufs = host_buffers(layout, seed=trial)
     want = expected(plan, bufs)
-    views = {k: v[:] for k, v in bufs.items()}
-    addr = lambda name, off: bufs[name].ctypes.data + off  # noqa: E731
-    src = np.array([addr(plan.buffers[b].name, o) for b, o in zip(plan.src_buf, plan.src_offset)], dtype=np.uint64)
-    dst = np.array([addr(plan.buffers[b].name, o) for b, o in zip(plan.dst_buf, plan.dst_offset)], dtype=np.uint64)
+    base = np.array([bufs[b.name].ctypes.data for b in plan.buffers], dtype=np.uint64)
+    src, dst = base[plan.src_buf] + plan.src_offset, base[plan.dst_buf] + plan.dst_offset
     report["widths"] |= {f'{g["word"]}{"a16" if g["align16"] else ""}' for g in launch_tables(src, dst, plan.nbytes, 64)}
     t = ex.run(plan, bufs)
     assert t.done()
