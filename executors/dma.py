@@ -77,13 +77,25 @@ class Runtime:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int: raise NotImplementedError
     def stream_create(self) -> int: raise NotImplementedError
     def stream_destroy(self, stream: int) -> int: raise NotImplementedError
-    def event_create(self) -> int: raise NotImplementedError
     def event_destroy(self, event: int) -> int: raise NotImplementedError
     def event_record(self, event: int, stream: int) -> int: raise NotImplementedError
-    def stream_wait_event(self, stream: int, event: int) -> int: raise NotImplementedError
     def event_query(self, event: int) -> int: raise NotImplementedError
     def event_synchronize(self, event: int) -> int: raise NotImplementedError
-    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]: raise NotImplementedError
+
+    # CUDA's driver and HIP's runtime share these C signatures; subclasses set the three ctypes functions:
+    # _event_create(event*, flags), _stream_wait(stream, event, flags), _elapsed(float*, start, end).
+    def event_create(self) -> int:
+        e = ctypes.c_void_p()
+        self.check(self._event_create(ctypes.byref(e), 0), "event create")
+        return e.value
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        return self._stream_wait(stream, event, 0)
+
+    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        ms = ctypes.c_float()
+        return self._elapsed(ctypes.byref(ms), start, end), ms.value
+
     def error_name(self, code: int) -> str: raise NotImplementedError
     def make_current(self) -> None: """Make the runtime's device current on this thread."""
 

@@ -171,18 +171,6 @@ class CudaRuntime(Runtime):
     def stream_destroy(self, stream: int) -> int:
         return self.driver.stream_destroy(stream)
 
-    def event_create(self) -> int:
-        e = c_void_p()
-        self.check(self._event_create(byref(e), 0), "cuEventCreate")
-        return e.value
-
-    def stream_wait_event(self, stream: int, event: int) -> int:
-        return self._stream_wait(stream, event, 0)
-
-    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
-        ms = c_float()
-        return self._elapsed(byref(ms), start, end), ms.value
-
     def error_name(self, code: int) -> str:
         name = c_char_p()
         return name.value.decode() if self._error_name(code, byref(name)) == 0 and name.value else f"CUresult {code}"

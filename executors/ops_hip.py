@@ -91,18 +91,6 @@ class HipRuntime(Runtime):
         self.check(self._stream_create(byref(s), HIP_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags")
         return s.value or 0
 
-    def event_create(self) -> int:
-        e = c_void_p()
-        self.check(self._event_create(byref(e), 0), "hipEventCreateWithFlags")
-        return e.value
-
-    def stream_wait_event(self, stream: int, event: int) -> int:
-        return self._stream_wait(stream, event, 0)
-
-    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
-        ms = c_float()
-        return self._elapsed(byref(ms), start, end), ms.value
-
     def error_name(self, code: int) -> str:
         name = self._error_name(code)
         return name.decode() if name else f"hipError_t {code}"
