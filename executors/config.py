@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping
 
 from kvxfer.planner import Direction, PlanError, Platform, Target, TransferPlan
 from kvxfer.planner._model import Spec
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Executor, Transfer, resolve_memory
 
@@ -76,6 +76,13 @@ class TritonOptions(_Options):
     max_mean_range_bytes: int = Field(default=28 * 1024, ge=0)
     tile_bytes: int = Field(default=8192, ge=16, le=1 << 16)
     num_programs: int | None = Field(default=None, gt=0)
+
+    @field_validator("tile_bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ConfigError("", v, "must be a power of two")  # the field path is added by validation
+        return v
 
 
 class ExecutorConfig(_Options):

@@ -27,6 +27,8 @@ def test_defaults_and_validation():
         ExecutorConfig(colour="red")
     with pytest.raises(ConfigError, match=r"hip.device = -1"):
         ExecutorConfig.model_validate({"hip": {"device": -1}})
+    with pytest.raises(ConfigError, match="triton.tile_bytes = 3000: must be a power of two"):
+        ExecutorConfig(triton={"tile_bytes": 3000})
     with pytest.raises(ConfigError, match="kind = 'cuda'"):
         ExecutorConfig(kind="cuda")
     with pytest.raises(ValueError, match="frozen"):
