@@ -101,7 +101,11 @@ class ShimDriver:
         if code:
             raise ExecutorError("cuDriverGetVersion", 0, None, f"error {code}", 0)
         self.version = v.value
-        self._stream_create = HANDLE_CREATE(self.get_proc("cuStreamCreate", 2000))
+        create = self.get_proc("cuStreamCreate", 2000)
+        if self.version < 2000 or not create:
+            raise ExecutorError("cuDriverGetVersion", 0, None, f"the shim reports driver version {self.version}: pass "
+                                "version= (or set KVXFER_SHIM_VERSION), e.g. 13000", 0)
+        self._stream_create = HANDLE_CREATE(create)
 
     def get_proc(self, symbol: str, abi_version: int) -> int:
         p = c_void_p()

@@ -161,6 +161,12 @@ def test_target_mismatch_names_both_and_replan(make):
         ex.run_case(case, bufs, replan=False)
 
 
+def test_shim_without_a_version_is_refused(shim_path, monkeypatch):
+    monkeypatch.delenv("KVXFER_SHIM_VERSION", raising=False)
+    with pytest.raises(ExecutorError, match="reports driver version 0"):
+        ShimDriver(shim_path, 0)
+
+
 def test_cap_refused_before_issue(make):
     ex, st = make(V13, max_descriptors=4)
     layout, plan = _plan(V13, pattern="fragmented")
