@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_bench")
+COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench")
 
 
 def build_app():

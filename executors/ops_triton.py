@@ -1,0 +1,184 @@
+"""Triton executor: one SM kernel copies the plan's ranges from raw source/destination addresses.
+
+Ranges are cut into tiles (a tile table built with numpy), copied with the widest element that every
+address and size of a launch allows (one launch per element width present; usually one), full tiles
+unmasked and tails masked. Loads (h2d) read pinned host memory through unified addressing; on a GPU, host
+buffers that are not pinned are refused. With TRITON_INTERPRET=1 set before triton is imported, the kernel
+runs on the CPU on host memory (about 5-8 MB/s: for correctness checks only).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+from kvxfer.planner import Location, Platform, Target, TransferPlan, cuda_version, hip_version
+
+from .base import (
+    BindingError,
+    Bound,
+    Buffer,
+    Executor,
+    ExecutorError,
+    TargetMismatchError,
+    Transfer,
+    bind_addresses,
+    check_location,
+    completed,
+)
+
+ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels on the CPU (TRITON_INTERPRET=1, read by triton at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_tables(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tile_bytes: int) -> list[dict[str, Any]]:
+    """Group ranges by the widest element their addresses and sizes allow, and tile each group.
+
+    Returns one dict per launch: ``word`` (bytes per element), ``align16``, and int64 arrays ``src``, ``dst``,
+    ``nbytes`` (the group's ranges), ``tile_range`` (index into the group) and ``tile_start`` (byte offset).
+    """
+    g = src | dst | nbytes
+    word = np.ones(len(g), dtype=np.int64)
+    for w, _ in ELEMENTS[-2::-1]:  # 2, 4, 8: widest that divides wins
+        word[g % np.uint64(w) == 0] = w
+    align16 = (g % np.uint64(16) == 0) & (word == 8)
+    key = word * 2 + align16
+    out = []
+    for k in np.unique(key).tolist():
+        sel = np.flatnonzero(key == k)
+        n = nbytes[sel].astype(np.int64)
+        tiles = -(-n // tile_bytes)
+        tile_range = np.repeat(np.arange(len(sel), dtype=np.int64), tiles)
+        first = np.cumsum(tiles) - tiles
+        tile_start = (np.arange(len(tile_range), dtype=np.int64) - first[tile_range]) * tile_bytes
+        out.append(dict(word=k // 2, align16=bool(k % 2), src=src[sel].view(np.int64), dst=dst[sel].view(np.int64),
+                        nbytes=n, tile_range=tile_range, tile_start=tile_start))
+    return out
+
+
+def _torch_target(torch: Any) -> Target:
+    if torch.version.hip:
+        major, minor, *rest = (int(p) for p in torch.version.hip.split("-")[0].split(".")[:3])
+        return Target(platform=Platform.ROCM, runtime_version=hip_version(major, minor, rest[0] if rest else 0))
+    major, minor = (int(p) for p in torch.version.cuda.split(".")[:2])
+    return Target(platform=Platform.CUDA, runtime_version=cuda_version(major, minor))
+
+
+class TritonExecutor(Executor):
+    """Copies with a Triton kernel on ``device`` (or on the CPU under TRITON_INTERPRET=1).
+
+    On a GPU the kernel runs on the executor's own stream, which first waits for the caller's compute stream
+    and the previous transfer. Plans of any platform version run (the kernel uses no copy API), but the
+    platform must match the GPU's.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, device: int = 0, tile_bytes: int = 8192, num_programs: int | None = None):
+        if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
+            raise ValueError(f"tile_bytes = {tile_bytes}: must be a power of two >= 16")
+        try:
+            import torch
+            import triton.language as tl
+
+            from .triton_kernel import copy_ranges
+        except ImportError as e:
+            raise ImportError(f"the Triton executor needs triton and torch: pip install 'kvxfer[triton,torch]' ({e})") from None
+        self._torch, self._kernel, self.tile_bytes = torch, copy_ranges, tile_bytes
+        self._elem = {w: getattr(tl, name) for w, name in ELEMENTS}
+        self.interpret = interpreter_active()
+        self._last_end = None
+        if self.interpret:
+            self._device, self._target, self.num_programs = torch.device("cpu"), Target(), num_programs or 4
+            return
+        if not torch.cuda.is_available():
+            raise ExecutorError("triton", 0, None, "no GPU visible to torch (set TRITON_INTERPRET=1 before triton is "
+                                "imported to run the kernel on the CPU)", 0)
+        self._device = torch.device("cuda", device)
+        self._stream = torch.cuda.Stream(self._device)
+        self._target = _torch_target(torch)
+        self.num_programs = num_programs or 4 * torch.cuda.get_device_properties(self._device).multi_processor_count
+
+    @classmethod
+    def from_config(cls, config: Any) -> TritonExecutor:
+        o = config.triton
+        return cls(device=o.device, tile_bytes=o.tile_bytes, num_programs=o.num_programs)
+
+    @property
+    def target(self) -> Target:
+        return self._target
+
+    def _check_memory(self, buf: Buffer, bound: Bound) -> None:
+        check_location(buf, bound, host_as_device=self.interpret)
+        if self.interpret or buf.location is not Location.HOST:
+            return
+        pinned = bound.pinned if bound.pinned is not None else _driver_says_pinned(bound.address)
+        if not pinned:
+            raise BindingError(buf.name, "pageable host memory" if pinned is False else "host memory of unknown kind",
+                               "the Triton kernel reads host memory through unified addressing, which needs pinned "
+                               "memory (pin it, or use the cuda-batch executor)")
+
+    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> Transfer:
+        """Launch the copies; complete on return under the interpreter, asynchronous on a GPU.
+        Raises TargetMismatchError (other platform) or BindingError before anything runs."""
+        t0 = time.perf_counter()
+        if not self.interpret and plan.target.platform is not self._target.platform:
+            raise TargetMismatchError(plan.target, self._target, None)
+        addrs = bind_addresses(plan, bindings, self._check_memory)
+        groups = launch_tables(addrs.src, addrs.dst, plan.nbytes, self.tile_bytes)
+        if self.interpret:
+            for g in groups:
+                self._launch(g, {k: self._torch.from_numpy(g[k]) for k in ("src", "dst", "nbytes", "tile_range", "tile_start")})
+            return completed(plan, t0)
+        return self._run_on_gpu(plan, groups, addrs, stream)
+
+    def _launch(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+        num_tiles = len(g["tile_range"])
+        grid = (max(1, min(num_tiles, self.num_programs)),)
+        self._kernel[grid](t["src"], t["dst"], t["nbytes"], t["tile_range"], t["tile_start"], num_tiles,
+                           ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
+                           ALIGN16=g["align16"])
+
+    def _run_on_gpu(self, plan: TransferPlan, groups: list[dict[str, Any]], addrs: Any, stream: Any) -> Transfer:
+        torch = self._torch
+        compute = (torch.cuda.current_stream(self._device) if stream is None else
+                   stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(int(stream)))
+        cs = self._stream
+        cs.wait_stream(compute)
+        if self._last_end is not None:
+            cs.wait_event(self._last_end)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        keys = ("src", "dst", "nbytes", "tile_range", "tile_start")
+        packed = np.concatenate([g[k] for g in groups for k in keys]) if groups else np.zeros(0, np.int64)
+        with torch.cuda.stream(cs):
+            start.record(cs)
+            table = torch.from_numpy(packed).to(self._device)  # ordered on cs before the kernels read it
+            at = 0
+            for g in groups:
+                views = {}
+                for k in keys:
+                    views[k] = table[at:at + len(g[k])]
+                    at += len(g[k])
+                self._launch(g, views)
+            end.record(cs)
+        self._last_end = end
+        t = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=len(groups),
+                     _keep=([b.owner for b in addrs.bound if b is not None], table if groups else None))
+        t._poll = end.query
+        t._wait = lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+        return t
+
+
+def _driver_says_pinned(address: int) -> bool | None:
+    """Ask the CUDA runtime whether ``address`` is page-locked host memory (None if it cannot tell)."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    err, _flags = rt.cudaHostGetFlags(address)
+    return int(err) == 0

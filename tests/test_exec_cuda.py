@@ -1,0 +1,248 @@
+"""CUDA batch executor end to end against the C driver shim (host memory), and the struct layout vs cuda.h."""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+from kvxfer.executors import ExecutorError, TargetMismatchError
+from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
+from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
+from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
+from .shims.cases import assert_same, expected, host_buffers
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the driver shim")
+
+V13, V128, V124 = cuda_version(13, 0), cuda_version(12, 8), cuda_version(12, 4)
+
+
+@pytest.fixture(scope="module")
+def shim_path(tmp_path_factory):
+    return build("fake_cuda", tmp_path_factory.mktemp("cuda_shim"))
+
+
+@pytest.fixture
+def make(shim_path):
+    """make(version) -> (executor, shim state), state reset."""
+    def _make(version: int = V13, **kw):
+        driver = ShimDriver(shim_path, version)
+        state = ShimState(driver.lib)
+        state.reset()
+        state.set(null_batch=0)
+        return CudaBatchExecutor(driver, **kw), state
+    return _make
+
+
+def _plan(version, direction="h2d", pattern="runs8", n=24, regions=3, blocks=64, page=512, max_desc=None, **kw):
+    layout = presets.kv_layout(regions, blocks, page, **kw)
+    m = presets.mapping(pattern, n, blocks, direction, seed=n)
+    return layout, plan_transfer(layout, m, Target(platform="cuda", runtime_version=version),
+                                 PlanOptions(max_descriptors=max_desc))
+
+
+@pytest.mark.parametrize("version", [V13, V128, V124])
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("pattern,shared", [("runs8", False), ("fragmented", True), ("descending", False),
+                                            ("interleaved", True), ("contiguous", True)])
+def test_matches_numpy_and_lowers_one_to_one(make, version, direction, pattern, shared):
+    layout, plan = _plan(version, direction, pattern, max_desc=5, shared_device=shared)
+    ex, st = make(version)
+    bufs = host_buffers(layout, seed=7)
+    want = expected(plan, bufs)
+    t = ex.run(plan, bufs).wait()
+    assert_same(bufs, want)
+    assert (t.nbytes, t.ranges, t.calls) == (plan.total_bytes, plan.num_ranges, plan.num_calls)
+    assert t.done() and t.elapsed_s is not None and t.elapsed_s >= 0
+    if version == V124:  # per-range fallback: one cuMemcpyAsync per range, nothing batched
+        assert st.counts == []
+        assert [op for op in st.log if op[0] == "copy"] == [("copy", ex._stream, int(n)) for n in plan.nbytes]
+        return
+    assert st.counts == plan.call_sizes.tolist()
+    assert st.has_fail_idx == [int(version == V128)] * plan.num_calls  # 12.8 ABI passes failIdx, 13.0 has none
+    runs = [plan.attr_runs(c) for c in range(plan.num_calls)]
+    assert st.num_attrs == [len(ids) for ids, _ in runs]
+    recs, idx = st.attrs(ATTR_DTYPE)
+    want_recs = np.concatenate([np.array([(plan.attrs[i].src_access_order.code,
+                                           (plan.attrs[i].src_location.code, plan.attrs[i].src_location.id),
+                                           (plan.attrs[i].dst_location.code, plan.attrs[i].dst_location.id),
+                                           plan.attrs[i].flags) for i in ids], dtype=ATTR_DTYPE) for ids, _ in runs])
+    assert recs.tobytes() == want_recs.tobytes()
+    assert idx.tolist() == np.concatenate([s for _, s in runs]).tolist()
+    order = 3 if direction == "h2d" else 1  # ANY for loads, STREAM for stores
+    assert set(recs["srcAccessOrder"].tolist()) == {order}
+
+
+def test_random_mappings_match_numpy(make):
+    ex, _ = make(V128)
+    rng = np.random.default_rng(3)
+    for trial in range(12):
+        blocks = int(rng.integers(8, 64))
+        layout = presets.kv_layout(int(rng.integers(1, 4)), blocks, int(rng.choice([64, 96, 256])),
+                                   shared_device=bool(trial % 2), shared_host=bool(trial % 3))
+        n = int(rng.integers(1, blocks))
+        m = dict(direction=["h2d", "d2h"][trial % 2], src_ids=rng.integers(0, blocks, n),
+                 dst_ids=rng.permutation(blocks)[:n])
+        plan = plan_transfer(layout, m, Target(platform="cuda", runtime_version=V128),
+                             PlanOptions(max_descriptors=int(rng.integers(0, 4))))
+        bufs = host_buffers(layout, seed=trial)
+        want = expected(plan, bufs)
+        ex.run(plan, bufs).wait()
+        assert_same(bufs, want)
+
+
+def test_stream_order_compute_then_previous_transfer(make):
+    layout, plan = _plan(V13)
+    ex, st = make(V13)
+    bufs = host_buffers(layout)
+    first = ex.run(plan, bufs, stream=77)
+    second = ex.run(plan, bufs, stream=77)
+    second.wait()
+    ev_end_first = first._keep[1][2]
+    log = [op for op in st.log if op[0] not in ("sync", "stream")]
+    s = ex._stream
+    ready1, start1, end1 = first._keep[1]
+    ready2, start2, end2 = second._keep[1]
+    assert log == [("record", ready1, 77), ("wait", s, ready1), ("record", start1, s), ("batch", s, plan.num_ranges),
+                   ("record", end1, s),
+                   ("record", ready2, 77), ("wait", s, ready2), ("wait", s, ev_end_first), ("record", start2, s),
+                   ("batch", s, plan.num_ranges), ("record", end2, s)]
+
+
+@pytest.mark.parametrize("version,descriptor", [(V128, True), (V13, False), (V124, True)])
+def test_driver_error_names_error_call_and_descriptor(make, version, descriptor):
+    layout, plan = _plan(version, pattern="fragmented", max_desc=4)
+    assert plan.num_calls >= 3
+    ex, st = make(version)
+    st.set(fail_at=9, fail_code=700)  # descriptor 9 = index 1 of call 2
+    bufs = host_buffers(layout)
+    with pytest.raises(ExecutorError) as e:
+        ex.run(plan, bufs)
+    msg = str(e.value)
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS (700)" in msg and "chunk 2" in msg and "chunks 0..1 were issued" in msg
+    assert e.value.chunk == 2 and e.value.issued_chunks == 2
+    assert e.value.descriptor == (9 if descriptor else None)
+    assert ("descriptor 9 is index 1 of the call" in msg) == descriptor
+    # the failed transfer still gets an end event, and the next transfer waits for it
+    failed_end = ex._last._keep[1][2]
+    assert ("record", failed_end, ex._stream) in st.log
+    st.reset()
+    ex.run(plan, bufs).wait()
+    assert ("wait", ex._stream, failed_end) in st.log
+
+
+def test_null_entry_point_is_unavailable_not_a_crash(make):
+    ex, st = make(V13)
+    st.set(null_batch=1)
+    ex2 = CudaBatchExecutor(ex.runtime.driver)  # resolves again, now NULL
+    layout, plan = _plan(V13)
+    with pytest.raises(ExecutorError, match="NULL: unavailable") as e:
+        ex2.run(plan, host_buffers(layout))
+    assert e.value.issued_chunks == 0 and st.counts == []
+
+
+def test_target_mismatch_names_both_and_replan(make):
+    ex, st = make(V13)
+    layout, plan = _plan(V128)
+    with pytest.raises(TargetMismatchError, match=r"cuda-12.8 .* cuda-13.0: .*'cuda>=13.0 batch_v2'"):
+        ex.run(plan, host_buffers(layout))
+    rocm = plan_transfer(layout, presets.mapping("runs8", 8, 64), Target(platform="rocm", runtime_version=71600000))
+    with pytest.raises(TargetMismatchError, match="platforms differ"):
+        ex.run(rocm, host_buffers(layout))
+    assert st.counts == []
+    case = Case(layout=layout, mapping=presets.mapping("runs8", 24, 64, seed=24),
+                target=Target(platform="cuda", runtime_version=V128))
+    bufs = host_buffers(layout, 1)
+    want = expected(case.model_copy(update={"target": ex.target}).plan(), bufs)
+    ex.run_case(case, bufs).wait()
+    assert_same(bufs, want)
+    with pytest.raises(TargetMismatchError):
+        ex.run_case(case, bufs, replan=False)
+
+
+def test_shim_without_a_version_is_refused(shim_path, monkeypatch):
+    monkeypatch.delenv("KVXFER_SHIM_VERSION", raising=False)
+    with pytest.raises(ExecutorError, match="reports driver version 0"):
+        ShimDriver(shim_path, 0)
+
+
+def test_cap_refused_before_issue(make):
+    ex, st = make(V13, max_descriptors=4)
+    layout, plan = _plan(V13, pattern="fragmented")
+    with pytest.raises(PlanError, match="call_sizes.*exceeds this executor's cap of 4"):
+        ex.run(plan, host_buffers(layout))
+    assert st.counts == []
+
+
+def test_binding_errors_before_issue(make):
+    from kvxfer.executors import BindingError
+    ex, st = make(V13)
+    layout, plan = _plan(V13, direction="d2h")
+    bufs = host_buffers(layout)
+    missing = dict(bufs)
+    missing.pop("cpu")
+    with pytest.raises(BindingError, match="'cpu'.*missing"):
+        ex.run(plan, missing)
+    small = dict(bufs, cpu=bufs["cpu"][:-1])
+    with pytest.raises(BindingError, match="smaller than"):
+        ex.run(plan, small)
+    ro = bufs["cpu"].copy()
+    ro.flags.writeable = False
+    with pytest.raises(BindingError, match="read-only"):
+        ex.run(plan, dict(bufs, cpu=ro))
+    assert st.counts == []
+
+
+def test_struct_layout_matches_cuda_h(tmp_path):
+    if not has_cuda_h():
+        pytest.skip(f"cuda.h not found under {CUDA_INCLUDE}")
+    exe = tmp_path / "layout"
+    subprocess.run([compiler(), f"-I{CUDA_INCLUDE}", str(HERE / "layout.c"), "-o", str(exe)], check=True)
+    c = dict(line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines())
+    c = {k: int(v) for k, v in c.items()}
+    assert ctypes.sizeof(MemcpyAttributes) == c["sizeof"] == ATTR_DTYPE.itemsize == 24
+    assert ctypes.alignment(MemcpyAttributes) == c["alignof"]
+    for f in ("srcAccessOrder", "srcLocHint", "dstLocHint", "flags"):
+        assert getattr(MemcpyAttributes, f).offset == c[f] == ATTR_DTYPE.fields[f][1]
+    assert (ctypes.sizeof(MemLocation), MemLocation.type.offset, MemLocation.id.offset) == (c["loc.sizeof"], c["loc.type"], c["loc.id"])
+    from kvxfer.planner import AccessOrder, Location
+    from kvxfer.planner.plan import LocationHint
+    from kvxfer.planner.target import FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    assert (AccessOrder.ANY.code, AccessOrder.STREAM.code) == (c["enum.ANY"], c["enum.STREAM"])
+    assert LocationHint(location=Location.HOST).code == c["enum.HOST"]
+    assert LocationHint(location=Location.DEVICE).code == c["enum.DEVICE"]
+    assert FLAG_PREFER_OVERLAP_WITH_COMPUTE == c["enum.PREFER_OVERLAP"]
+
+
+def test_prototype_check_rejects_a_wrong_abi(tmp_path):
+    """The shim's compile-time check against cudaTypedefs.h fails when a fake's signature drifts."""
+    if not has_cuda_h():
+        pytest.skip(f"cuda.h not found under {CUDA_INCLUDE}")
+    src = (HERE / "fake_cuda.c").read_text()
+    broken = src.replace("size_t *failIdx, CUstream s) {", "CUstream s) {").replace("failIdx, H(s), E_INVALID_VALUE);\n}\n\nCUresult fake_cuMemcpyBatchAsync_v13000", "NULL, H(s), E_INVALID_VALUE);\n}\n\nCUresult fake_cuMemcpyBatchAsync_v13000", 1)
+    assert broken != src
+    (tmp_path / "broken.c").write_text(broken)
+    r = subprocess.run([compiler(), "-shared", "-fPIC", "-Wall", "-Werror", "-DSHIM_WITH_CUDA_H", f"-I{CUDA_INCLUDE}",
+                        f"-I{HERE}", str(tmp_path / "broken.c"), "-o", str(tmp_path / "b.so")], capture_output=True, text=True)
+    assert r.returncode != 0 and "PFN_cuMemcpyBatchAsync_v12080" in r.stderr
+
+
+@pytest.mark.gpu
+def test_round_trip_on_gpu():
+    import torch
+    from kvxfer.executors.ops_cuda import CudaDriver
+    ex = CudaBatchExecutor(CudaDriver(0))
+    layout = presets.kv_layout(4, 128, 4096)
+    dev = {b.name: torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8, device="cuda") for b in layout.buffers
+           if b.location.value == "device"}
+    host = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8).pin_memory() for b in layout.buffers
+            if b.location.value == "host"}
+    for direction, pattern in (("d2h", "runs8"), ("h2d", "descending")):
+        m = presets.mapping(pattern, 32, 128, direction)
+        plan = plan_transfer(layout, m, ex.target)
+        before = {k: v.cpu().numpy().copy() for k, v in {**dev, **host}.items()}
+        want = expected(plan, before)
+        torch.cuda.synchronize()
+        ex.run(plan, {**dev, **host}).wait()
+        assert_same({k: v.cpu().numpy() for k, v in {**dev, **host}.items()}, want)
