@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from kvxfer.cli.demo import run_demo
+        from kvxfer.cli.demo import run_demo, run_layout_demo
 
         page = page_bytes or (32 * 1024 if full else 1024)
         console = Console(width=None if Console().is_terminal else 120)
@@ -30,6 +30,17 @@ def register(app: typer.Typer) -> None:
             table.add_row(r["pattern"], r["target"], str(r["requested"]), str(r["ranges"]), str(r["calls"]),
                           r["attrs"], r["api"], f"{r['plan_ms']:.2f}", "[green]yes[/]" if r["verified"] else "[red]NO[/]")
         console.print(table)
+        console.print("\n[bold]layout features[/] (cuda-13.0 target; verified against the unmerged plan)")
+        lrows = run_layout_demo(page_bytes=page, regions=regions, blocks=blocks)
+        ltable = Table()
+        for col, just in (("layout", "left"), ("requested", "right"), ("ranges", "right"), ("calls", "right"),
+                          ("MiB", "right"), ("plan ms", "right"), ("verified", "left")):
+            ltable.add_column(col, justify=just, no_wrap=True)
+        for r in lrows:
+            ltable.add_row(r["layout"], str(r["requested"]), str(r["ranges"]), str(r["calls"]), f"{r['bytes'] / 2**20:.1f}",
+                           f"{r['plan_ms']:.2f}", "[green]yes[/]" if r["verified"] else "[red]NO[/]")
+        console.print(ltable)
+        rows = rows + lrows
         bad = [r for r in rows if not r["verified"]]
         if bad:
             console.print(f"[red]{len(bad)} plans did not reproduce per-block copies[/]")

@@ -110,21 +110,26 @@ def _check_overlaps(layout: Layout, direction: Direction, r: Ranges, d: np.ndarr
     bad = np.flatnonzero((db[1:] == db[:-1]) & (do[:-1] + nb[:-1] > do[1:]))
     if bad.size:
         _explain_dst_overlap(layout, r, int(bad[0]), d)
-    for b in shared:
-        sm = r["src_buf"] == b
-        ss, se = r["src_offset"][sm], r["src_offset"][sm] + nb[sm]
-        dm = np.flatnonzero(db == b)
-        if not len(ss) or not len(dm):
+    check_reads_vs_writes(layout, direction, r)
+
+
+def check_reads_vs_writes(layout: Layout, direction: Direction, r: Ranges) -> None:
+    """In a buffer that is both read and written, no destination range may overlap any source range."""
+    for b in layout.info.shared_buffers(direction):
+        sm, dm = r["src_buf"] == b, np.flatnonzero(r["dst_buf"] == b)
+        if not sm.any() or not len(dm):
             continue
+        ss, se = r["src_offset"][sm], r["src_offset"][sm] + r["nbytes"][sm]
         o = np.argsort(ss, kind="stable")
         ss, se = ss[o], np.maximum.accumulate(se[o])
-        k = np.searchsorted(ss, do[dm] + nb[dm], side="left") - 1  # last source range starting before dst end
-        hit = (k >= 0) & (se[np.maximum(k, 0)] > do[dm])
+        do, de = r["dst_offset"][dm], r["dst_offset"][dm] + r["nbytes"][dm]
+        k = np.searchsorted(ss, de, side="left") - 1  # last source range starting before the destination ends
+        hit = (k >= 0) & (se[np.maximum(k, 0)] > do)
         if hit.any():
-            j = int(dm[np.argmax(hit)])
+            j = int(np.argmax(hit))
             name = layout.buffers[b].name
-            raise LayoutError(f"regions[{int(r['region'][j])}].{direction.dst_side}", name,
-                              f"destination bytes [{int(do[j])}, {int(do[j] + nb[j])}) of buffer {name!r} overlap "
+            raise LayoutError(f"regions[{int(r['region'][dm[j]])}].{direction.dst_side}", name,
+                              f"destination bytes [{int(do[j])}, {int(de[j])}) of buffer {name!r} overlap "
                               f"source bytes of the same transfer")
 
 

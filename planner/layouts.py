@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .coalesce import Ranges, _id_runs, _merge, _split_large, _take
+from .coalesce import Ranges, _id_runs, _merge, _split_large, _take, check_reads_vs_writes
 from .errors import LayoutError, MappingError
 from .spec import BlockMapping, Direction, Layout, LayoutInfo
 from .target import PlanOptions
@@ -257,16 +257,4 @@ def _check_extended_overlaps(layout: Layout, direction: Direction, r: Ranges, cg
         what = f"region {a!r} writes them twice" if a == b else f"region {a!r} also writes them"
         raise MappingError("dst_ids", f"{buf}[{int(do[i + 1])}:{int(do[i + 1] + nb[i + 1])}]",
                            f"destination bytes of region {b!r} are written twice: {what}")
-    for b in layout.info.shared_buffers(direction):
-        sm, dm = r["src_buf"] == b, r["dst_buf"] == b
-        if not sm.any() or not dm.any():
-            continue
-        ss, se = r["src_offset"][sm], r["src_offset"][sm] + r["nbytes"][sm]
-        k = np.argsort(ss, kind="stable")
-        ss, se = ss[k], np.maximum.accumulate(se[k])
-        dst_o, dst_e = r["dst_offset"][dm], r["dst_offset"][dm] + r["nbytes"][dm]
-        j = np.searchsorted(ss, dst_e, side="left") - 1
-        hit = (j >= 0) & (se[np.maximum(j, 0)] > dst_o)
-        if hit.any():
-            name = layout.buffers[b].name
-            raise LayoutError("regions", name, f"destination bytes of buffer {name!r} overlap source bytes of the same transfer")
+    check_reads_vs_writes(layout, direction, r)

@@ -111,3 +111,15 @@ def tp_fragment_layout(num_regions: int = 118, num_blocks: int = 512, tokens: in
         regions.append(Region(name=f"kv{r}", page_bytes=tokens * piece, host_page_bytes=canon, fragments=(frag,),
                               device=Placement(buffer=f"gpu.kv{r}"), host=Placement(buffer="cpu", byte_offset=r * num_blocks * canon)))
     return Layout(buffers=tuple(buffers), regions=tuple(regions))
+
+
+def page_first_layout(num_regions: int = 118, num_blocks: int = 512, page_bytes: int = 32 * 1024) -> Layout:
+    """Block-major layouts on both sides: block b of every region is contiguous, so a run of blocks is one
+    range across all regions."""
+    row = num_regions * page_bytes
+    buffers = (Buffer(name="gpu", nbytes=num_blocks * row), Buffer(name="cpu", nbytes=num_blocks * row, location=Location.HOST))
+    regions = tuple(Region(name=f"kv{r}", page_bytes=page_bytes,
+                           device=Placement(buffer="gpu", byte_offset=r * page_bytes, stride_bytes=row),
+                           host=Placement(buffer="cpu", byte_offset=r * page_bytes, stride_bytes=row))
+                    for r in range(num_regions))
+    return Layout(buffers=buffers, regions=regions)
