@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz
 
-.PHONY: demo test test-all bench venv clean
+.PHONY: demo test lint bench venv clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
 
 bench: $(BIN)/.installed
 	$(BIN)/kvxfer bench

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from kvxfer.planner import BlockMapping, PlanOptions, Target, plan_transfer, presets
 
 REGIONS, BLOCKS, MOVED, PAGE = 118, 512, 256, 32 * 1024
@@ -193,6 +194,7 @@ def main() -> int:
         dry_run(args.out)
         return 0
     import torch
+
     from kvxfer.executors.ops_cuda import CudaBatchExecutor
     from kvxfer.executors.ops_triton import TritonExecutor
     if not torch.cuda.is_available():
@@ -214,7 +216,8 @@ def main() -> int:
     if "bandwidth" not in skip:
         report["bandwidth"] = bw = bandwidth(torch, dma, target)
         print("\n## restore 118 x 256 x 32 KiB with cuda-batch (median of 5)")
-        print(f"{'plan':28} {'ranges':>7} {'calls':>5} {'GB/s':>7} {'vs 1 copy':>9} {'copy ms':>8} {'submit ms':>9} {'us/desc':>8}")
+        print(f"{'plan':28} {'ranges':>7} {'calls':>5} {'GB/s':>7} {'vs 1 copy':>9} {'copy ms':>8} "
+              f"{'submit ms':>9} {'us/desc':>8}")
         for k, r in bw.items():
             print(f"{k:28} {r['ranges']:>7} {r['calls']:>5} {r['GB/s']:>7.1f} {r['vs_one_copy']:>9.2f} "
                   f"{r['copy_ms']:>8.2f} {r['submit_ms']:>9.3f} {r['submit_us_per_descriptor']:>8.3f}")

@@ -4,8 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvxfer.planner import Case, PlanError, TransferPlan
-from kvxfer.planner import golden
+from kvxfer.planner import Case, PlanError, TransferPlan, golden
 
 
 def read_plan(path: str | Path) -> tuple[Case | None, TransferPlan]:

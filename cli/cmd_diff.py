@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ def register(app: typer.Typer) -> None:
         b: Path = typer.Argument(..., help="case, plan or golden file"),
         full: bool = typer.Option(False, "--full", help="show every changed range"),
         max_rows: int = typer.Option(40, "--max-rows", help="changed ranges shown before eliding the middle"),
-        html: Optional[Path] = typer.Option(None, "--html", help="also write the HTML view to this file"),
+        html: Path | None = typer.Option(None, "--html", help="also write the HTML view to this file"),
         equivalent: bool = typer.Option(False, "--equivalent",
                                         help="exit 0 when the plans move the same bytes, even if they differ"),
     ) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -19,8 +18,8 @@ def register(app: typer.Typer) -> None:
         stats: bool = typer.Option(False, "--stats", help="print statistics as JSON"),
         full: bool = typer.Option(False, "--full", help="show every range (no elision)"),
         max_rows: int = typer.Option(20, "--max-rows", help="ranges shown before eliding the middle"),
-        html: Optional[Path] = typer.Option(None, "--html", help="write the HTML view to this file"),
-        png: Optional[Path] = typer.Option(None, "--png", help="write the transfer map (needs kvxfer[viz])"),
+        html: Path | None = typer.Option(None, "--html", help="write the HTML view to this file"),
+        png: Path | None = typer.Option(None, "--png", help="write the transfer map (needs kvxfer[viz])"),
     ) -> None:
         """Plan CASE and print a summary (or --explain, --json, --stats); --html/--png write files."""
         from rich.console import Console

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -36,14 +36,17 @@ def register(app) -> None:
 
     @app.command("run")
     def _cmd(case_path: Path = typer.Argument(..., help="case file (JSON: layout, mapping, target, options)"),
-             executor: Optional[str] = typer.Option(None, "--executor", "-e", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
-             config: Optional[Path] = typer.Option(None, "--config", help="executor config file (TOML or JSON)"),
+             executor: str | None = typer.Option(
+                 None, "--executor", "-e", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
+             config: Path | None = typer.Option(None, "--config", help="executor config file (TOML or JSON)"),
              verify: bool = typer.Option(False, "--verify", help="compare every byte with the NumPy reference"),
              explain_executor: bool = typer.Option(False, "--explain-executor", help="print the executor chosen and why"),
-             replan: Optional[bool] = typer.Option(None, "--replan/--no-replan", help="plan for the runtime found instead of the case's target"),
-             max_descriptors: Optional[int] = typer.Option(None, "--max-descriptors", help="per-call cap (0 = unlimited)"),
-             shim: Optional[Path] = typer.Option(None, "--shim", help=HELP_SHIM),
-             shim_version: Optional[int] = typer.Option(None, "--shim-version", help="runtime version the shim reports (12080, 71600000, ...)"),
+             replan: bool | None = typer.Option(
+                 None, "--replan/--no-replan", help="plan for the runtime found instead of the case's target"),
+             max_descriptors: int | None = typer.Option(None, "--max-descriptors", help="per-call cap (0 = unlimited)"),
+             shim: Path | None = typer.Option(None, "--shim", help=HELP_SHIM),
+             shim_version: int | None = typer.Option(
+                 None, "--shim-version", help="runtime version the shim reports (12080, 71600000, ...)"),
              seed: int = typer.Option(0, "--seed", help="seed of the random buffer contents")) -> None:
         """Plan CASE, run it, report bytes, calls and time; with --verify exit 1 on any differing byte."""
         from kvxfer.executors import NumpyExecutor

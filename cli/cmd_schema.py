@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     @app.command("schema")
-    def schema_cmd(out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file")) -> None:
+    def schema_cmd(out: Path | None = typer.Option(None, "--out", "-o", help="write to this file")) -> None:
         """Print the JSON Schema of case files (what kvxfer plan and kvxfer diff read)."""
         from kvxfer.planner import Case
 

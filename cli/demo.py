@@ -7,7 +7,17 @@ from typing import Any
 import numpy as np
 
 from kvxfer.executors import NumpyExecutor
-from kvxfer.planner import BlockMapping, Layout, PlanOptions, Target, TransferPlan, cuda_version, hip_version, plan_transfer, presets
+from kvxfer.planner import (
+    BlockMapping,
+    Layout,
+    PlanOptions,
+    Target,
+    TransferPlan,
+    cuda_version,
+    hip_version,
+    plan_transfer,
+    presets,
+)
 
 TARGETS = {
     "rocm-7.2": Target(platform="rocm", runtime_version=hip_version(7, 2, 53211)),

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
+
 from kvxfer.planner import Buffer, Case, Location, Target, TransferPlan
 
 

@@ -13,13 +13,15 @@ import importlib
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator
 
 from kvxfer.planner import Direction, PlanError, Platform, Target, TransferPlan
 from kvxfer.planner._model import Spec
-from pydantic import Field, field_validator
 
 from .base import Executor, Transfer, resolve_memory
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import ctypes
 import sys
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+
 from kvxfer.planner import CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
 from .base import Bound, Buffer, Executor, ExecutorError, Transfer, bind_addresses, check_location, check_plan_target

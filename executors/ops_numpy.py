@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvxfer.planner import TransferPlan
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+
 from kvxfer.planner import Location, Platform, Target, TransferPlan, cuda_version, hip_version
 
 from .base import (

@@ -8,9 +8,10 @@ caching host allocator, which rounds each pinned allocation up to a power of two
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .base import resolve_memory
 
@@ -44,7 +45,8 @@ def hip_registrar(library: str | Path | None = None, flags: int = 0) -> Registra
     from .ops_hip import load_hip
     lib = load_hip(library)
     reg, unreg, name = lib.hipHostRegister, lib.hipHostUnregister, lib.hipGetErrorName
-    reg.argtypes, unreg.argtypes, name.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], [ctypes.c_void_p], [ctypes.c_int]
+    reg.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    unreg.argtypes, name.argtypes = [ctypes.c_void_p], [ctypes.c_int]
     name.restype = ctypes.c_char_p
     return Registrar("hipHostRegister", lambda a, n: reg(a, n, flags), lambda a: unreg(a),
                      lambda c: (name(c) or b"unknown").decode())

@@ -5,7 +5,8 @@ across regions. A K/V outer dimension (shape[0] == 2) can be split into two regi
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvxfer.planner import Buffer, Layout, LayoutError, Location, Placement, Region
 
@@ -87,7 +88,8 @@ def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, k
         if kv_split:
             for side, t in (("device", d), ("host", h)):
                 if t.dim() < 2 or t.shape[0] != 2:
-                    raise LayoutError(f"{side}[{name!r}]", f"shape {tuple(t.shape)}", "kv_split needs a leading K/V dimension of 2")
+                    raise LayoutError(f"{side}[{name!r}]", f"shape {tuple(t.shape)}",
+                                      "kv_split needs a leading K/V dimension of 2")
             parts = [(f"{name}.k", d[0], h[0]), (f"{name}.v", d[1], h[1])]
         for rname, dt, ht in parts:
             dpage, dstride = _page(dt, f"device[{name!r}]")

@@ -4,7 +4,7 @@ from .coalesce import plan_transfer
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
 from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, Region
-from .target import (AccessOrder, CopyApi, Platform, PlanOptions, Target, cuda_version, hip_version)
+from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_version, hip_version
 
 __all__ = [
     "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Layout",

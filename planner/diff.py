@@ -12,9 +12,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._views import (
+    NUMERIC,
+    RANGE_COLUMNS,
+    STYLE,
+    check_max_rows,
+    format_table,
+    html_table,
+    plural,
+    rows_for,
+    shown_indices,
+)
 from .errors import PlanError
-from ._views import (NUMERIC, RANGE_COLUMNS, STYLE, check_max_rows, format_table, html_table, plural, rows_for,
-                     shown_indices)
 from .plan import CopyAttributes, TransferPlan
 from .spec import Location
 

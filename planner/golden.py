@@ -7,9 +7,10 @@ never read the environment; the pytest plugin and the CLI decide when to update.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

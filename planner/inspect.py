@@ -7,12 +7,23 @@ and are re-exported here. Pure: pandas and rich are imported only inside the fun
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._views import (DEFAULT_MAX_ROWS, NUMERIC, RANGE_COLUMNS, STYLE, block_bytes, count, format_table, html_table,
-                     plural, range_rows)
+from ._views import (
+    DEFAULT_MAX_ROWS,
+    NUMERIC,
+    RANGE_COLUMNS,
+    STYLE,
+    block_bytes,
+    count,
+    format_table,
+    html_table,
+    plural,
+    range_rows,
+)
 from .diff import PlanDiff, diff_plans, equivalent, normalize
 from .errors import PlanError
 from .plan import TransferPlan, _fmt_bytes

@@ -92,7 +92,7 @@ def _region_kinds(layout: Layout, direction: Direction) -> tuple[np.ndarray, lis
     info = layout.info
     kinds = np.zeros(info.nregions, dtype=np.int64)
     tables = []
-    for r, reg in enumerate(layout.regions):
+    for r in range(info.nregions):
         fs, fd, fb = _fragment_table(layout, r, direction)
         t = _merge({"src_buf": np.zeros(len(fb), np.int32), "dst_buf": np.zeros(len(fb), np.int32),
                     "src_offset": fs, "dst_offset": fd, "nbytes": fb, "region": np.zeros(len(fb), np.int32)})

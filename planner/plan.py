@@ -4,8 +4,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -223,9 +224,9 @@ class TransferPlan:
         return hash(self.fingerprint)
 
     def __repr__(self) -> str:
-        calls = self.num_calls
+        n, calls = self.num_ranges, self.num_calls
         return (f"TransferPlan({self.direction.value} {self.target.label}: {self.requested_copies} -> "
-                f"{self.num_ranges} range{'s' if self.num_ranges != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
+                f"{n} range{'s' if n != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
 
     # ---- views (planner/inspect.py) ---------------------------------------------------------------------
     def explain(self, **kw: Any) -> str:

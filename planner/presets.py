@@ -32,8 +32,10 @@ def kv_layout(num_regions: int = 118, num_blocks: int = 512, page_bytes: int = 3
             buffers.append(Buffer(name=f"gpu.{name}", nbytes=num_blocks * page_bytes, location=Location.DEVICE, device=device))
         if not shared_host:
             buffers.append(Buffer(name=f"cpu.{name}", nbytes=host_blocks * page_bytes, location=Location.HOST))
-        dev = Placement(buffer="gpu", byte_offset=r * num_blocks * page_bytes) if shared_device else Placement(buffer=f"gpu.{name}")
-        host = Placement(buffer="cpu", byte_offset=r * host_blocks * page_bytes) if shared_host else Placement(buffer=f"cpu.{name}")
+        dev = (Placement(buffer="gpu", byte_offset=r * num_blocks * page_bytes) if shared_device
+               else Placement(buffer=f"gpu.{name}"))
+        host = (Placement(buffer="cpu", byte_offset=r * host_blocks * page_bytes) if shared_host
+                else Placement(buffer=f"cpu.{name}"))
         regions.append(Region(name=name, page_bytes=page_bytes, device=dev, host=host))
     return Layout(buffers=tuple(buffers), regions=tuple(regions))
 
@@ -109,7 +111,8 @@ def tp_fragment_layout(num_regions: int = 118, num_blocks: int = 512, tokens: in
     for r in range(num_regions):
         buffers.append(Buffer(name=f"gpu.kv{r}", nbytes=num_blocks * tokens * piece))
         regions.append(Region(name=f"kv{r}", page_bytes=tokens * piece, host_page_bytes=canon, fragments=(frag,),
-                              device=Placement(buffer=f"gpu.kv{r}"), host=Placement(buffer="cpu", byte_offset=r * num_blocks * canon)))
+                              device=Placement(buffer=f"gpu.kv{r}"),
+                              host=Placement(buffer="cpu", byte_offset=r * num_blocks * canon)))
     return Layout(buffers=tuple(buffers), regions=tuple(regions))
 
 

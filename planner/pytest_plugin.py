@@ -51,8 +51,7 @@ class GoldenPlan:
     def __call__(self, case: Any, name: str | None = None, plan: Any = None) -> Any:
         """Compare ``case`` (a Case, dict or path) and its plan with ``<golden dir>/<name>.json``; the default
         name is the test's name. Returns the plan. Fails the test on a mismatch unless updating."""
-        from kvxfer.planner import Case
-        from kvxfer.planner import golden
+        from kvxfer.planner import Case, golden
 
         case = Case.coerce(case, "case")
         plan = case.plan() if plan is None else plan

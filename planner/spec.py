@@ -96,7 +96,8 @@ class Region(Spec):
                 raise LayoutError(f"{side}.byte_offset", p.byte_offset, f"block 0 ends past 2^64 (page_bytes {page})")
             row = page * p.blocks_per_chunk
             if p.stride_bytes is not None and p.stride_bytes < row:
-                what = "page_bytes" if p.blocks_per_chunk == 1 else f"blocks_per_chunk x page_bytes ({p.blocks_per_chunk} x {page})"
+                k = p.blocks_per_chunk
+                what = "page_bytes" if k == 1 else f"blocks_per_chunk x page_bytes ({k} x {page})"
                 raise LayoutError(f"{side}.stride_bytes", p.stride_bytes, f"stride is smaller than {what} {row}")
         if not self.fragments and self.side_page("host") != self.page_bytes:
             raise LayoutError("host_page_bytes", self.host_page_bytes,
@@ -114,7 +115,7 @@ class Region(Spec):
                     raise LayoutError(f"fragments[{j}].{stride}", step, f"pieces of {f.fragment_bytes} bytes overlap")
                 spans += [(start + i * step, start + i * step + f.fragment_bytes, j) for i in range(f.count)]
             spans.sort()
-            for (a0, a1, ja), (b0, _, jb) in zip(spans, spans[1:]):
+            for (_, a1, ja), (b0, _, jb) in zip(spans, spans[1:]):
                 if b0 < a1:
                     raise LayoutError(f"fragments[{jb}].{off}", b0, f"{side} bytes [{b0}, {a1}) overlap fragments[{ja}]")
         return self
@@ -215,7 +216,7 @@ class LayoutInfo:
         return self.memo[key]
 
     def linked_regions(self, direction: Direction) -> np.ndarray:
-        """Boolean mask of regions whose ranges might merge with another region's (same buffers, touching extents on both sides)."""
+        """Mask of regions whose ranges might merge with another region's: same buffers, extents touching on both sides."""
         if direction.value not in self._links:
             s, d = self.side[direction.src_side], self.side[direction.dst_side]
             n = self.nregions

@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("typer", reason="the CLI needs the cli extra")
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from kvxfer.cli.main import build_app  # noqa: E402
-from kvxfer.planner import Case, PlanOptions, Target, TransferPlan, hip_version, presets  # noqa: E402
-from kvxfer.planner import golden  # noqa: E402
+from kvxfer.cli.main import build_app
+from kvxfer.planner import (
+    Case,
+    PlanOptions,
+    Target,
+    TransferPlan,
+    golden,
+    hip_version,
+    presets,
+)
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 

@@ -5,8 +5,17 @@ import numpy as np
 import pytest
 
 from kvxfer.executors.ops_numpy import NumpyExecutor
-from kvxfer.planner import (COLUMNS, BlockMapping, PlanError, PlanOptions, Target, TransferPlan, hip_version,
-                            plan_transfer, presets)
+from kvxfer.planner import (
+    COLUMNS,
+    BlockMapping,
+    PlanError,
+    PlanOptions,
+    Target,
+    TransferPlan,
+    hip_version,
+    plan_transfer,
+    presets,
+)
 from kvxfer.planner.inspect import diff_plans, equivalent, normalize
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvxfer.executors import BindingError, RawMemory, bind_addresses
 from kvxfer.executors.base import check_location, resolve_memory
 from kvxfer.planner import Buffer, Location, TransferPlan, plan_transfer, presets

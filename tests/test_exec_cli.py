@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import pytest
+
 from kvxfer.cli.main import main
 from kvxfer.planner import Case, Target, presets
+
 from .shims.build import build, compiler
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvxfer.executors import NumpyExecutor, RawMemory
 from kvxfer.executors.config import (
     EXECUTORS,
@@ -16,6 +17,7 @@ from kvxfer.executors.config import (
     get_executor,
 )
 from kvxfer.planner import Location, Platform, Target, plan_transfer, presets
+
 from .shims.build import build, compiler
 from .shims.cases import assert_same, expected, host_buffers
 

@@ -6,10 +6,12 @@ import subprocess
 
 import numpy as np
 import pytest
+
 from kvxfer.executors import ExecutorError, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
 from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
+
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
 from .shims.cases import assert_same, expected, host_buffers
 
@@ -231,6 +233,7 @@ def test_prototype_check_rejects_a_wrong_abi(tmp_path):
 @pytest.mark.gpu
 def test_round_trip_on_gpu():
     import torch
+
     from kvxfer.executors.ops_cuda import CudaDriver
     ex = CudaBatchExecutor(CudaDriver(0))
     layout = presets.kv_layout(4, 128, 4096)

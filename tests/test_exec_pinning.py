@@ -6,7 +6,9 @@ import ctypes
 
 import numpy as np
 import pytest
+
 from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, hip_registrar, pin_host_memory
+
 from .shims.build import ShimState, build, compiler
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvxfer.executors.ops_triton import launch_tables
 
 TESTS = Path(__file__).parent
@@ -61,9 +62,10 @@ def test_compiles_ahead_of_time(backend, arch, warp, binary):
         pytest.skip("TRITON_INTERPRET is set in this process; the compiler needs a JIT function")
     import triton
     import triton.language as tl
-    from kvxfer.executors.triton_kernel import copy_ranges
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from kvxfer.executors.triton_kernel import copy_ranges
     k = triton.compile(ASTSource(copy_ranges, signature=SIGNATURE, constexprs={
         "ELEM": tl.int64, "WORD": 8, "BLOCK": 1024, "ALIGN16": True}), target=GPUTarget(backend, arch, warp))
     assert len(k.asm[binary]) > 0
@@ -74,10 +76,11 @@ def test_compiles_ahead_of_time(backend, arch, warp, binary):
 @pytest.mark.gpu
 def test_round_trip_on_gpu_and_refuses_pageable():
     import torch
+    from shims.cases import assert_same, expected
+
     from kvxfer.executors import BindingError
     from kvxfer.executors.ops_triton import TritonExecutor
     from kvxfer.planner import plan_transfer, presets
-    from shims.cases import assert_same, expected
     ex = TritonExecutor()
     layout = presets.kv_layout(4, 128, 4096)
     mem = {b.name: (torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8, device="cuda") if b.location.value == "device"

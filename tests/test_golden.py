@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from kvxfer.planner import Case, PlanOptions, Target, hip_version, presets
-from kvxfer.planner import golden
+from kvxfer.planner import Case, PlanOptions, Target, golden, hip_version, presets
 
 pytest_plugins = ["pytester"]
 

@@ -9,8 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.planner import BlockMapping, Case, Direction, PlanOptions, Platform, Target, cuda_version, hip_version
-from kvxfer.planner import presets
+from kvxfer.planner import (
+    BlockMapping,
+    Case,
+    Direction,
+    PlanOptions,
+    Platform,
+    Target,
+    cuda_version,
+    hip_version,
+    presets,
+)
 
 KiB = 1024
 

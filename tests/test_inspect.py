@@ -7,8 +7,19 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from kvxfer.planner import (BlockMapping, Buffer, Layout, Placement, PlanError, PlanOptions, Region, Target,
-                            hip_version, plan_transfer, presets)
+from kvxfer.planner import (
+    BlockMapping,
+    Buffer,
+    Layout,
+    Placement,
+    PlanError,
+    PlanOptions,
+    Region,
+    Target,
+    hip_version,
+    plan_transfer,
+    presets,
+)
 from kvxfer.planner.inspect import explain, header_rows, run_length_histogram, stats, stats_frame, to_html, to_rich
 
 ROCM716 = Target(platform="rocm", runtime_version=hip_version(7, 16))

@@ -7,8 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.executors import NumpyExecutor
-from kvxfer.planner import (BlockMapping, Buffer, Layout, LayoutError, MappingError, Placement, PlanOptions, Region,
-                            TargetError, plan_transfer)
+from kvxfer.planner import (
+    BlockMapping,
+    Buffer,
+    Layout,
+    LayoutError,
+    MappingError,
+    Placement,
+    PlanOptions,
+    Region,
+    TargetError,
+    plan_transfer,
+)
 from kvxfer.planner.spec import Fragment
 
 

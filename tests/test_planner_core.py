@@ -5,10 +5,25 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import BindingError, NumpyExecutor
-from kvxfer.planner import (AccessOrder, BlockMapping, Buffer, Case, CopyApi, Layout, LayoutError, MappingError,
-                            Placement, PlanOptions, Region, Target, TargetError, TransferPlan, hip_version,
-                            plan_transfer)
-from kvxfer.planner import presets
+from kvxfer.planner import (
+    AccessOrder,
+    BlockMapping,
+    Buffer,
+    Case,
+    CopyApi,
+    Layout,
+    LayoutError,
+    MappingError,
+    Placement,
+    PlanOptions,
+    Region,
+    Target,
+    TargetError,
+    TransferPlan,
+    hip_version,
+    plan_transfer,
+    presets,
+)
 
 from .reference import apply_copies, block_copies, filled_buffers, min_ranges
 

@@ -9,8 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.executors import NumpyExecutor
-from kvxfer.planner import (BlockMapping, Buffer, Layout, Location, Placement, PlanOptions, Region, TransferPlan,
-                            plan_transfer)
+from kvxfer.planner import (
+    BlockMapping,
+    Buffer,
+    Layout,
+    Location,
+    Placement,
+    PlanOptions,
+    Region,
+    TransferPlan,
+    plan_transfer,
+)
 
 from .reference import apply_copies, block_copies, filled_buffers, min_ranges
 

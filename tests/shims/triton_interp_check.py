@@ -4,10 +4,10 @@ import json
 import sys
 
 import numpy as np
+from shims.cases import expected, host_buffers
+
 from kvxfer.executors.ops_triton import TritonExecutor, launch_tables
 from kvxfer.planner import PlanOptions, Target, plan_transfer, presets
-
-from shims.cases import expected, host_buffers
 
 rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 ex = TritonExecutor(tile_bytes=64, num_programs=3)  # small tiles: ranges span several tiles and tails
