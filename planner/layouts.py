@@ -190,7 +190,7 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
         for r in regs.tolist():
             _check_fit(layout, info, src_side, r, sp, si, s_ids, "src_ids")
             _check_fit(layout, info, dst_side, r, dp, di, d_ids, "dst_ids")
-            requested += len(sp) * len(tables[r][2]) if kinds[r] != PAGE else len(sp)
+            requested += len(sp) * max(sum(f.count for f in layout.regions[r].fragments), 1)  # pieces as declared
         if len(sp):
             sd = np.sort(dp)
             repeated_page |= bool(np.any(sd[1:] == sd[:-1]))

@@ -237,6 +237,24 @@ def test_layer_wise_calls_follow_region_order():
 
 # ---- property test over chunks, skips and groups ------------------------------------------------------------
 @st.composite
+def fragment_tables(draw, page: int) -> tuple[tuple[Fragment, ...], int]:
+    """No fragments, or a page cut into pieces placed at distinct slots of a canonical page 1-3x as large
+    (in order, shuffled, or chaining into the next page)."""
+    if draw(st.booleans()):
+        return (), page
+    piece = draw(st.sampled_from([p for p in (1, 2, 4) if page % p == 0]))
+    n = page // piece
+    scale = draw(st.integers(1, 3))
+    slots = draw(st.permutations(list(range(n * scale))))[:n]
+    if draw(st.booleans()):
+        slots = sorted(slots)
+    local = draw(st.permutations(list(range(n))))
+    frags = tuple(Fragment(local_offset=lo * piece, local_stride=0, canonical_offset=c * piece, canonical_stride=0,
+                           fragment_bytes=piece) for lo, c in zip(local, slots))
+    return frags, n * scale * piece
+
+
+@st.composite
 def chunked_cases(draw):
     ngroups = draw(st.integers(1, 3))
     regions, buffers = [], [Buffer(name="g", nbytes=1 << 14), Buffer(name="h", nbytes=1 << 14, location="host")]
@@ -246,9 +264,11 @@ def chunked_cases(draw):
     for g in range(ngroups):
         for j in range(draw(st.integers(1, 3))):
             page = draw(st.sampled_from([4, 8, 12]))
+            frags, host_page = draw(fragment_tables(page))
             pad_h = draw(st.sampled_from([0, 0, 4]))
-            stride_h = k_host[g] * page + pad_h
-            regions.append(Region(name=f"g{g}r{j}", page_bytes=page, group=g,
+            stride_h = k_host[g] * host_page + pad_h
+            regions.append(Region(name=f"g{g}r{j}", page_bytes=page, group=g, fragments=frags,
+                                  host_page_bytes=host_page if frags else None,
                                   device=Placement(buffer="g", byte_offset=off_d, blocks_per_chunk=k_dev[g]),
                                   host=Placement(buffer="h", byte_offset=off_h, blocks_per_chunk=k_host[g], stride_bytes=stride_h)))
             off_d += 16 * 4 * page
