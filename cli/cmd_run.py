@@ -84,7 +84,8 @@ def register(app) -> None:
         t = ex.run(plan, mem).wait()
         secs = t.elapsed_s or 0.0
         rate = f", {t.nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else ""
-        typer.echo(f"ran {t.nbytes} bytes in {t.ranges} ranges, {t.calls} calls: {secs * 1e3:.3f} ms{rate}")
+        typer.echo(f"ran {t.nbytes} bytes in {t.ranges} range{'s' * (t.ranges != 1)}, {t.calls} call{'s' * (t.calls != 1)}: "
+                   f"{secs * 1e3:.3f} ms{rate}")
         ex.close()
         if want is not None:
             got = _to_host(mem)
