@@ -87,13 +87,13 @@ def bench(mode: str, shapes: dict, direction: str, reps: int, progress_thread: b
             tier_mem = {"cpu": np.zeros(host.nbytes, np.uint8)}
             remote = ex.add_peer(tier.describe(tier.register(tier_mem)))
             tier.add_peer(ex.describe(reg))
-            read_remote = lambda: {"cpu": tier_mem["cpu"].copy()}  # noqa: E731
+            read_remote = lambda: {"cpu": tier_mem["cpu"].copy()}
             peer = None
         else:
             peer = PeerProcess(ex, {host.name: host.nbytes}, reg, options={"poll_timeout_s": 120}, timeout_s=300,
                                seed=0 if checked else None)
             remote = peer.remote
-            read_remote = lambda: {"cpu": peer.read("cpu")}  # noqa: E731
+            read_remote = lambda: {"cpu": peer.read("cpu")}
         try:
             for pattern in PATTERNS:
                 mapping = presets.mapping(pattern, n, blocks, direction)

@@ -46,7 +46,8 @@ def _serve(conn: Any) -> None:
 
     ex = NixlExecutor(options)
     rng = np.random.default_rng(seed)
-    arrays = {n: rng.integers(0, 256, size, dtype=np.uint8) for n, size in sizes.items()}
+    arrays = {n: np.zeros(size, np.uint8) if seed is None else rng.integers(0, 256, size, dtype=np.uint8)
+              for n, size in sizes.items()}
     peer_name, _ = exchange(ex, conn, ex.register(arrays))
     while True:
         cmd, *args = conn.recv()
@@ -70,14 +71,15 @@ def _serve(conn: Any) -> None:
 
 
 class PeerProcess:
-    """A spawned process whose NIXL agent holds buffers ``sizes`` (name -> bytes), filled from ``seed``.
+    """A spawned process whose NIXL agent holds buffers ``sizes`` (name -> bytes), random from ``seed``
+    (zeros when ``seed`` is None).
 
     ``remote`` maps its buffer names to RemoteBuffers for ``executor`` (which learns the peer's metadata,
     and tells the peer its own, including ``registration``). Use as a context manager or call ``close()``.
     """
 
     def __init__(self, executor: Any, sizes: Mapping[str, int], registration: Registration | None = None, *,
-                 seed: int = 0, env: Mapping[str, str] | None = None, options: Mapping[str, Any] | None = None,
+                 seed: int | None = 0, env: Mapping[str, str] | None = None, options: Mapping[str, Any] | None = None,
                  timeout_s: float = 60.0):
         parent, child = socket.socketpair()
         self.conn, self.timeout_s = Connection(parent.detach()), timeout_s
@@ -132,6 +134,36 @@ class PeerProcess:
         self.close()
 
 
+def demo(regions: int = 4, blocks: int = 64, page_bytes: int = 4096) -> None:
+    """Load (READ) and store (WRITE) runs of 8 blocks against a peer process; check bytes; print."""
+    from kvxfer.planner import plan_transfer, presets
+
+    from .ops_nixl import NixlExecutor
+    from .ops_numpy import NumpyExecutor
+
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    layout = presets.kv_layout(regions, blocks, page_bytes)
+    host, dev_bufs = layout.buffers[0], layout.buffers[1:]
+    rng = np.random.default_rng(0)
+    dev = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in dev_bufs}
+    ex = NixlExecutor(progress_thread=False)  # wait() polls; only the peer needs a progress thread
+    with PeerProcess(ex, {host.name: host.nbytes}, ex.register(dev, dev_bufs)) as peer:
+        for direction in ("h2d", "d2h"):
+            plan = plan_transfer(layout, presets.mapping("runs8", blocks // 4, blocks, direction))
+            want = {**{k: v.copy() for k, v in dev.items()}, host.name: peer.read(host.name)}
+            NumpyExecutor().run(plan, want)
+            t = ex.run(plan, {**dev, **peer.remote}).wait()
+            peer.wait_notifs(t.notifs)
+            same = all(np.array_equal(want[k], v) for k, v in {**dev, host.name: peer.read(host.name)}.items())
+            print(f"{plan!r}: {t.op} with {t.peer}, {t.elapsed_s * 1e3:.2f} ms, bytes {'match' if same else 'DIFFER'}")
+            if not same:
+                raise SystemExit(1)
+    ex.close()
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         _serve(Connection(int(sys.argv[2])))
+    else:
+        demo()

@@ -35,7 +35,7 @@ class NixlOptions(BaseModel):
     name: str | None = Field(default=None, min_length=1)  # agent name; default kvxfer-<random>
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = Field(default=0, ge=0)
-    progress_thread: bool = True
+    progress_thread: bool = True  # a pure initiator may turn it off: wait() polls, and the thread spins
     telemetry: bool = False
     poll_timeout_s: float = Field(default=60.0, gt=0)  # wait() and wait_notifs() fail after this long
 

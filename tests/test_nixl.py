@@ -204,3 +204,33 @@ def test_two_processes_match_per_block_copies(peer, direction, pattern, coalesce
     assert t.op == ("READ" if direction == "h2d" else "WRITE") and t.peer == p.agent_name
     p.wait_notifs(t.notifs, timeout_s=10)  # the target learns the data landed from the notifications
     _assert_same({**dev, "cpu": p.read("cpu")}, want)
+
+
+def test_peer_demo_runs(capsys):
+    from kvxfer.executors.nixl_peer import demo
+
+    demo(regions=2, blocks=32, page_bytes=512)
+    out = capsys.readouterr().out
+    assert out.count("bytes match") == 2 and "READ" in out and "WRITE" in out
+
+
+@pytest.mark.gpu
+def test_vram_bindings_load_from_dram_peer(peer):
+    """Same code path with the device side in GPU memory: local VRAM descriptors, remote DRAM."""
+    import torch
+
+    engine, _, p = peer
+    vram = {n: torch.zeros(b.nbytes, dtype=torch.uint8, device="cuda") for b in LAYOUT.buffers
+            for n in [b.name] if n in DEVICE}
+    reg = engine.register(vram)
+    try:
+        assert {s.mem for s in reg.segments.values()} == {"VRAM"}
+        mapping = presets.mapping("runs8", 24, BLOCKS, "h2d", seed=2)
+        plan = plan_transfer(LAYOUT, mapping)
+        before = {**{n: v.cpu().numpy() for n, v in vram.items()}, "cpu": p.read("cpu")}
+        want = _expected((LAYOUT, mapping), before)
+        t = engine.run(plan, {**vram, **p.remote}).wait()
+        assert t.op == "READ"
+        _assert_same({**{n: v.cpu().numpy() for n, v in vram.items()}, "cpu": p.read("cpu")}, want)
+    finally:
+        reg.deregister()
