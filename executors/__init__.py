@@ -21,6 +21,7 @@ _LAZY = {  # backend classes import on first use, so importing kvxfer.executors 
     "CudaBatchExecutor": "ops_cuda", "HipBatchExecutor": "ops_hip", "TritonExecutor": "ops_triton",
     "ExecutorConfig": "config", "get_executor": "config", "choose_executor": "config",
     "pin_host_memory": "pinning", "PinnedRegion": "pinning",
+    "NixlExecutor": "ops_nixl", "RemoteBuffer": "nixl_memory",
 }
 
 __all__ = ["BindingError", "Bound", "Executor", "ExecutorError", "NumpyExecutor", "RawMemory", "TargetMismatchError",

@@ -1,0 +1,258 @@
+"""Run a TransferPlan through NIXL: one side of the plan is local registered memory, the other a remote agent's.
+
+How bindings split a plan: each buffer name maps to local memory (numpy array, CPU or CUDA tensor, registered
+with ``register``) or to a ``RemoteBuffer`` (another agent's registered segment, from ``add_peer``). Every
+range must go between a local and a remote buffer, and the plan as a whole must have one remote side:
+- the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
+  blocks): each call is one NIXL READ into local memory;
+- the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
+Each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>`` so the
+other side can tell which plan and call have landed (``wait_notifs``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvxfer.planner import TransferPlan
+
+from .base import BindingError, Executor, Transfer
+from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, local_segment, register
+from .nixl_transfer import Inflight, poll_until
+
+INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
+
+
+class NixlOptions(BaseModel):
+    """Options of the ``nixl`` dict in an executor config. Unknown keys are rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str | None = Field(default=None, min_length=1)  # agent name; default kvxfer-<random>
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = Field(default=0, ge=0)
+    progress_thread: bool = True  # a pure initiator may turn it off: wait() polls, and the thread spins
+    telemetry: bool = False
+    poll_timeout_s: float = Field(default=60.0, gt=0)  # wait() and wait_notifs() fail after this long
+
+
+def _options_of(config: Any) -> dict[str, Any]:
+    """The nixl options of an ExecutorConfig-like object, a dict shaped like one, or a plain options dict."""
+    if isinstance(config, Mapping):
+        if "kind" not in config and "nixl" not in config:
+            return dict(config)
+        kind, opts = config.get("kind", "nixl"), config.get("nixl")
+    else:
+        kind, opts = getattr(config, "kind", "nixl"), getattr(config, "nixl", None)
+    kind = getattr(kind, "value", kind)
+    if kind != "nixl":
+        raise ValueError(f"config.kind = {kind!r}: NixlExecutor.from_config needs kind 'nixl'")
+    return dict(opts or {})
+
+
+@dataclass
+class NixlTransfer(Transfer):
+    """A plan in flight through NIXL: ``op`` READ or WRITE, the remote ``peer``, one notification per call."""
+
+    op: str = ""
+    peer: str = ""
+    notifs: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Sides:
+    op: str
+    peer: str
+    local_mem: str
+    remote_mem: str
+    addr: np.ndarray  # per plan buffer: base address (0 where unused)
+    dev: np.ndarray
+
+
+class NixlExecutor(Executor):
+    """Runs each call of a plan as one NIXL transfer between this agent and one remote agent.
+
+    Construct with options (NixlOptions fields) or ``from_config``; pass ``agent`` to share an existing
+    nixl_agent. Raises ImportError with an install hint when nixl-cu13 is missing.
+    """
+
+    name = "nixl"
+
+    def __init__(self, options: NixlOptions | Mapping[str, Any] | None = None, *, agent: Any = None, **kw: Any):
+        opts = NixlOptions.model_validate({**dict(options or {}), **kw}) if not isinstance(options, NixlOptions) \
+            else options.model_copy(update=kw)
+        self.options = opts
+        if agent is None:
+            try:
+                from nixl_cu13._api import nixl_agent, nixl_agent_config
+            except ImportError as e:
+                raise ImportError(f"{INSTALL_HINT} ({e})") from e
+            conf = nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=list(opts.backends),
+                                     num_threads=opts.num_threads, capture_telemetry=opts.telemetry)
+            agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
+        self.agent = agent
+        self._registrations: list[Registration] = []
+        self._runs = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: Any) -> NixlExecutor:
+        """From ``ExecutorConfig(kind="nixl", nixl={...})``, a dict shaped like it, or a plain options dict."""
+        return cls(NixlOptions.model_validate(_options_of(config)))
+
+    @property
+    def agent_name(self) -> str:
+        return self.agent.name
+
+    # ---- memory and peers --------------------------------------------------------------------------------
+    def register(self, bindings: Mapping[str, Any], buffers: Any = None) -> Registration:
+        """Register local memory under buffer names; ``buffers`` (a Layout, plan or Buffer list) restricts and
+        size-checks the names. See nixl_memory.register."""
+        bufs = getattr(buffers, "buffers", buffers)
+        reg = register(self.agent, bindings, bufs)
+        self._registrations.append(reg)
+        return reg
+
+    def describe(self, registration: Registration) -> dict[str, Any]:
+        """What a peer needs to address ``registration``: agent name, metadata, serialized descriptor lists."""
+        lists = {}
+        for mem in MEM_TYPES:
+            names = [n for n, s in registration.segments.items() if s.mem == mem]
+            if names:
+                dlist = self.agent.get_xfer_descs(descriptor_rows(registration.segments[n] for n in names), mem)
+                lists[mem] = (names, self.agent.get_serialized_descs(dlist))
+        return {"agent": self.agent_name, "metadata": self.agent.get_agent_metadata(), "buffers": lists}
+
+    def add_peer(self, info: Mapping[str, Any]) -> dict[str, RemoteBuffer]:
+        """Load a peer's ``describe()`` output; returns its buffers as RemoteBuffer bindings by name.
+
+        The serialized lists are unpickled (NIXL's own format), so take ``info`` only from a trusted peer.
+        """
+        peer = self.agent.add_remote_agent(info["metadata"])
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        if peer != info["agent"]:
+            raise BindingError(info["agent"], f"metadata of {peer!r}", "the metadata names a different agent")
+        remote = {}
+        for mem, (names, blob) in info["buffers"].items():
+            dlist = self.agent.deserialize_descs(blob)
+            for i, n in enumerate(names):
+                addr, nbytes, dev = dlist[i]
+                remote[n] = RemoteBuffer(peer, int(addr), int(nbytes), int(dev), mem)
+        return remote
+
+    def remove_peer(self, peer: str) -> None:
+        self.agent.remove_remote_agent(peer)
+
+    def close(self) -> None:
+        """Deregister everything registered through this executor."""
+        while self._registrations:
+            self._registrations.pop().deregister()
+
+    def wait_notifs(self, peer: str, notifs: Any, timeout_s: float | None = None) -> None:
+        """Block until every notification in ``notifs`` arrived from ``peer``; TimeoutError names the missing."""
+        missing = [bytes(n) for n in notifs]
+
+        def arrived() -> bool:
+            missing[:] = [n for n in missing if not self.agent.check_remote_xfer_done(peer, n, tag_is_prefix=False)]
+            return not missing
+
+        if not poll_until(arrived, timeout_s or self.options.poll_timeout_s):
+            raise TimeoutError(f"notifications from {peer!r} still missing after "
+                               f"{timeout_s or self.options.poll_timeout_s}s: {missing[:4]}")
+
+    # ---- running -----------------------------------------------------------------------------------------
+    def _registered(self, seg: Segment) -> bool:
+        return any(r.covers(seg) for reg in self._registrations for r in reg.segments.values())
+
+    def _sides(self, plan: TransferPlan, bindings: Mapping[str, Any]) -> tuple[_Sides, list[Any]]:
+        """Check every binding the plan touches and decide READ or WRITE. Raises BindingError."""
+        src = set(np.unique(plan.src_buf).tolist())
+        dst = set(np.unique(plan.dst_buf).tolist())
+        addr = np.zeros(len(plan.buffers), dtype=np.uint64)
+        dev = np.zeros(len(plan.buffers), dtype=np.uint64)
+        remote: dict[int, RemoteBuffer] = {}
+        local: dict[int, Segment] = {}
+        for i in sorted(src | dst):
+            buf = plan.buffers[i]
+            if buf.name not in bindings:
+                raise BindingError(buf.name, "missing", f"the plan reads or writes this buffer (known: {sorted(bindings)})")
+            b = bindings[buf.name]
+            seg = b if isinstance(b, RemoteBuffer) else local_segment(b, buf.name)
+            if seg.nbytes < buf.nbytes:
+                raise BindingError(buf.name, f"{seg.nbytes} bytes", f"smaller than the plan's buffer of {buf.nbytes} bytes")
+            if isinstance(b, RemoteBuffer):
+                remote[i] = b
+            else:
+                if i in dst and not seg.writeable:
+                    raise BindingError(buf.name, "read-only memory", "the plan writes to this buffer")
+                local[i] = seg
+            addr[i], dev[i] = seg.addr, seg.dev
+        def name(i):
+            return plan.buffers[i].name
+        if not remote:
+            raise BindingError(name(min(src)), "local memory", "both sides of the plan are local; bind the source or "
+                               "the destination buffers to RemoteBuffers (NumpyExecutor copies locally)")
+        reading = bool(src & remote.keys())
+        (remote_side, rs), (local_side, ls) = ((src, "source"), (dst, "destination")) if reading else \
+            ((dst, "destination"), (src, "source"))
+        not_remote = sorted(remote_side - remote.keys())
+        if not_remote:
+            raise BindingError(name(not_remote[0]), "local memory", f"other {rs} buffers are remote; every {rs} "
+                               "buffer must be a RemoteBuffer (one side of a NIXL transfer is remote)")
+        not_local = sorted(local_side & remote.keys())
+        if not_local:
+            raise BindingError(name(not_local[0]), remote[not_local[0]], f"the {rs} side is remote, so every {ls} "
+                               "buffer must be local memory")
+        op = "READ" if reading else "WRITE"
+        for i, seg in local.items():
+            if not self._registered(Segment(seg.addr, plan.buffers[i].nbytes, seg.dev, seg.mem)):
+                raise BindingError(name(i), f"{seg.mem} at {seg.addr:#x}, {plan.buffers[i].nbytes} bytes",
+                                   f"not registered with agent {self.agent_name!r} (use register())")
+        peers = sorted({r.agent for r in remote.values()})
+        if len(peers) > 1:
+            raise BindingError(plan.buffers[min(remote)].name, f"agents {peers}",
+                               "one NIXL transfer targets one agent; plan each peer's buffers separately")
+        if not self.agent.check_remote_metadata(peers[0]):
+            raise BindingError(plan.buffers[min(remote)].name, f"RemoteBuffer(agent={peers[0]!r})",
+                               f"agent {peers[0]!r} is unknown to {self.agent_name!r} (add_peer its metadata first)")
+        mems = [{s.mem for s in d.values()} for d in (local, remote)]
+        for what, m in zip(("local", "remote"), mems):
+            if len(m) > 1:
+                raise BindingError(what, sorted(m), "one side of a NIXL descriptor list has one memory type")
+        sides = _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), addr, dev)
+        return sides, [bindings[plan.buffers[i].name] for i in local]
+
+    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> NixlTransfer:
+        """Post every call of ``plan`` as one NIXL transfer; returns at once with a NixlTransfer.
+
+        Raises BindingError (before anything is posted) for a missing, undersized, unregistered or
+        wrongly-sided binding or an unknown agent, and ExecutorError naming the call when NIXL rejects a
+        transfer (calls posted before it are drained first). ``done()``/``wait()`` raise ExecutorError when a
+        transfer ends in ERR or outlives ``poll_timeout_s``; a failed transfer is never reported done.
+        """
+        if stream is not None:
+            raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; synchronize before run()")
+        t0 = time.perf_counter()
+        if plan.num_ranges == 0:
+            return NixlTransfer(nbytes=0, ranges=0, calls=0, elapsed_s=time.perf_counter() - t0)
+        s, keep = self._sides(plan, bindings)
+        loc_buf, loc_off, rem_buf, rem_off = ((plan.dst_buf, plan.dst_offset, plan.src_buf, plan.src_offset)
+                                              if s.op == "READ" else
+                                              (plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset))
+        local = np.stack([s.addr[loc_buf] + loc_off, plan.nbytes, s.dev[loc_buf]], axis=1)
+        remote = np.stack([s.addr[rem_buf] + rem_off, plan.nbytes, s.dev[rem_buf]], axis=1)
+        tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
+        notifs = tuple(f"{tag}:{c}".encode() for c in range(plan.num_calls))
+        flight = Inflight(self.agent, t0, self.options.poll_timeout_s, keep, notifs)
+        for c, sl in enumerate(plan.calls()):
+            flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
+                s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
+                self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
+                f"{s.op} to {s.peer!r}")
+        return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
+                            _poll=flight.poll, _wait=flight.wait, op=s.op, peer=s.peer, notifs=notifs)

@@ -1,0 +1,168 @@
+"""The NIXL executor's logic without NIXL: a scripted agent drives ERR states, rejected posts and deadlines.
+
+These run everywhere; test_nixl.py covers real NIXL.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvxfer.executors import ExecutorError
+from kvxfer.executors.nixl_memory import RemoteBuffer
+from kvxfer.executors.ops_nixl import NixlExecutor, NixlOptions
+from kvxfer.planner import PlanOptions, plan_transfer, presets
+
+LAYOUT = presets.kv_layout(2, 16, 256)
+
+
+class Handle:
+    def __init__(self, log: list, call: int):
+        self.log, self.call, self.released = log, call, False
+
+    def release(self) -> None:
+        self.released = True
+        self.log.append(("release", self.call))
+
+
+class ScriptedAgent:
+    """Answers like nixl_agent; ``states[call]`` is the sequence check_xfer_state returns for that call."""
+
+    name = "scripted"
+
+    def __init__(self, states=None, fail_init_at=None, post_state="PROC"):
+        self.states, self.fail_init_at, self.post_state = states or {}, fail_init_at, post_state
+        self.log: list = []
+        self.handles: list[Handle] = []
+
+    def register_memory(self, rows, mem):
+        return (tuple(rows), mem)
+
+    def deregister_memory(self, handle):
+        self.log.append(("deregister", handle[1]))
+
+    def check_remote_metadata(self, agent):
+        return agent == "peer"
+
+    def get_xfer_descs(self, rows, mem):
+        return (np.array(rows), mem)
+
+    def initialize_xfer(self, op, local, remote, peer, notif):
+        call = len(self.handles)
+        if call == self.fail_init_at:
+            raise KeyError("NIXL_ERR_NOT_FOUND")
+        self.log.append((op, peer, notif, len(local[0])))
+        h = Handle(self.log, call)
+        self.handles.append(h)
+        return h
+
+    def transfer(self, handle, notif):
+        return self.post_state
+
+    def check_xfer_state(self, handle):
+        seq = self.states.get(handle.call, ["DONE"])
+        return seq.pop(0) if len(seq) > 1 else seq[0]
+
+
+def _setup(agent, **opts):
+    ex = NixlExecutor(agent=agent, **opts)
+    dev = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers if b.name != "cpu"}
+    ex.register(dev)
+    bindings = {**dev, "cpu": RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes)}
+    plan = plan_transfer(LAYOUT, presets.mapping("fragmented", 6, 16, "h2d"), options=PlanOptions(max_descriptors=4))
+    return ex, bindings, plan
+
+
+def test_lowering_one_read_per_call_with_notifications():
+    agent = ScriptedAgent(states={0: ["PROC", "DONE"]})
+    ex, bindings, plan = _setup(agent)
+    t = ex.run(plan, bindings)
+    assert not t.done() and t.done()  # call 0 was in progress once
+    posts = [e for e in agent.log if e[0] == "READ"]
+    assert [p[3] for p in posts] == plan.call_sizes.tolist()
+    assert [p[2] for p in posts] == list(t.notifs) and all(p[1] == "peer" for p in posts)
+    assert all(h.released for h in agent.handles)
+
+
+def test_err_state_raises_and_never_reads_done():
+    agent = ScriptedAgent(states={1: ["ERR"]})
+    ex, bindings, plan = _setup(agent)
+    t = ex.run(plan, bindings)
+    with pytest.raises(ExecutorError, match=r"check_xfer_state failed at chunk 1.*ended in ERR"):
+        t.wait()
+    with pytest.raises(ExecutorError):
+        t.done()  # the failure sticks
+    assert t.elapsed_s is None and all(h.released for h in agent.handles)
+
+
+def test_rejected_post_drains_earlier_calls():
+    agent = ScriptedAgent(fail_init_at=2)
+    ex, bindings, plan = _setup(agent)
+    with pytest.raises(ExecutorError, match=r"initialize_xfer failed at chunk 2.*NIXL_ERR_NOT_FOUND.*2 of 3 calls posted"):
+        ex.run(plan, bindings)
+    assert len(agent.handles) == 2 and all(h.released for h in agent.handles)
+
+
+def test_err_on_post_raises():
+    agent = ScriptedAgent(post_state="ERR")
+    ex, bindings, plan = _setup(agent)
+    with pytest.raises(ExecutorError, match=r"transfer failed at chunk 0: READ to 'peer': posting returned ERR"):
+        ex.run(plan, bindings)
+
+
+def test_deadline_fails_instead_of_hanging():
+    agent = ScriptedAgent(states={0: ["PROC"]})
+    ex, bindings, plan = _setup(agent, poll_timeout_s=0.05)
+    t = ex.run(plan, bindings)
+    with pytest.raises(ExecutorError, match="still in progress after 0.05s"):
+        t.wait()
+
+
+def test_wait_notifs_deadline():
+    agent = ScriptedAgent()
+    agent.check_remote_xfer_done = lambda peer, tag, tag_is_prefix: False
+    ex = NixlExecutor(agent=agent, poll_timeout_s=0.05)
+    with pytest.raises(TimeoutError, match="still missing"):
+        ex.wait_notifs("peer", [b"x"])
+
+
+def test_stream_is_refused():
+    ex, bindings, plan = _setup(ScriptedAgent())
+    with pytest.raises(ValueError, match="not stream-ordered"):
+        ex.run(plan, bindings, stream=object())
+
+
+def test_empty_plan_is_done_at_once():
+    ex, bindings, _ = _setup(ScriptedAgent())
+    plan = plan_transfer(LAYOUT, {"direction": "h2d", "src_ids": [], "dst_ids": []})
+    t = ex.run(plan, bindings)
+    assert t.done() and t.calls == 0
+
+
+def test_from_config_shapes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(NixlExecutor, "__init__", lambda self, options=None, **kw: seen.append(options))
+    NixlExecutor.from_config(SimpleNamespace(kind="nixl", nixl={"name": "x", "backends": ["UCX"]}))
+    NixlExecutor.from_config({"kind": "nixl", "nixl": {"poll_timeout_s": 3}})
+    NixlExecutor.from_config({"num_threads": 2})
+    NixlExecutor.from_config(SimpleNamespace(nixl=None))
+    assert seen == [NixlOptions(name="x"), NixlOptions(poll_timeout_s=3), NixlOptions(num_threads=2), NixlOptions()]
+    with pytest.raises(ValueError, match="needs kind 'nixl'"):
+        NixlExecutor.from_config({"kind": "cuda", "nixl": {}})
+    with pytest.raises(ValueError, match="bogus"):
+        NixlExecutor.from_config({"bogus": 1})
+
+
+def test_missing_nixl_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)
+    with pytest.raises(ImportError, match=r"kvxfer\[nixl\]"):
+        NixlExecutor()
+
+
+def test_importing_executors_does_not_import_nixl():
+    code = ("import sys, kvxfer.executors as e, kvxfer.executors.ops_nixl, kvxfer.executors.nixl_peer; "
+            "assert e.NixlExecutor; assert not [m for m in sys.modules if m.startswith('nixl')], sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
