@@ -236,7 +236,7 @@ def _expand(info: LayoutInfo, direction: Direction, regs: np.ndarray, rs: np.nda
 def _ranges(layout: Layout, direction: Direction, s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[Ranges, bool]:
     """All ranges in canonical order, and whether regions' destination extents are disjoint (no global check needed)."""
     info = layout.info
-    order, disjoint = info.dst_order(direction)
+    order, disjoint = info.dst_order(direction, int(d.max()))
     S, D = info.side[direction.src_side], info.side[direction.dst_side]
     merges = (S["dense"] & D["dense"])[order]  # stride == page on both sides: id runs are byte runs
     runs = _id_runs(s, d, coalesce) if coalesce and merges.any() else None
@@ -251,7 +251,7 @@ def _ranges(layout: Layout, direction: Direction, s: np.ndarray, d: np.ndarray, 
     else:  # mixed: regions keep their destination order
         parts = [_expand(info, direction, order[i:i + 1], *(runs if merges[i] else singles)) for i in range(len(order))]
         r = {k: np.concatenate([dense(p[k]) for p in parts]) for k in parts[0]}
-    linked = info.linked_regions(direction) if coalesce else None
+    linked = info.linked_regions(direction, int(s.max()), int(d.max())) if coalesce else None
     if linked is not None and linked.any():
         r = _dense_all(r)
         m = linked[r["region"]]

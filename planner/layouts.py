@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .coalesce import Ranges, _id_runs, _merge, _split_large, _take, check_reads_vs_writes
+from .coalesce import Ranges, _dense_all, _id_runs, _merge, _split_large, _take, check_reads_vs_writes
 from .errors import LayoutError, MappingError
+from .plan import Runs, dense
 from .spec import BlockMapping, Direction, Layout, LayoutInfo
 from .target import PlanOptions
 
@@ -49,13 +50,11 @@ def _offsets(info: LayoutInfo, side: str, r: int, pages: np.ndarray) -> np.ndarr
 def _check_fit(layout: Layout, info: LayoutInfo, side: str, r: int, pages: np.ndarray, index: np.ndarray,
                ids: np.ndarray, field: str) -> None:
     """Every page must end inside its buffer. Offsets grow with the page id, so the largest page decides."""
-    if not len(pages):
-        return
     col = info.side[side]
     page, cap = int(col["page"][r]), int(col["cap"][r])
-    if int(_offsets(info, side, r, pages.max(initial=0)[None])[0]) + page <= cap:
-        return
     off = _offsets(info, side, r, pages)
+    if not np.any(off + page > cap):
+        return
     i = int(index[np.argmax(off + page > cap)])
     end = int(off[np.argmax(off + page > cap)]) + page
     buf = layout.buffers[int(col["buf"][r])]
@@ -145,17 +144,43 @@ def _by_region(r: Ranges) -> dict[int, Ranges]:
     return {int(reg[a]): {k: v[a:b] for k, v in r.items()} for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())}
 
 
-def _piece_ranges(info: LayoutInfo, direction: Direction, r: int, sp: np.ndarray, dp: np.ndarray,
-                  table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Ranges:
-    """Pages x pieces of one region, pages in destination order, pieces in destination order within a page."""
-    o = np.argsort(dp, kind="stable")
-    so, do = _offsets(info, direction.src_side, r, sp[o]), _offsets(info, direction.dst_side, r, dp[o])
-    fs, fd, fb = table
-    n = len(so) * len(fb)
-    return {"src_buf": np.full(n, info.side[direction.src_side]["buf"][r], np.int32),
-            "src_offset": (so[:, None] + fs).ravel(),
-            "dst_buf": np.full(n, info.side[direction.dst_side]["buf"][r], np.int32),
-            "dst_offset": (do[:, None] + fd).ravel(), "nbytes": np.tile(fb, len(so)), "region": np.full(n, r, np.int32)}
+class _Pieces:
+    """Pages x pieces of one region, written straight into the plan's columns when they are assembled."""
+
+    def __init__(self, info: LayoutInfo, direction: Direction, r: int, sp: np.ndarray, dp: np.ndarray,
+                 table: tuple[np.ndarray, np.ndarray, np.ndarray]):
+        o = np.argsort(dp, kind="stable")  # pages in destination order; pieces are in destination order already
+        self.so = _offsets(info, direction.src_side, r, sp[o])
+        self.do = _offsets(info, direction.dst_side, r, dp[o])
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.so) * len(self.table[2])
+
+    def fill(self, so: np.ndarray, do: np.ndarray, nb: np.ndarray) -> None:
+        fs, fd, fb = self.table
+        shape = (len(self.so), len(fb))
+        np.add(self.so[:, None], fs, out=so.reshape(shape))
+        np.add(self.do[:, None], fd, out=do.reshape(shape))
+        nb.reshape(shape)[:] = fb
+
+
+def _assemble(info: LayoutInfo, direction: Direction, parts: list[tuple[int, Ranges | _Pieces]]) -> Ranges:
+    """One set of columns from per-region parts, in the given order; buffer and region columns as runs."""
+    lengths = np.array([len(p["nbytes"]) if isinstance(p, dict) else len(p) for _, p in parts], dtype=np.int64)
+    total = int(lengths.sum())
+    so, do, nb = (np.empty(total, dtype=np.int64) for _ in range(3))
+    at = 0
+    for (_, p), n in zip(parts, lengths.tolist()):
+        if isinstance(p, dict):
+            so[at:at + n], do[at:at + n], nb[at:at + n] = p["src_offset"], p["dst_offset"], p["nbytes"]
+        else:
+            p.fill(so[at:at + n], do[at:at + n], nb[at:at + n])
+        at += n
+    regs = np.array([r for r, _ in parts], dtype=np.int32)
+    return {"src_buf": Runs(info.side[direction.src_side]["buf"][regs], lengths), "src_offset": so,
+            "dst_buf": Runs(info.side[direction.dst_side]["buf"][regs], lengths), "dst_offset": do,
+            "nbytes": nb, "region": Runs(regs, lengths)}
 
 
 def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
@@ -172,8 +197,9 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
     cgroup_of = (np.arange(info.nregions) // options.regions_per_call if options.regions_per_call
                  else np.zeros(info.nregions, np.int64))
     kinds, tables = _region_kinds(layout, direction)
-    parts: dict[int, Ranges] = {}  # region -> its ranges
+    parts: dict[int, Ranges | _Pieces] = {}  # region -> its ranges
     repeated_page = False
+    top_s = top_d = 0
     requested = 0
     used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
@@ -187,40 +213,41 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
         if direction is Direction.D2H and options.num_writers > 1:  # replicated data: one writer per canonical page
             keep = dp % options.num_writers == options.writer_index
             sp, si, dp, di = sp[keep], si[keep], dp[keep], di[keep]
-        for r in regs.tolist():
-            _check_fit(layout, info, src_side, r, sp, si, s_ids, "src_ids")
-            _check_fit(layout, info, dst_side, r, dp, di, d_ids, "dst_ids")
-            requested += len(sp) * max(sum(f.count for f in layout.regions[r].fragments), 1)  # pieces as declared
+        for side, pages, index, ids, field in ((src_side, sp, si, s_ids, "src_ids"), (dst_side, dp, di, d_ids, "dst_ids")):
+            if len(pages) and not np.all(info.extent_end(side, int(pages.max()))[regs] <= info.side[side]["cap"][regs]):
+                for r in regs.tolist():  # slow path, only on error: name the region and the id
+                    _check_fit(layout, info, side, r, pages, index, ids, field)
+        requested += len(sp) * int(info.pieces[regs].sum())
         if len(sp):
             sd = np.sort(dp)
             repeated_page |= bool(np.any(sd[1:] == sd[:-1]))
+            top_s, top_d = max(top_s, int(sp.max())), max(top_d, int(sd[-1]))
             for block in _page_ranges(info, direction, regs[kinds[regs] == PAGE], sp, dp, options.coalesce):
                 parts |= _by_region(block)
-            parts |= {r: _piece_ranges(info, direction, r, sp, dp, tables[r]) for r in regs[kinds[regs] != PAGE].tolist()}
+            parts |= {r: _Pieces(info, direction, r, sp, dp, tables[r]) for r in regs[kinds[regs] != PAGE].tolist()}
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
                                f"consume {used} ids; the lists must add up exactly")
-    order, disjoint = info.dst_order(direction)
-    present = [p for p in (parts.get(i) for i in order.tolist()) if p is not None]
-    if present:
-        r = {k: np.concatenate([p[k] for p in present]) for k in present[0]}
-    else:
-        r = {k: np.zeros(0, np.int64) for k in ("src_offset", "dst_offset", "nbytes")}
-        r |= {k: np.zeros(0, np.int32) for k in ("src_buf", "dst_buf", "region")}
-    # Regions in destination order, each in destination order: canonical already when the layout keeps
+    order, disjoint = info.dst_order(direction, top_d)
+    r = _assemble(info, direction, [(i, parts[i]) for i in order.tolist() if i in parts])
+    # Regions in destination order, each in destination order: canonical already when the transfer keeps
     # regions' destinations apart; then only a repeated page could write a byte twice.
     if not (disjoint and not cgroup_of.any() and not info.shared_buffers(direction) and not repeated_page):
-        r = _canonical(r, cgroup_of)
+        r = _canonical(_dense_all(r), cgroup_of)
         _check_extended_overlaps(layout, direction, r, cgroup_of)
-    mergeable = (kinds == GENERAL) | info.linked_regions(direction)  # the only regions that can still merge
+    mergeable = (kinds == GENERAL) | info.linked_regions(direction, top_s, top_d)  # the only regions that can still merge
     if options.coalesce and len(r["nbytes"]) and mergeable.any():
+        r = _dense_all(r)
         m = mergeable[r["region"]]
         if m.any():
             merged = _merge(_take(r, m), cgroup_of[r["region"][m]])
             r = _canonical({k: np.concatenate((r[k][~m], merged[k])) for k in r}, cgroup_of)
     r = _split_large(r, options.max_range_bytes)
-    return r, requested, _call_offsets(cgroup_of[r["region"]], cap)
+    n = len(r["nbytes"])
+    if not options.regions_per_call:
+        return r, requested, np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
+    return r, requested, _call_offsets(cgroup_of[dense(r["region"])], cap)
 
 
 def _canonical(r: Ranges, cgroup_of: np.ndarray) -> Ranges:

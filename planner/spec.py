@@ -186,6 +186,7 @@ class LayoutInfo:
         self.page = np.array([r.page_bytes for r in regs], dtype=np.int64)
         self.side: dict[str, dict[str, np.ndarray]] = {}
         self.group = np.array([r.group for r in regs], dtype=np.int64)
+        self.pieces = np.array([max(sum(f.count for f in r.fragments), 1) for r in regs], dtype=np.int64)
         self.num_groups = int(self.group.max()) + 1 if regs else 1
         # plain: one group, k == 1, no fragments -- the fast path in coalesce.py applies
         self.plain = self.num_groups == 1 and all(
@@ -199,12 +200,10 @@ class LayoutInfo:
             cap = np.array([layout.buffers[i].nbytes for i in buf], dtype=np.int64)
             max_id = (cap - base - page * k) // stride  # last chunk (block when k == 1) that fits whole
             cols = dict(buf=buf, base=base, stride=stride, max_id=max_id, page=page, k=k, cap=cap,
-                        end=base + np.maximum(max_id, 0) * stride + page * k, dense=stride == page * k)
+                        dense=stride == page * k)
             for a in cols.values():
                 a.flags.writeable = False
             self.side[side] = cols
-        self._links: dict[str, np.ndarray] = {}
-        self._disjoint: dict[str, bool] = {}
         self.memo: dict[tuple, object] = {}  # other per-layout results, keyed by their caller
 
     def shared_buffers(self, direction: Direction) -> tuple[int, ...]:
@@ -215,31 +214,47 @@ class LayoutInfo:
             self.memo[key] = tuple(both.tolist())
         return self.memo[key]
 
-    def linked_regions(self, direction: Direction) -> np.ndarray:
-        """Mask of regions whose ranges might merge with another region's: same buffers, extents touching on both sides."""
-        if direction.value not in self._links:
+    def extent_end(self, side: str, top: int) -> np.ndarray:
+        """Per region: the end byte of page ``top`` on ``side`` -- the extent of a transfer whose ids stay <= top."""
+        c = self.side[side]
+        return c["base"] + (top // c["k"]) * c["stride"] + (top % c["k"]) * c["page"] + c["page"]
+
+    def _cached(self, key: tuple, make: Any) -> Any:
+        if key not in self.memo:
+            if len(self.memo) > 64:  # per-transfer keys: keep the memo small
+                for k in [k for k in self.memo if k[0] in ("links", "disjoint")]:
+                    del self.memo[k]
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def linked_regions(self, direction: Direction, top_src: int, top_dst: int) -> np.ndarray:
+        """Mask of regions whose ranges might merge with another region's: same buffers on both sides and
+        extents (up to the transfer's largest page ids) touching on both sides."""
+        def make() -> np.ndarray:
             s, d = self.side[direction.src_side], self.side[direction.dst_side]
-            n = self.nregions
-            mask = np.zeros(n, dtype=bool)
-            if n > 1:
-                same = (s["buf"][:, None] == s["buf"][None, :]) & (d["buf"][:, None] == d["buf"][None, :])
-                touch_s = (s["base"][:, None] <= s["end"][None, :]) & (s["base"][None, :] <= s["end"][:, None])
-                touch_d = (d["base"][:, None] <= d["end"][None, :]) & (d["base"][None, :] <= d["end"][:, None])
-                pair = same & touch_s & touch_d
+            mask = np.zeros(self.nregions, dtype=bool)
+            if self.nregions > 1:
+                es, ed = self.extent_end(direction.src_side, top_src), self.extent_end(direction.dst_side, top_dst)
+                pair = (s["buf"][:, None] == s["buf"][None, :]) & (d["buf"][:, None] == d["buf"][None, :])
+                pair &= (s["base"][:, None] <= es[None, :]) & (s["base"][None, :] <= es[:, None])
+                pair &= (d["base"][:, None] <= ed[None, :]) & (d["base"][None, :] <= ed[:, None])
                 np.fill_diagonal(pair, False)
                 mask = pair.any(axis=1)
             mask.flags.writeable = False
-            self._links[direction.value] = mask
-        return self._links[direction.value]
+            return mask
+        return self._cached(("links", direction.value, top_src, top_dst), make)
 
-    def dst_order(self, direction: Direction) -> tuple[np.ndarray, bool]:
-        """Regions ordered by destination (buffer, base), and whether their destination extents are pairwise disjoint."""
-        d = self.side[direction.dst_side]
-        order = np.lexsort((d["base"], d["buf"]))
-        if direction.value not in self._disjoint:
-            b, lo, hi = d["buf"][order], d["base"][order], d["end"][order]
-            self._disjoint[direction.value] = bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
-        return order, self._disjoint[direction.value]
+    def dst_order(self, direction: Direction, top_dst: int) -> tuple[np.ndarray, bool]:
+        """Regions ordered by destination (buffer, base), and whether their destination extents (up to page id
+        ``top_dst``) are pairwise disjoint."""
+        order = self._cached(("order", direction.value), lambda: np.lexsort(
+            (self.side[direction.dst_side]["base"], self.side[direction.dst_side]["buf"])))
+
+        def make() -> bool:
+            d = self.side[direction.dst_side]
+            b, lo, hi = d["buf"][order], d["base"][order], self.extent_end(direction.dst_side, top_dst)[order]
+            return bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
+        return order, self._cached(("disjoint", direction.value, top_dst), make)
 
 
 def _as_ids(value: Any, field: str) -> np.ndarray:
