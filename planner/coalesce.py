@@ -4,10 +4,11 @@ How the work stays proportional to block pairs and output ranges:
 1. Runs are found once in block-id space (ids advancing together on both sides), independent of regions.
 2. Regions that are dense on both sides (stride == page) turn each id run into one byte range; other
    regions keep one range per pair. Expansion to regions is a numpy broadcast.
-3. Ranges of different regions can only merge when the layout lets their byte extents touch on both
-   sides within the same buffer pair. Only such regions go through the general (sort-based) merge.
-4. When the layout keeps regions' destination extents apart, region order already is canonical order and
-   no cross-region overlap is possible, so no global sort or check is needed.
+3. Ranges of different regions can only merge when their byte extents (up to the transfer's largest ids)
+   touch on both sides within the same buffer pair. Only such regions go through the general (sort-based)
+   merge.
+4. When those extents keep regions' destinations apart, region order already is canonical order and no
+   cross-region overlap is possible, so no global sort or check is needed.
 """
 from __future__ import annotations
 
@@ -59,9 +60,13 @@ def plan_transfer(layout: Layout | dict | Any, mapping: BlockMapping | dict | An
         ranges, disjoint = _ranges(layout, direction, s, d, options.coalesce)
         _check_overlaps(layout, direction, ranges, d, within_regions_only=disjoint)
     ranges = _split_large(ranges, options.max_range_bytes)
-    n = len(ranges["nbytes"])
-    call_offsets = np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
+    call_offsets = chunk_calls(len(ranges["nbytes"]), cap)
     return _finish(layout, direction, target, options, attrs, region_attr, ranges, len(s) * info.nregions, call_offsets)
+
+
+def chunk_calls(n: int, cap: int | None) -> np.ndarray:
+    """Call offsets cutting ``n`` ranges into calls of at most ``cap`` (None: one call; no ranges: no calls)."""
+    return np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
 
 
 def _finish(layout: Layout, direction: Direction, target: Target, options: PlanOptions, attrs: tuple,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .coalesce import Ranges, _dense_all, _id_runs, _merge, _split_large, _take, check_reads_vs_writes
+from .coalesce import Ranges, _dense_all, _id_runs, _merge, _split_large, _take, check_reads_vs_writes, chunk_calls
 from .errors import LayoutError, MappingError
 from .plan import Runs, dense
 from .spec import BlockMapping, Direction, Layout, LayoutInfo
@@ -244,9 +244,8 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
             merged = _merge(_take(r, m), cgroup_of[r["region"][m]])
             r = _canonical({k: np.concatenate((r[k][~m], merged[k])) for k in r}, cgroup_of)
     r = _split_large(r, options.max_range_bytes)
-    n = len(r["nbytes"])
     if not options.regions_per_call:
-        return r, requested, np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
+        return r, requested, chunk_calls(len(r["nbytes"]), cap)
     return r, requested, _call_offsets(cgroup_of[dense(r["region"])], cap)
 
 
@@ -263,9 +262,9 @@ def _call_offsets(cgroup: np.ndarray, cap: int | None) -> np.ndarray:
     """Calls end where the call group changes and every ``cap`` descriptors within a group."""
     n = len(cgroup)
     if n == 0:
-        return np.zeros(1, np.int64)
+        return chunk_calls(0, cap)
     bounds = np.append(np.flatnonzero(np.concatenate(([True], cgroup[1:] != cgroup[:-1]))), n)
-    out = [np.arange(a, b, cap or (b - a), dtype=np.int64) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    out = [chunk_calls(b - a, cap)[:-1] + a for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
     return np.append(np.concatenate(out), n)
 
 
