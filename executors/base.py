@@ -72,8 +72,8 @@ def as_byte_view(obj: Any, name: str) -> np.ndarray:
 
 def bind_views(plan: TransferPlan, bindings: Mapping[str, Any]) -> list[np.ndarray | None]:
     """Byte views for every buffer the plan touches, checked before anything is copied."""
-    used_src = set(np.unique(plan.src_buf).tolist())
-    used_dst = set(np.unique(plan.dst_buf).tolist())
+    used_src = set(plan.buffers_used("src").tolist())
+    used_dst = set(plan.buffers_used("dst").tolist())
     views: list[np.ndarray | None] = []
     for i, buf in enumerate(plan.buffers):
         if i not in used_src and i not in used_dst:
@@ -255,8 +255,8 @@ def bind_addresses(plan: TransferPlan, bindings: Mapping[str, Any],
     given. Raises BindingError; nothing is copied by this function.
     """
     n = plan.num_ranges
-    used_src = np.unique(plan.src_buf)
-    used_dst = np.unique(plan.dst_buf)
+    used_src = plan.buffers_used("src")
+    used_dst = plan.buffers_used("dst")
     bound: list[Bound | None] = [None] * len(plan.buffers)
     base = np.zeros(len(plan.buffers), dtype=np.uint64)
     size = np.zeros(len(plan.buffers), dtype=np.uint64)

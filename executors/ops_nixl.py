@@ -171,8 +171,8 @@ class NixlExecutor(Executor):
 
     def _sides(self, plan: TransferPlan, bindings: Mapping[str, Any]) -> tuple[_Sides, list[Any]]:
         """Check every binding the plan touches and decide READ or WRITE. Raises BindingError."""
-        src = set(np.unique(plan.src_buf).tolist())
-        dst = set(np.unique(plan.dst_buf).tolist())
+        src = set(plan.buffers_used("src").tolist())
+        dst = set(plan.buffers_used("dst").tolist())
         addr = np.zeros(len(plan.buffers), dtype=np.uint64)
         dev = np.zeros(len(plan.buffers), dtype=np.uint64)
         remote: dict[int, RemoteBuffer] = {}

@@ -151,6 +151,12 @@ class TransferPlan:
         starts = np.flatnonzero(np.concatenate(([True], col[1:] != col[:-1])))
         return col[starts], np.diff(np.append(starts, len(col)))
 
+    def buffers_used(self, side: str) -> np.ndarray:
+        """Sorted indices of the buffers read (``side="src"``) or written (``"dst"``) by any range."""
+        if side not in ("src", "dst"):
+            raise PlanError("side", side, "expected 'src' or 'dst'")
+        return np.unique(self.column_runs(f"{side}_buf")[0])
+
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def num_ranges(self) -> int:
