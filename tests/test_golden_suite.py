@@ -49,6 +49,28 @@ def shared(src_ids: list[int], dst_ids: list[int], target: Target) -> Case:
                 mapping=BlockMapping(direction=Direction.H2D, src_ids=src_ids, dst_ids=dst_ids), target=target)
 
 
+def chunks(target: Target) -> Case:
+    """Host chunks of 4 pages; logical start 2 makes the first chunk partial."""
+    return Case(layout=presets.chunked_layout(4, 32, 1 * KiB, blocks_per_chunk=4), target=target,
+                mapping=BlockMapping(direction=Direction.H2D, src_ids=[5, 1, 2], dst_ids=[9, 10, 11, 12, 13, 20, 21, 22],
+                                     group_sizes=[8], group_starts=[2]))
+
+
+def groups(target: Target) -> Case:
+    """A hybrid model: 2 full-attention regions (group 0) and 2 sliding-window regions (group 1)."""
+    layout = presets.chunked_layout(4, 32, 1 * KiB, blocks_per_chunk=2)
+    regions = tuple(r.model_copy(update={"group": i // 2}) for i, r in enumerate(layout.regions))
+    return Case(layout=layout.model_copy(update={"regions": regions}), target=target,
+                mapping=BlockMapping(direction=Direction.H2D, src_ids=[3, 4, 7, 8], dst_ids=[0, 1, 2, 3, 30, 31],
+                                     group_sizes=[4, 2], group_starts=[0, 1]))
+
+
+def fragments(target: Target, **options) -> Case:
+    """Tensor-parallel rank 1 of 2 stores its half of each canonical page: 4 tokens x 2 of 4 heads."""
+    return Case(layout=presets.tp_fragment_layout(3, 16, tokens=4, heads=4, head_bytes=64, tp=2, rank=1),
+                mapping=presets.mapping("runs8", 8, 16, "d2h"), target=target, options=PlanOptions(**options))
+
+
 HIP_GATES = {
     "unknown": Target(platform=Platform.ROCM), "7.1": rocm(7, 1), "7.2.0": rocm(7, 2), "7.2.2-53211": rocm(7, 2, 53211),
     "7.3": rocm(7, 3), "7.12": rocm(7, 12), "7.13": rocm(7, 13), "7.13-26193": rocm(7, 13, 26193),
@@ -83,6 +105,14 @@ CASES = {
     "options-no-coalesce-cpu": lambda: small(Target(), coalesce=False),
     "options-max-range-bytes-rocm7.16": lambda: small(rocm(7, 16), max_range_bytes=12 * KiB),
     "options-max-descriptors-3-cuda13": lambda: small(cuda(13, 0), max_descriptors=3),
+    # the full layout model: host chunks, KV-cache groups, fragments, writer rotation, page-first, per-layer calls
+    "layout-chunks-k4-start2-h2d-rocm7.16": lambda: chunks(rocm(7, 16)),
+    "layout-groups-hybrid-h2d-cuda13": lambda: groups(cuda(13, 0)),
+    "layout-tp2-rank1-fragments-d2h-cuda13": lambda: fragments(cuda(13, 0)),
+    "layout-tp2-rank1-fragments-d2h-writers2-cuda13": lambda: fragments(cuda(13, 0), num_writers=2, writer_index=1),
+    "layout-page-first-contiguous-h2d-rocm7.16": lambda: Case(
+        layout=presets.page_first_layout(8, 32, 1 * KiB), mapping=presets.mapping("contiguous", 12, 32), target=rocm(7, 16)),
+    "layout-per-layer-calls-cap1-h2d-rocm7.16": lambda: small(rocm(7, 16), regions_per_call=1, max_descriptors=1),
     "empty-mapping-rocm7.16": lambda: Case(layout=presets.kv_layout(2, 8, 4 * KiB), target=rocm(7, 16),
                                            mapping=BlockMapping(direction=Direction.H2D, src_ids=np.zeros(0, np.int64),
                                                                 dst_ids=np.zeros(0, np.int64))),
