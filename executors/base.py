@@ -71,7 +71,9 @@ def as_byte_view(obj: Any, name: str) -> np.ndarray:
 
 
 def bind_views(plan: TransferPlan, bindings: Mapping[str, Any]) -> list[np.ndarray | None]:
-    """Byte views for every buffer the plan touches, checked before anything is copied."""
+    """Byte views for every buffer the plan touches, checked before anything is copied (the plan's ranges
+    too: a hand-made or edited plan must not copy half and then fail)."""
+    plan.check()
     used_src = set(plan.buffers_used("src").tolist())
     used_dst = set(plan.buffers_used("dst").tolist())
     views: list[np.ndarray | None] = []

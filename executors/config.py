@@ -196,7 +196,7 @@ def _host_sources_pinned(plan: TransferPlan, bindings: Mapping[str, Any] | None)
     if bindings is None:
         return None
     known = True
-    for i in set(plan.src_buf.tolist()):
+    for i in plan.buffers_used("src").tolist():
         buf = plan.buffers[i]
         if buf.location.value != "host" or buf.name not in bindings:
             continue

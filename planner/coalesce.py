@@ -158,11 +158,8 @@ def _explain_dst_overlap(layout: Layout, r: Ranges | None, i: int, d: np.ndarray
 def _attributes(layout: Layout, direction: Direction, target: Target,
                 options: PlanOptions) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:
     """The attribute table and each region's entry in it (location hints follow the region's buffers)."""
-    key = ("attrs", direction.value, target.flags(options.prefer_overlap_with_compute))
-    memo = layout.info.memo
-    if key not in memo:
-        memo[key] = _attribute_table(layout, direction, key[2])
-    return memo[key]
+    flags = target.flags(options.prefer_overlap_with_compute)
+    return layout.info.cached(("attrs", direction.value, flags), lambda: _attribute_table(layout, direction, flags))
 
 
 def _attribute_table(layout: Layout, direction: Direction, flags: int) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:

@@ -34,6 +34,15 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
         raise MappingError(field, f"length {len(ids)}", f"group {group} (size {count}, start {start}, {k} blocks per "
                            f"chunk) needs {field}[{used}:{used + need}], past the end of the list")
     chunks = ids[used:used + need]
+    col = info.side[side]
+    # the last chunk whose first page fits, per region: bounding ids here keeps every later product in int64
+    limit = (col["cap"][regs] - col["base"][regs] - col["page"][regs]) // col["stride"][regs]
+    if len(chunks) and int(chunks.max()) > int(limit.min()):
+        r = int(regs[np.argmin(limit)])
+        i = used + int(np.argmax(chunks > limit.min()))
+        buf = layout.buffers[int(col["buf"][r])]
+        raise MappingError(field, int(ids[i]), f"chunk of region {layout.regions[r].name!r} ({side} side) starts past "
+                           f"buffer {buf.name!r} of {buf.nbytes} bytes (last chunk that fits: {int(limit.min())})", i)
     pages = (chunks[:, None] * k + np.arange(k)).ravel()[skip:skip + count]
     index = used + (np.arange(count) + skip) // k
     return pages, index, used + need
@@ -76,31 +85,34 @@ def _fragment_table(layout: Layout, r: int, direction: Direction) -> tuple[np.nd
 PAGE, PIECES, GENERAL = 0, 1, 2  # how a region's pages become ranges (see _region_kinds)
 
 
-def _region_kinds(layout: Layout, direction: Direction) -> tuple[np.ndarray, list]:
+def _region_kinds(layout: Layout, direction: Direction, coalesce: bool) -> tuple[np.ndarray, list]:
     """Per region: its kind and its fragment table (src piece offsets, dst piece offsets, sizes, in dst order).
 
     PAGE: whole pages, offsets linear in the page id -- id runs give the ranges, as for plain layouts.
-    PIECES: real fragments whose merged table cannot join across pages -- pages x pieces are the ranges.
+    PIECES: real fragments whose table cannot join across pages -- pages x pieces are the ranges.
     GENERAL: anything else (padded chunk rows, pieces that chain across pages) -- expanded, then merged.
-    Depends on the layout alone, so it is computed once per layout and direction.
+    With ``coalesce`` the table's touching pieces are merged first; without it every declared piece stays.
+    Depends on the layout alone, so it is computed once per layout, direction and coalesce flag.
     """
-    memo = layout.info.memo
-    key = ("kinds", direction.value)
-    if key in memo:
-        return memo[key]
+    return layout.info.cached(("kinds", direction.value, coalesce), lambda: _classify(layout, direction, coalesce))
+
+
+def _classify(layout: Layout, direction: Direction, coalesce: bool) -> tuple[np.ndarray, list]:
     info = layout.info
     kinds = np.zeros(info.nregions, dtype=np.int64)
     tables = []
+    S, D = info.side[direction.src_side], info.side[direction.dst_side]
     for r in range(info.nregions):
         fs, fd, fb = _fragment_table(layout, r, direction)
-        t = _merge({"src_buf": np.zeros(len(fb), np.int32), "dst_buf": np.zeros(len(fb), np.int32),
-                    "src_offset": fs, "dst_offset": fd, "nbytes": fb, "region": np.zeros(len(fb), np.int32)})
-        o = np.argsort(t["dst_offset"], kind="stable")
-        fs, fd, fb = t["src_offset"][o], t["dst_offset"][o], t["nbytes"][o]
+        if coalesce:
+            t = _merge({"src_buf": np.zeros(len(fb), np.int32), "dst_buf": np.zeros(len(fb), np.int32),
+                        "src_offset": fs, "dst_offset": fd, "nbytes": fb, "region": np.zeros(len(fb), np.int32)})
+            fs, fd, fb = t["src_offset"], t["dst_offset"], t["nbytes"]
+        o = np.argsort(fd, kind="stable")
+        fs, fd, fb = fs[o], fd[o], fb[o]
         tables.append((fs, fd, fb))
-        S, D = info.side[direction.src_side], info.side[direction.dst_side]
         linear = all(int(c["k"][r]) == 1 or bool(c["dense"][r]) for c in (S, D))
-        pages_chain = bool(S["dense"][r] and D["dense"][r])
+        pages_chain = bool(coalesce and S["dense"][r] and D["dense"][r])
         ps, pd = int(S["page"][r]), int(D["page"][r])
         whole = len(fb) == 1 and fs[0] == 0 and fd[0] == 0 and fb[0] == ps == pd
         if linear and whole:
@@ -109,8 +121,7 @@ def _region_kinds(layout: Layout, direction: Direction) -> tuple[np.ndarray, lis
             kinds[r] = PIECES
         else:
             kinds[r] = GENERAL
-    memo[key] = (kinds, tables)
-    return memo[key]
+    return kinds, tables
 
 
 def _linear_stride(info: LayoutInfo, side: str, regs: np.ndarray) -> np.ndarray:
@@ -196,7 +207,7 @@ def plan_extended(layout: Layout, mapping: BlockMapping, options: PlanOptions,
         raise MappingError("group_sizes", list(sizes), f"the layout has {info.num_groups} KV-cache groups")
     cgroup_of = (np.arange(info.nregions) // options.regions_per_call if options.regions_per_call
                  else np.zeros(info.nregions, np.int64))
-    kinds, tables = _region_kinds(layout, direction)
+    kinds, tables = _region_kinds(layout, direction, options.coalesce)
     parts: dict[int, Ranges | _Pieces] = {}  # region -> its ranges
     repeated_page = False
     top_s = top_d = 0

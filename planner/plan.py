@@ -157,6 +157,34 @@ class TransferPlan:
             raise PlanError("side", side, "expected 'src' or 'dst'")
         return np.unique(self.column_runs(f"{side}_buf")[0])
 
+    def check(self) -> TransferPlan:
+        """Verify that every range lies inside its buffers and every index points into its table; returns self.
+
+        Plans from ``plan_transfer`` hold by construction; this guards plans read from files or built by hand.
+        Raises PlanError naming the column, the range index and the value.
+        """
+        nbuf = len(self.buffers)
+        sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
+        for col, limit in (("src_buf", nbuf), ("dst_buf", nbuf), ("region", len(self.regions)), ("attr", len(self.attrs))):
+            values, lengths = self.column_runs(col)
+            bad = (values < 0) | (values >= limit)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
+        nb = self.nbytes
+        if len(nb) and int(nb.min()) == 0:
+            i = int(np.argmin(nb))
+            raise PlanError("nbytes", 0, "empty range", i)
+        for side in ("src", "dst"):
+            off, buf = getattr(self, f"{side}_offset"), getattr(self, f"{side}_buf")
+            end = off + nb  # uint64: a wrap shows up as end < off
+            bad = (end < off) | (end > sizes[buf])
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise PlanError(f"{side}_offset", int(off[i]), f"range of {int(nb[i])} bytes runs past buffer "
+                                f"{self.buffers[int(buf[i])].name!r} of {int(sizes[buf[i]])} bytes", i)
+        return self
+
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def num_ranges(self) -> int:
@@ -280,6 +308,7 @@ class TransferPlan:
                 columns={name: np.asarray(d["columns"][name], dtype=dt) for name, dt in COLUMNS.items()})
         except KeyError as e:
             raise PlanError(str(e.args[0]), None, "missing from the serialized plan") from None
+        plan.check()
         want = d.get("fingerprint")
         if want is not None and want != plan.fingerprint:
             raise PlanError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})")

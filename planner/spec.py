@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from ._model import Spec
 from .errors import LayoutError, MappingError
 
+_MISSING = object()
 MAX_NBYTES = 2**63 - 1  # keeps every offset and difference inside int64
 U64 = 2**64
 
@@ -53,7 +54,7 @@ class Placement(Spec):
     _error: ClassVar = LayoutError
     buffer: str = Field(min_length=1)
     byte_offset: int = Field(default=0, ge=0)
-    stride_bytes: int | None = Field(default=None, gt=0)
+    stride_bytes: int | None = Field(default=None, gt=0, le=MAX_NBYTES)
     blocks_per_chunk: int = Field(default=1, ge=1)
 
 
@@ -208,24 +209,25 @@ class LayoutInfo:
 
     def shared_buffers(self, direction: Direction) -> tuple[int, ...]:
         """Buffers that some region reads and some region writes in this direction (rare; needs overlap checks)."""
-        key = ("shared", direction.value)
-        if key not in self.memo:
-            both = np.intersect1d(self.side[direction.src_side]["buf"], self.side[direction.dst_side]["buf"])
-            self.memo[key] = tuple(both.tolist())
-        return self.memo[key]
+        return self.cached(("shared", direction.value), lambda: tuple(
+            np.intersect1d(self.side[direction.src_side]["buf"], self.side[direction.dst_side]["buf"]).tolist()))
 
     def extent_end(self, side: str, top: int) -> np.ndarray:
         """Per region: the end byte of page ``top`` on ``side`` -- the extent of a transfer whose ids stay <= top."""
         c = self.side[side]
         return c["base"] + (top // c["k"]) * c["stride"] + (top % c["k"]) * c["page"] + c["page"]
 
-    def _cached(self, key: tuple, make: Any) -> Any:
-        if key not in self.memo:
+    def cached(self, key: tuple, make: Any) -> Any:
+        """``memo[key]``, made once. Safe when threads plan on one layout: a value read is never evicted under
+        the reader, and two threads making the same value make equal values."""
+        value = self.memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = make()
             if len(self.memo) > 64:  # per-transfer keys: keep the memo small
-                for k in [k for k in self.memo if k[0] in ("links", "disjoint")]:
-                    del self.memo[k]
-            self.memo[key] = make()
-        return self.memo[key]
+                for k in [k for k in list(self.memo) if k[0] in ("links", "disjoint")]:
+                    self.memo.pop(k, None)
+            self.memo[key] = value
+        return value
 
     def linked_regions(self, direction: Direction, top_src: int, top_dst: int) -> np.ndarray:
         """Mask of regions whose ranges might merge with another region's: same buffers on both sides and
@@ -242,19 +244,19 @@ class LayoutInfo:
                 mask = pair.any(axis=1)
             mask.flags.writeable = False
             return mask
-        return self._cached(("links", direction.value, top_src, top_dst), make)
+        return self.cached(("links", direction.value, top_src, top_dst), make)
 
     def dst_order(self, direction: Direction, top_dst: int) -> tuple[np.ndarray, bool]:
         """Regions ordered by destination (buffer, base), and whether their destination extents (up to page id
         ``top_dst``) are pairwise disjoint."""
-        order = self._cached(("order", direction.value), lambda: np.lexsort(
+        order = self.cached(("order", direction.value), lambda: np.lexsort(
             (self.side[direction.dst_side]["base"], self.side[direction.dst_side]["buf"])))
 
         def make() -> bool:
             d = self.side[direction.dst_side]
             b, lo, hi = d["buf"][order], d["base"][order], self.extent_end(direction.dst_side, top_dst)[order]
             return bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
-        return order, self._cached(("disjoint", direction.value, top_dst), make)
+        return order, self.cached(("disjoint", direction.value, top_dst), make)
 
 
 def _as_ids(value: Any, field: str) -> np.ndarray:
@@ -350,5 +352,9 @@ class BlockMapping(Spec):
 
     @property
     def plain(self) -> bool:
-        """One group starting at a chunk boundary: ids pair up one to one."""
-        return self.group_sizes is None or (len(self.group_sizes) == 1 and not any(self.group_starts or ()))
+        """One group starting at a chunk boundary whose size is the length of both id lists: ids pair up one
+        to one (anything else is checked against the layout's groups and chunks)."""
+        if self.group_sizes is None:
+            return True
+        return (len(self.group_sizes) == 1 and not any(self.group_starts or ())
+                and self.group_sizes[0] == len(self.src_ids) == len(self.dst_ids))

@@ -6,7 +6,7 @@ import pytest
 
 from kvxfer.executors import BindingError, RawMemory, bind_addresses
 from kvxfer.executors.base import check_location, resolve_memory
-from kvxfer.planner import Buffer, Location, TransferPlan, plan_transfer, presets
+from kvxfer.planner import COLUMNS, Buffer, Location, PlanError, TransferPlan, plan_transfer, presets
 
 
 def test_resolves_numpy_torch_raw_and_cuda_array_interface():
@@ -72,6 +72,11 @@ def test_malformed_plan_range_past_buffer_is_refused():
     d.pop("fingerprint")
     dst = plan.buffers[int(plan.dst_buf[0])]
     d["columns"]["dst_offset"][0] = dst.nbytes - 8  # runs 120 bytes past the buffer
-    bad = TransferPlan.from_dict(d)
+    with pytest.raises(PlanError, match=r"dst_offset\[0\]"):  # reading such a plan fails
+        TransferPlan.from_dict(d)
+    cols = {c: np.asarray(d["columns"][c]) for c in COLUMNS}  # a plan built by hand reaches the executor
+    bad = TransferPlan(direction=plan.direction, target=plan.target, options=plan.options, buffers=plan.buffers,
+                       regions=plan.regions, attrs=plan.attrs, requested_copies=plan.requested_copies,
+                       call_offsets=plan.call_offsets, columns=cols)
     with pytest.raises(BindingError, match=rf"range 0 .*dst range runs past the buffer's {dst.nbytes} bytes \(malformed plan\)"):
         bind_addresses(bad, {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}, lambda buf, mem: None)

@@ -119,10 +119,53 @@ def test_groups_take_their_own_slices():
 
 
 def test_chunk_id_past_host_buffer():
+    def layout(host_nbytes):
+        return Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=host_nbytes, location="host")],
+                      regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
+                                      host=Placement(buffer="h", blocks_per_chunk=4))])
+    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 8: chunk of region 'r' \(host side\) starts past buffer 'h' of 256"):
+        plan_transfer(layout(256), BlockMapping(direction="d2h", src_ids=np.arange(8), dst_ids=[0, 8], group_sizes=[8]))
+    # chunk 7 starts inside a 250-byte buffer, but its last page (31) ends at byte 256
+    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 7: block of region 'r' \(host side\) ends at byte 256, past buffer 'h' of 250"):
+        plan_transfer(layout(250), BlockMapping(direction="d2h", src_ids=np.arange(8), dst_ids=[0, 7], group_sizes=[8]))
+    plan_transfer(layout(250), BlockMapping(direction="d2h", src_ids=np.arange(6), dst_ids=[0, 7], group_sizes=[6]))
+
+
+def test_huge_ids_are_rejected_before_any_arithmetic():
     layout = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=256, location="host")],
-                    regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"), host=Placement(buffer="h", blocks_per_chunk=4))])
-    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 8: block of region 'r' \(host side\) ends at byte 264, past buffer 'h'"):
-        plan_transfer(layout, BlockMapping(direction="d2h", src_ids=np.arange(8), dst_ids=[0, 8], group_sizes=[8]))
+                    regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
+                                    host=Placement(buffer="h", blocks_per_chunk=2))])
+    with pytest.raises(MappingError, match=r"src_ids\[0\] = 4611686018427387904: chunk of region 'r'"):
+        plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[2**62], dst_ids=[0, 1], group_sizes=[2]))
+    wide = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=2**40, location="host")],
+                  regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
+                                  host=Placement(buffer="h", stride_bytes=2**36))])
+    with pytest.raises(MappingError, match=r"dst_ids\[0\] = 16: chunk of region 'r' \(host side\) starts past"):
+        plan_transfer(wide, BlockMapping(direction="d2h", src_ids=[1], dst_ids=[16]), options=PlanOptions(num_writers=2))
+    with pytest.raises(LayoutError, match=r"stride_bytes = 18446744073709551616"):
+        Placement(buffer="h", stride_bytes=2**64)
+
+
+def test_single_group_sizes_must_match_the_lists():
+    layout = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=256, location="host")],
+                    regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"), host=Placement(buffer="h"))])
+    with pytest.raises(MappingError, match=r"src_ids = 'length 4'.*consume 2 ids; the lists must add up exactly"):
+        plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1, 2, 3], dst_ids=[4, 5, 6, 7], group_sizes=[2]))
+    with pytest.raises(MappingError, match=r"group 0 \(size 3.*needs dst_ids\[0:3\]"):
+        plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1, 3, 1, 2], dst_ids=[3, 0], group_sizes=[3]))
+    plan = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1], dst_ids=[4, 5], group_sizes=[2]))
+    assert plan.num_ranges == 1
+
+
+def test_unmerged_plans_keep_every_declared_piece():
+    frags = tuple(Fragment(local_offset=4 * i, local_stride=0, canonical_offset=4 * i, canonical_stride=0, fragment_bytes=4)
+                  for i in range(4))  # four pieces that touch: one whole page when merged
+    layout = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=256, location="host")],
+                    regions=[Region(name="r", page_bytes=16, device=Placement(buffer="g"), host=Placement(buffer="h"),
+                                    fragments=frags)])
+    m = BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[2, 3])
+    assert plan_transfer(layout, m, options=PlanOptions(coalesce=False)).num_ranges == 8
+    assert plan_transfer(layout, m).num_ranges == 1
 
 
 def test_fragment_errors():

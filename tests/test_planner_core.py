@@ -6,6 +6,7 @@ import pytest
 
 from kvxfer.executors import BindingError, NumpyExecutor
 from kvxfer.planner import (
+    COLUMNS,
     AccessOrder,
     BlockMapping,
     Buffer,
@@ -15,6 +16,7 @@ from kvxfer.planner import (
     LayoutError,
     MappingError,
     Placement,
+    PlanError,
     PlanOptions,
     Region,
     Target,
@@ -393,3 +395,32 @@ def test_bind_any_dtype_and_torch():
     NumpyExecutor().run(plan, {"cpu": src, "gpu.kv0": dst})
     got = dst.view(np.uint8)[5 * 16:8 * 16]
     np.testing.assert_array_equal(got, src.numpy().view(np.uint8)[:48])
+
+
+def test_malformed_plans_are_refused_before_copying():
+    plan, bufs = _plan_and_buffers()
+    d = plan.to_dict()
+    del d["fingerprint"]
+    d["columns"]["src_offset"][0] = 10**6
+    with pytest.raises(PlanError, match=r"src_offset\[0\] = 1000000: range of 48 bytes runs past buffer 'cpu' of 256"):
+        TransferPlan.from_dict(d)
+    d = plan.to_dict()
+    del d["fingerprint"]
+    d["columns"]["src_buf"][1] = -1
+    with pytest.raises(PlanError, match=r"src_buf\[1\] = -1: out of range"):
+        TransferPlan.from_dict(d)
+    d = plan.to_dict()
+    del d["fingerprint"]
+    d["columns"]["attr"][0] = 5
+    with pytest.raises(PlanError, match=r"attr\[0\] = 5: out of range \(the plan has 1\)"):
+        TransferPlan.from_dict(d)
+    cols = {c: getattr(plan, c).copy() for c in COLUMNS}
+    cols["dst_offset"][-1] = 10**6  # a hand-built plan: the executor refuses it whole
+    bad = TransferPlan(direction=plan.direction, target=plan.target, options=plan.options, buffers=plan.buffers,
+                       regions=plan.regions, attrs=plan.attrs, requested_copies=plan.requested_copies,
+                       call_offsets=plan.call_offsets, columns=cols)
+    before = {k: v.copy() for k, v in bufs.items()}
+    with pytest.raises(PlanError, match=r"dst_offset\[1\] = 1000000"):
+        NumpyExecutor().run(bad, bufs)
+    for k in bufs:
+        np.testing.assert_array_equal(bufs[k], before[k])
