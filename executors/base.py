@@ -103,9 +103,37 @@ class Transfer:
     _wait: Callable[[], float | None] = field(default=lambda: None, repr=False)
     elapsed_s: float | None = None
     _keep: Any = field(default=None, repr=False)  # bound memory and events, alive until the copies finish
+    _call_poll: Callable[[int], bool] | None = field(default=None, repr=False)
+    _call_wait: Callable[[int], None] | None = field(default=None, repr=False)
+    _stream_wait: Callable[[Any, int], None] | None = field(default=None, repr=False)
 
     def done(self) -> bool:
         return self._poll()
+
+    def _call(self, call: int) -> int:
+        if not -self.calls <= call < self.calls:
+            raise IndexError(f"call = {call}: the transfer has {self.calls} calls")
+        return call % self.calls
+
+    def call_done(self, call: int) -> bool:
+        """Whether call ``call`` has finished (calls finish in order, so every earlier one has too). With
+        ``PlanOptions(regions_per_call=...)`` a call is a layer (or N layers): per-layer completion."""
+        i = self._call(call)
+        return True if self._call_poll is None else self._call_poll(i)
+
+    def wait_call(self, call: int) -> Transfer:
+        """Block the host until call ``call`` has finished."""
+        i = self._call(call)
+        if self._call_wait is not None:
+            self._call_wait(i)
+        return self
+
+    def stream_wait(self, stream: Any, call: int = -1) -> None:
+        """Make ``stream`` (a compute stream) wait on the device, without a host sync, until call ``call``
+        (default: the last) has finished. Synchronous executors are done already: nothing to wait for."""
+        i = self._call(call)
+        if self._stream_wait is not None:
+            self._stream_wait(stream, i)
 
     def wait(self) -> Transfer:
         t = self._wait()

@@ -5,10 +5,11 @@ The backend files (ops_cuda.py, ops_hip.py) only bind a ``Runtime`` to their dri
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,10 @@ class Runtime:
         return self._elapsed(ctypes.byref(ms), start, end), ms.value
 
     def error_name(self, code: int) -> str: raise NotImplementedError
-    def make_current(self) -> None: """Make the runtime's device current on this thread."""
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Make the runtime's device current on this thread for the block, then restore the caller's."""
+        yield
 
     def check(self, code: int, call: str) -> None:
         """Raise ExecutorError for a failed stream/event call (one that issues no copies)."""
@@ -136,8 +140,8 @@ class DmaExecutor(Executor):
         self._buffers = DescriptorBuffers()
         self._fail_idx = ctypes.c_size_t(SIZE_MAX)
         self._last: Transfer | None = None
-        runtime.make_current()
-        self._stream = runtime.stream_create()
+        with runtime.current():
+            self._stream = runtime.stream_create()
 
     @property
     def target(self) -> Target:
@@ -147,7 +151,8 @@ class DmaExecutor(Executor):
         if self._stream is not None:
             if self._last is not None:
                 self._last.wait()
-            self.runtime.stream_destroy(self._stream)
+            with self.runtime.current():
+                self.runtime.stream_destroy(self._stream)
             self._stream = None
 
     def _check_memory(self, buf: Buffer, bound: Bound) -> None:
@@ -173,30 +178,37 @@ class DmaExecutor(Executor):
         self._check_plan(plan)
         addrs = bind_addresses(plan, bindings, self._check_memory, self._buffers.reserve(plan.num_ranges))
         rt = self.runtime
-        rt.make_current()
-        compute = stream_handle(stream)
-        ready, start, end = rt.event_create(), rt.event_create(), rt.event_create()
-        transfer = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                            _keep=([b.owner for b in addrs.bound if b is not None], (ready, start, end)))
-        weakref.finalize(transfer, _destroy_events, rt, (ready, start, end))
-        rt.check(rt.event_record(ready, compute), "event record (compute stream)")
-        rt.check(rt.stream_wait_event(self._stream, ready), "stream wait (compute stream)")
-        if self._last is not None:
-            rt.check(rt.stream_wait_event(self._stream, self._last._keep[1][2]), "stream wait (previous transfer)")
-        rt.check(rt.event_record(start, self._stream), "event record (start)")
-        transfer._poll = lambda: _query(rt, end)
-        transfer._wait = lambda: _finish(rt, start, end)
-        try:
-            self._issue(plan, addrs.src, addrs.dst)
-        finally:  # successors must order after whatever was issued, even on failure
-            rt.event_record(end, self._stream)
-            self._last = transfer
+        with rt.current():  # the caller's current device/context is restored afterwards
+            compute = stream_handle(stream)
+            ready, start, end = rt.event_create(), rt.event_create(), rt.event_create()
+            # marks[i] completes with call i (calls complete in order on the copy stream); the last is ``end``
+            marks = [rt.event_create() for _ in range(max(plan.num_calls - 1, 0))] + [end]
+            events = (ready, start, end, *marks[:-1])
+            transfer = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
+                                _keep=([b.owner for b in addrs.bound if b is not None], events))
+            weakref.finalize(transfer, _destroy_events, rt, events)
+            rt.check(rt.event_record(ready, compute), "event record (compute stream)")
+            rt.check(rt.stream_wait_event(self._stream, ready), "stream wait (compute stream)")
+            if self._last is not None:
+                rt.check(rt.stream_wait_event(self._stream, self._last._keep[1][2]), "stream wait (previous transfer)")
+            rt.check(rt.event_record(start, self._stream), "event record (start)")
+            transfer._poll = lambda: _query(rt, end)
+            transfer._wait = lambda: _finish(rt, start, end)
+            transfer._call_poll = lambda i: _query(rt, marks[i])
+            transfer._call_wait = lambda i: rt.check(rt.event_synchronize(marks[i]), "event synchronize (call)")
+            transfer._stream_wait = lambda s, i: rt.check(rt.stream_wait_event(stream_handle(s), marks[i]),
+                                                          "stream wait (consumer)")
+            try:
+                self._issue(plan, addrs.src, addrs.dst, marks)
+            finally:  # successors must order after whatever was issued, even on failure
+                rt.event_record(end, self._stream)
+                self._last = transfer
         return transfer
 
-    def _issue(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray) -> None:
+    def _issue(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: list[int]) -> None:
         rt, s = self.runtime, self._stream
         if plan.api not in BATCH_APIS:
-            self._issue_per_range(plan, src, dst)
+            self._issue_per_range(plan, src, dst, marks)
             return
         sizes = plan.nbytes  # uint64 == size_t on the 64-bit platforms drivers support
         src_p, dst_p, size_p = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
@@ -215,8 +227,9 @@ class DmaExecutor(Executor):
             if code:
                 local = self._fail_idx.value if plan.api is not CopyApi.CUDA_BATCH_V2 else SIZE_MAX
                 raise _call_error(rt, plan, c, code, None if local >= hi - lo else lo + local)
+            _mark_call(rt, marks, c, s)
 
-    def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray) -> None:
+    def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: list[int]) -> None:
         """Below the batch APIs: one cuMemcpyAsync/hipMemcpyAsync per range, in plan order on the same stream,
         so completion, ordering and error reporting are what the batch path gives."""
         rt, s = self.runtime, self._stream
@@ -228,6 +241,13 @@ class DmaExecutor(Executor):
                 code = copy(d_all[i], s_all[i], n_all[i], s)
                 if code:
                     raise _call_error(rt, plan, c, code, i)
+            _mark_call(rt, marks, c, s)
+
+
+def _mark_call(rt: Runtime, marks: list[int], call: int, stream: int) -> None:
+    """Record the event that says call ``call`` is done (the last call's is the transfer's end event)."""
+    if call < len(marks) - 1:
+        rt.check(rt.event_record(marks[call], stream), "event record (call end)")
 
 
 def _call_error(rt: Runtime, plan: TransferPlan, call: int, code: int, descriptor: int | None) -> ExecutorError:

@@ -9,7 +9,9 @@ without a GPU. Entry points are resolved once, on the instance; a NULL pointer m
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from pathlib import Path
 from typing import Any
@@ -67,8 +69,14 @@ class CudaDriver:
         res = cu.cuGetProcAddress(symbol.encode(), abi_version, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         return int(res[1]) if int(res[0]) == 0 and res[1] else 0
 
-    def make_current(self) -> None:
-        self._ok(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Push the device's primary context for the block and pop it after, so the caller's stays current."""
+        self._ok(self._cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._cu.cuCtxPopCurrent()
 
     def stream_create(self) -> int:
         s = self._ok(self._cu.cuStreamCreate(CU_STREAM_NON_BLOCKING), "cuStreamCreate")
@@ -111,8 +119,9 @@ class ShimDriver:
         p = c_void_p()
         return (p.value or 0) if self._proc(symbol.encode(), byref(p), abi_version, 0, None) == 0 else 0
 
-    def make_current(self) -> None:
-        pass
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        yield  # host memory: no context
 
     def stream_create(self) -> int:
         s = c_void_p()
@@ -166,8 +175,8 @@ class CudaRuntime(Runtime):
             return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream)
         return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
 
-    def make_current(self) -> None:
-        self.driver.make_current()
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        return self.driver.current()
 
     def stream_create(self) -> int:
         return self.driver.stream_create()

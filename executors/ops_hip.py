@@ -6,7 +6,9 @@ called directly. ``library`` overrides the search (tests load the fake runtime o
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ class HipRuntime(Runtime):
         self.device, self.host_as_device = device, host_as_device
         try:
             self._set_device = _declare(lib, "hipSetDevice", [c_int])
+            self._get_device = _declare(lib, "hipGetDevice", [POINTER(c_int)])
             self._error_name = _declare(lib, "hipGetErrorName", [c_int], c_char_p)
             self._copy = _declare(lib, "hipMemcpyAsync", [c_void_p, c_void_p, c_size_t, c_int, c_void_p])
             self._stream_create = _declare(lib, "hipStreamCreateWithFlags", [POINTER(c_void_p), c_uint])
@@ -72,7 +75,6 @@ class HipRuntime(Runtime):
                                                                 c_void_p, c_size_t, POINTER(c_size_t), c_void_p])
         except AttributeError:  # ROCm before 7.1
             self._batch = None
-        self.make_current()
 
     def api_available(self, api: CopyApi) -> bool:
         return api is CopyApi.HIP_PER_RANGE or (api is CopyApi.HIP_BATCH and self._batch is not None)
@@ -83,8 +85,17 @@ class HipRuntime(Runtime):
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         return self._copy(dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream)
 
-    def make_current(self) -> None:
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Select the executor's device for the block, then give the caller back the device it had."""
+        prev = c_int(self.device)
+        known = self._get_device(byref(prev)) == 0
         self.check(self._set_device(self.device), "hipSetDevice")
+        try:
+            yield
+        finally:
+            if known and prev.value != self.device:
+                self._set_device(prev.value)
 
     def stream_create(self) -> int:
         s = c_void_p()

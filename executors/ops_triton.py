@@ -132,12 +132,14 @@ class TritonExecutor(Executor):
         if not self.interpret and plan.target.platform is not self._target.platform:
             raise TargetMismatchError(plan.target, self._target, None)
         addrs = bind_addresses(plan, bindings, self._check_memory)
-        groups = launch_tables(addrs.src, addrs.dst, plan.nbytes, self.tile_bytes)
+        # the plan's calls are kept: launches of call i all precede those of call i+1, so completion can be
+        # reported per call (per layer with regions_per_call)
+        per_call = [launch_tables(addrs.src[c], addrs.dst[c], plan.nbytes[c], self.tile_bytes) for c in plan.calls()]
         if self.interpret:
-            for g in groups:
+            for g in (g for groups in per_call for g in groups):
                 self._launch(g, {k: self._torch.from_numpy(g[k]) for k in ("src", "dst", "nbytes", "tile_range", "tile_start")})
             return completed(plan, t0)
-        return self._run_on_gpu(plan, groups, addrs, stream)
+        return self._run_on_gpu(plan, per_call, addrs, stream)
 
     def _launch(self, g: dict[str, Any], t: dict[str, Any]) -> None:
         num_tiles = len(g["tile_range"])
@@ -146,7 +148,7 @@ class TritonExecutor(Executor):
                            ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
                            ALIGN16=g["align16"])
 
-    def _run_on_gpu(self, plan: TransferPlan, groups: list[dict[str, Any]], addrs: Any, stream: Any) -> Transfer:
+    def _run_on_gpu(self, plan: TransferPlan, per_call: list[list[dict[str, Any]]], addrs: Any, stream: Any) -> Transfer:
         torch = self._torch
         compute = (torch.cuda.current_stream(self._device) if stream is None else
                    stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(int(stream)))
@@ -155,24 +157,33 @@ class TritonExecutor(Executor):
         if self._last_end is not None:
             cs.wait_event(self._last_end)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks = [torch.cuda.Event() for _ in range(max(len(per_call) - 1, 0))] + [end]  # marks[i]: call i done
         keys = ("src", "dst", "nbytes", "tile_range", "tile_start")
+        groups = [g for gs in per_call for g in gs]
         packed = np.concatenate([g[k] for g in groups for k in keys]) if groups else np.zeros(0, np.int64)
         with torch.cuda.stream(cs):
             start.record(cs)
             table = torch.from_numpy(packed).to(self._device)  # ordered on cs before the kernels read it
             at = 0
-            for g in groups:
-                views = {}
-                for k in keys:
-                    views[k] = table[at:at + len(g[k])]
-                    at += len(g[k])
-                self._launch(g, views)
+            for call, gs in enumerate(per_call):
+                for g in gs:
+                    views = {}
+                    for k in keys:
+                        views[k] = table[at:at + len(g[k])]
+                        at += len(g[k])
+                    self._launch(g, views)
+                if call < len(per_call) - 1:
+                    marks[call].record(cs)
             end.record(cs)
         self._last_end = end
-        t = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=len(groups),
+        t = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
                      _keep=([b.owner for b in addrs.bound if b is not None], table if groups else None))
         t._poll = end.query
         t._wait = lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+        t._call_poll = lambda i: marks[i].query()
+        t._call_wait = lambda i: marks[i].synchronize()
+        t._stream_wait = lambda s, i: (s if isinstance(s, torch.cuda.Stream) else torch.cuda.ExternalStream(int(s))
+                                       ).wait_event(marks[i])
         return t
 
 

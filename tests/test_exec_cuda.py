@@ -112,6 +112,38 @@ def test_stream_order_compute_then_previous_transfer(make):
                    ("batch", s, plan.num_ranges), ("record", end2, s)]
 
 
+@pytest.mark.parametrize("version", [V13, V124])
+def test_per_call_completion_for_layer_wise_plans(make, version):
+    layout = presets.kv_layout(3, 32, 64)
+    plan = plan_transfer(layout, presets.mapping("runs8", 12, 32), Target(platform="cuda", runtime_version=version),
+                         PlanOptions(regions_per_call=1))
+    assert plan.num_calls == 3
+    ex, st = make(version)
+    bufs = host_buffers(layout)
+    want = expected(plan, bufs)
+    t = ex.run(plan, bufs)
+    ready, start, end, mark0, mark1 = t._keep[1]
+    s = ex._stream
+    issue = "batch" if version == V13 else "copy"
+    marks = {mark0: "mark0", mark1: "mark1", end: "end"}
+    seq = [op[0] if op[0] == issue else marks[op[1]] for op in st.log
+           if op[0] == issue or (op[0] == "record" and op[1] in marks)]
+    per_call = [1] * 3 if version == V13 else plan.call_sizes.tolist()  # one batch, or one copy per range
+    want_seq = []
+    for c, name in enumerate(("mark0", "mark1", "end")):
+        want_seq += [issue] * per_call[c] + [name]
+    assert seq == want_seq  # each layer's event follows that layer's copies and precedes the next layer's
+    assert all(op[2] == s for op in st.log if op[0] == "record" and op[1] in marks)
+    assert [t.call_done(i) for i in range(3)] == [True, True, True] and t.call_done(-1)
+    t.wait_call(1)
+    t.stream_wait(99, call=0)
+    assert ("wait", 99, mark0) in st.log
+    with pytest.raises(IndexError, match="call = 3: the transfer has 3 calls"):
+        t.call_done(3)
+    t.wait()
+    assert_same(bufs, want)
+
+
 @pytest.mark.parametrize("version,descriptor", [(V128, True), (V13, False), (V124, True)])
 def test_driver_error_names_error_call_and_descriptor(make, version, descriptor):
     layout, plan = _plan(version, pattern="fragmented", max_desc=4)

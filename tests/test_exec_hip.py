@@ -134,3 +134,17 @@ def test_round_trip_on_rocm():
         torch.cuda.synchronize()
         ex.run(plan, mem).wait()
         assert_same({k: v.cpu().numpy() for k, v in mem.items()}, want)
+
+
+def test_the_callers_device_is_restored(make, lib_path):
+    ex, st = make(hip_version(7, 16))
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.hipSetDevice(2) == 0  # the caller works on device 2; the executor copies on device 0
+    layout = presets.kv_layout(2, 16, 256)
+    plan = plan_transfer(layout, presets.mapping("runs8", 6, 16), ex.target)
+    bufs = host_buffers(layout)
+    want = expected(plan, bufs)
+    ex.run(plan, bufs).wait()
+    assert_same(bufs, want)
+    dev = ctypes.c_int(-1)
+    assert lib.hipGetDevice(ctypes.byref(dev)) == 0 and dev.value == 2

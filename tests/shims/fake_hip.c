@@ -24,7 +24,9 @@ hipError_t hipRuntimeGetVersion(int *v) {
 }
 
 hipError_t hipGetDeviceCount(int *n) { *n = 1; return hipSuccess; }
-hipError_t hipSetDevice(int d) { return d == 0 ? hipSuccess : 101; }
+static int current_device = 0;
+hipError_t hipSetDevice(int d) { if (d < 0 || d > 3) return 101; current_device = d; return hipSuccess; }  /* 101: hipErrorInvalidDevice */
+hipError_t hipGetDevice(int *d) { *d = current_device; return hipSuccess; }
 
 const char *hipGetErrorName(hipError_t e) {
     switch (e) {

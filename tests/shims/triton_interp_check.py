@@ -21,7 +21,8 @@ for trial in range(16):
     mapping = dict(direction=["h2d", "d2h"][trial % 2], src_ids=rng.permutation(blocks)[:n],
                    dst_ids=rng.permutation(blocks)[:n])
     plan = plan_transfer(layout, mapping, Target(platform="cuda", runtime_version=13000),
-                         PlanOptions(coalesce=bool(trial % 3)))
+                         PlanOptions(coalesce=bool(trial % 3), regions_per_call=1 if trial % 4 == 3 else None,
+                                     max_descriptors=int(rng.integers(0, 5))))
     bufs = host_buffers(layout, seed=trial)
     want = expected(plan, bufs)
     base = np.array([bufs[b.name].ctypes.data for b in plan.buffers], dtype=np.uint64)
