@@ -71,7 +71,7 @@ class GoldenPlan:
 
 @pytest.fixture
 def golden_plan(request: pytest.FixtureRequest) -> GoldenPlan:
-    """Compare plans with golden files; see kvxfer.planner.pytest_plugin."""
+    """Compare plans with golden files; see kvxfer.cli.pytest_plugin."""
     return GoldenPlan(request)
 
 
