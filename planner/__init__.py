@@ -3,11 +3,11 @@ from .case import Case
 from .coalesce import plan_transfer
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
-from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, Region
+from .spec import BlockMapping, Buffer, Direction, Fragment, Layout, Location, Placement, Region
 from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_version, hip_version
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Layout",
+    "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Fragment", "Layout",
     "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanOptions", "Platform",
     "Region", "SCHEMA_VERSION", "Target", "TargetError", "TransferPlan", "cuda_version", "hip_version",
     "plan_transfer",
