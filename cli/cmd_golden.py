@@ -28,15 +28,17 @@ def register(app: typer.Typer) -> None:
         from kvxfer.planner import golden
 
         files = _files(folder)
-        bad = 0
+        statuses = []
         for path in files:
             r = golden.check_file(path)
-            bad += not r.ok
-            typer.echo(f"{'ok' if r.ok else r.status:12}  {path.name}")
+            statuses.append(r.status)
+            typer.echo(f"{r.status:12}  {path.name}")
             if not r.ok and verbose:
                 typer.echo(r.message)
+        bad = sum(s != "ok" for s in statuses)
+        rewritable = sum(s in ("differs", "case-changed") for s in statuses)
         typer.echo(f"{len(files)} golden files: {len(files) - bad} ok, {bad} failing"
-                   + (f" (kvxfer golden update {folder} rewrites them)" if bad else ""))
+                   + (f" (kvxfer golden update {folder} rewrites {rewritable})" if rewritable else ""))
         if bad:
             raise typer.Exit(1)
 
@@ -45,9 +47,16 @@ def register(app: typer.Typer) -> None:
         """Rewrite every golden file whose plan (or formatting) changed; its case is kept."""
         from kvxfer.planner import golden
 
-        changed = 0
+        changed = failed = 0
         for path in _files(folder):
-            wrote = golden.update_file(path)
+            try:
+                wrote = golden.update_file(path)
+            except PlanError as e:  # one broken file does not stop the others
+                failed += 1
+                typer.echo(f"{'unreadable':12}  {path.name}: {e}")
+                continue
             changed += wrote
             typer.echo(f"{'updated' if wrote else 'unchanged':12}  {path.name}")
-        typer.echo(f"{changed} golden file(s) rewritten")
+        typer.echo(f"{changed} golden file(s) rewritten" + (f", {failed} could not be read" if failed else ""))
+        if failed:
+            raise typer.Exit(1)

@@ -65,6 +65,10 @@ def register(app) -> None:
             else:
                 raise typer.BadParameter("--shim needs --executor cuda-batch or hip-batch", param_hint="--shim")
         cfg = ExecutorConfig.load(config, **overrides)
+        if cfg.kind is ExecutorKind.NIXL:
+            raise typer.BadParameter("a NIXL plan needs a remote peer; run it from Python (NixlExecutor with "
+                                     "kvxfer.executors.nixl_peer), or try python -m kvxfer.executors.nixl_peer",
+                                     param_hint="--executor")
         case = Case.load(case_path)
         ex = get_executor(cfg)
         target = ex.target if cfg.replan else case.target

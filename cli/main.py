@@ -20,10 +20,14 @@ def build_app():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI. Bad input prints one line (no traceback) and exits 2."""
+    """Run the CLI. Bad input prints one line (no traceback) and exits 2; a failed driver or transfer prints
+    one line and exits 1."""
     app = build_app()
     try:
         app(args=argv, standalone_mode=True)
     except (ValueError, OSError, ImportError) as e:  # bad input, unreadable files, a missing optional extra
         print(f"kvxfer: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (RuntimeError, TimeoutError) as e:  # ExecutorError: no driver, a failed call, a transfer that hung
+        print(f"kvxfer: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

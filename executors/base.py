@@ -115,25 +115,25 @@ class Transfer:
             raise IndexError(f"call = {call}: the transfer has {self.calls} calls")
         return call % self.calls
 
+    def _hook(self, hook: Callable[..., Any] | None, what: str) -> Callable[..., Any]:
+        if hook is None:
+            raise NotImplementedError(f"this transfer ({type(self).__name__}) does not report {what}")
+        return hook
+
     def call_done(self, call: int) -> bool:
-        """Whether call ``call`` has finished (calls finish in order, so every earlier one has too). With
-        ``PlanOptions(regions_per_call=...)`` a call is a layer (or N layers): per-layer completion."""
-        i = self._call(call)
-        return True if self._call_poll is None else self._call_poll(i)
+        """Whether call ``call`` has finished. With ``PlanOptions(regions_per_call=...)`` a call is a layer (or
+        N layers): per-layer completion. DMA and Triton executors finish calls in order."""
+        return self._hook(self._call_poll, "per-call completion")(self._call(call))
 
     def wait_call(self, call: int) -> Transfer:
         """Block the host until call ``call`` has finished."""
-        i = self._call(call)
-        if self._call_wait is not None:
-            self._call_wait(i)
+        self._hook(self._call_wait, "per-call completion")(self._call(call))
         return self
 
     def stream_wait(self, stream: Any, call: int = -1) -> None:
         """Make ``stream`` (a compute stream) wait on the device, without a host sync, until call ``call``
-        (default: the last) has finished. Synchronous executors are done already: nothing to wait for."""
-        i = self._call(call)
-        if self._stream_wait is not None:
-            self._stream_wait(stream, i)
+        (default: the last) has finished."""
+        self._hook(self._stream_wait, "stream ordering")(stream, self._call(call))
 
     def wait(self) -> Transfer:
         t = self._wait()
@@ -180,7 +180,8 @@ class Executor:
 def completed(plan: TransferPlan, t0: float) -> Transfer:
     """A Transfer for synchronous executors: finished on return."""
     return Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                    elapsed_s=time.perf_counter() - t0)
+                    elapsed_s=time.perf_counter() - t0, _call_poll=lambda i: True, _call_wait=lambda i: None,
+                    _stream_wait=lambda stream, i: None)  # finished on return: nothing left to wait for
 
 
 # ---- address binding (executors that hand raw addresses to a driver) -------------------------------------

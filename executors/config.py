@@ -4,7 +4,8 @@ Configuration comes from (later wins): defaults < a TOML/JSON file (``source`` o
 environment variables (ENV_VARS) < explicit overrides (Python keyword arguments, CLI flags).
 
 ``auto`` picks per plan: ROCm -> hip-batch; CUDA -> triton only for loads (h2d) from pinned host memory whose
-merged ranges are small on average (``triton.max_mean_range_bytes``; decided on the plan's real range sizes,
+merged ranges are small (at least half of the bytes move in ranges of at most ``triton.small_range_bytes``;
+decided on the plan's real range sizes,
 not the page size), else cuda-batch; no GPU -> numpy.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import Field, field_validator
 
 from kvxfer.planner import Direction, PlanError, Platform, Target, TransferPlan
@@ -71,11 +73,12 @@ class HipOptions(_Options):
 
 
 class TritonOptions(_Options):
-    """triton: ``max_mean_range_bytes`` is auto's threshold; ``tile_bytes`` is the bytes one program copies per
+    """triton: ``small_range_bytes`` is auto's threshold (a load goes to the kernel when at least half of its
+    bytes move in ranges no larger); ``tile_bytes`` is the bytes one program copies per
     step (power of two); ``num_programs`` caps the grid (None = 4 per SM, or the tile count if smaller)."""
 
     device: int = Field(default=0, ge=0)
-    max_mean_range_bytes: int = Field(default=28 * 1024, ge=0)
+    small_range_bytes: int = Field(default=28 * 1024, ge=0)
     tile_bytes: int = Field(default=8192, ge=16, le=1 << 16)
     num_programs: int | None = Field(default=None, gt=0)
 
@@ -125,7 +128,7 @@ ENV_VARS: dict[str, str] = {
     "KVXFER_CUDA_DEVICE": "cuda.device",
     "KVXFER_CUDA_DRIVER_LIB": "cuda.driver_lib",
     "KVXFER_HIP_LIBRARY": "hip.library",
-    "KVXFER_TRITON_MAX_MEAN_RANGE_BYTES": "triton.max_mean_range_bytes",
+    "KVXFER_TRITON_SMALL_RANGE_BYTES": "triton.small_range_bytes",
 }
 
 
@@ -223,19 +226,20 @@ def choose_executor(config: ExecutorConfig, plan: TransferPlan | None = None, bi
         return ExecutorKind.CUDA_BATCH, "CUDA store (d2h): always DMA, the copy engines leave compute alone"
     if plan.num_ranges == 0:
         return ExecutorKind.CUDA_BATCH, "CUDA load with no ranges"
-    mean = plan.total_bytes / plan.num_ranges
-    limit = config.triton.max_mean_range_bytes
-    if mean > limit:
-        return ExecutorKind.CUDA_BATCH, (f"CUDA load: mean merged range {mean:,.0f} B > {limit:,} B, "
-                                         "DMA descriptors are large enough for full bandwidth")
+    limit = config.triton.small_range_bytes
+    nb = plan.nbytes
+    share = float(nb[nb <= limit].sum(dtype=np.uint64)) / plan.total_bytes  # by bytes: a few huge ranges count
+    if share < 0.5:
+        return ExecutorKind.CUDA_BATCH, (f"CUDA load: {share:.0%} of the bytes move in merged ranges <= {limit:,} B, "
+                                         "so most descriptors are large enough for full DMA bandwidth")
     pinned = _host_sources_pinned(plan, bindings)
     if pinned is not True:
         why = "pageable" if pinned is False else "not known to be pinned"
         return ExecutorKind.CUDA_BATCH, f"CUDA load with small ranges, but host memory is {why}: DMA batch copies"
     if importlib.util.find_spec("triton") is None:
         return ExecutorKind.CUDA_BATCH, "CUDA load with small ranges, but triton is not installed: DMA batch copies"
-    return ExecutorKind.TRITON, (f"CUDA load from pinned host memory: mean merged range {mean:,.0f} B <= {limit:,} B, "
-                                 "an SM kernel avoids the per-descriptor DMA cost")
+    return ExecutorKind.TRITON, (f"CUDA load from pinned host memory: {share:.0%} of the bytes move in merged ranges "
+                                 f"<= {limit:,} B, where an SM kernel avoids the per-descriptor DMA cost")
 
 
 def executor_class(kind: ExecutorKind | str) -> type[Executor]:
@@ -258,11 +262,10 @@ def build_executor(kind: ExecutorKind | str, config: ExecutorConfig) -> Executor
 
 
 def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None = None) -> Executor:
-    """An executor for ``config`` (a model, a dict, a file path, or None = ExecutorConfig.load())."""
-    if config is None:
-        config = ExecutorConfig.load()
-    elif not isinstance(config, ExecutorConfig):
-        config = ExecutorConfig.load(config, env={})
+    """An executor for ``config``: a model (used as is), or a dict / file path / None, which are read with
+    ``ExecutorConfig.load`` (defaults < dict or file < KVXFER_* environment)."""
+    if not isinstance(config, ExecutorConfig):
+        config = ExecutorConfig.load(config)
     if config.kind is ExecutorKind.AUTO:
         return AutoExecutor(config)
     return build_executor(config.kind, config)

@@ -48,13 +48,13 @@ def attribute_records(attrs: tuple[CopyAttributes, ...]) -> np.ndarray:
     return rec
 
 
-def stream_handle(stream: Any) -> int:
-    """A raw stream handle from None (torch's current stream when torch has initialized a GPU, else the
-    legacy default stream 0), an int, a torch stream (``cuda_stream``) or a cuda-bindings CUstream."""
+def stream_handle(stream: Any, device: int = 0) -> int:
+    """A raw stream handle from None (torch's current stream on ``device`` when torch has initialized a GPU,
+    else the legacy default stream 0), an int, a torch stream (``cuda_stream``) or a cuda-bindings CUstream."""
     if stream is None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.current_stream().cuda_stream)
+            return int(torch.cuda.current_stream(device).cuda_stream)
         return 0
     handle = getattr(stream, "cuda_stream", stream)
     try:
@@ -72,6 +72,7 @@ class Runtime:
 
     platform: Platform
     version: int
+    device: int = 0  # ordinal of the device the executor copies on
     host_as_device: bool = False
 
     def api_available(self, api: CopyApi) -> bool: raise NotImplementedError
@@ -140,6 +141,7 @@ class DmaExecutor(Executor):
         self._buffers = DescriptorBuffers()
         self._fail_idx = ctypes.c_size_t(SIZE_MAX)
         self._last: Transfer | None = None
+        self._inflight: list[Transfer] = []  # keeps bound memory alive until the copies finish
         with runtime.current():
             self._stream = runtime.stream_create()
 
@@ -178,15 +180,22 @@ class DmaExecutor(Executor):
         self._check_plan(plan)
         addrs = bind_addresses(plan, bindings, self._check_memory, self._buffers.reserve(plan.num_ranges))
         rt = self.runtime
+        self._inflight = [t for t in self._inflight if not _finished(t)]
         with rt.current():  # the caller's current device/context is restored afterwards
-            compute = stream_handle(stream)
-            ready, start, end = rt.event_create(), rt.event_create(), rt.event_create()
+            compute = stream_handle(stream, rt.device)
+            events: list[int] = []
+            try:  # every event made is destroyed with the transfer, even if a later create fails
+                for _ in range(3 + max(plan.num_calls - 1, 0)):
+                    events.append(rt.event_create())
+            except ExecutorError:
+                _destroy_events(rt, tuple(events))
+                raise
+            ready, start, end = events[:3]
             # marks[i] completes with call i (calls complete in order on the copy stream); the last is ``end``
-            marks = [rt.event_create() for _ in range(max(plan.num_calls - 1, 0))] + [end]
-            events = (ready, start, end, *marks[:-1])
+            marks = events[3:] + [end]
             transfer = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                                _keep=([b.owner for b in addrs.bound if b is not None], events))
-            weakref.finalize(transfer, _destroy_events, rt, events)
+                                _keep=([b.owner for b in addrs.bound if b is not None], tuple(events)))
+            weakref.finalize(transfer, _destroy_events, rt, tuple(events))
             rt.check(rt.event_record(ready, compute), "event record (compute stream)")
             rt.check(rt.stream_wait_event(self._stream, ready), "stream wait (compute stream)")
             if self._last is not None:
@@ -196,13 +205,14 @@ class DmaExecutor(Executor):
             transfer._wait = lambda: _finish(rt, start, end)
             transfer._call_poll = lambda i: _query(rt, marks[i])
             transfer._call_wait = lambda i: rt.check(rt.event_synchronize(marks[i]), "event synchronize (call)")
-            transfer._stream_wait = lambda s, i: rt.check(rt.stream_wait_event(stream_handle(s), marks[i]),
+            transfer._stream_wait = lambda s, i: rt.check(rt.stream_wait_event(stream_handle(s, rt.device), marks[i]),
                                                           "stream wait (consumer)")
             try:
                 self._issue(plan, addrs.src, addrs.dst, marks)
             finally:  # successors must order after whatever was issued, even on failure
                 rt.event_record(end, self._stream)
                 self._last = transfer
+                self._inflight.append(transfer)
         return transfer
 
     def _issue(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: list[int]) -> None:
@@ -247,7 +257,10 @@ class DmaExecutor(Executor):
 def _mark_call(rt: Runtime, marks: list[int], call: int, stream: int) -> None:
     """Record the event that says call ``call`` is done (the last call's is the transfer's end event)."""
     if call < len(marks) - 1:
-        rt.check(rt.event_record(marks[call], stream), "event record (call end)")
+        code = rt.event_record(marks[call], stream)
+        if code:  # calls 0..call were issued; the copies themselves may still complete
+            raise ExecutorError(f"event record (end of call {call})", call + 1, None,
+                                f"{rt.error_name(code)} ({code})", call + 1)
 
 
 def _call_error(rt: Runtime, plan: TransferPlan, call: int, code: int, descriptor: int | None) -> ExecutorError:
@@ -257,6 +270,14 @@ def _call_error(rt: Runtime, plan: TransferPlan, call: int, code: int, descripto
     if descriptor is None and plan.api is CopyApi.CUDA_BATCH_V2:
         where = "; the 13.0 ABI reports no failing descriptor"
     return ExecutorError(plan.api.value, call, descriptor, f"{rt.error_name(code)} ({code}){where}", call)
+
+
+def _finished(t: Transfer) -> bool:
+    """True once ``t`` no longer touches memory: done, or failed (its error is raised to its owner, not here)."""
+    try:
+        return t.done()
+    except ExecutorError:
+        return True
 
 
 def _query(rt: Runtime, end: int) -> bool:

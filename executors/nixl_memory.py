@@ -74,9 +74,11 @@ class Registration:
         return tuple(self.segments)
 
     def deregister(self) -> None:
+        """Deregister every segment; afterwards the registration covers nothing."""
         while self._handles:
             self.agent.deregister_memory(self._handles.pop())
         self._keep = []
+        self.segments = {}
 
     def __enter__(self) -> Registration:
         return self

@@ -84,6 +84,17 @@ class Inflight:
             self.keep = []
         return not self.pending
 
+    def call_done(self, call: int) -> bool:
+        """True once call ``call`` is DONE (NIXL calls finish independently); raises like ``poll``."""
+        self.poll()
+        return call not in self.pending
+
+    def wait_call(self, call: int) -> None:
+        """Poll until call ``call`` is DONE; ExecutorError when ``timeout_s`` passes first."""
+        if not poll_until(lambda: self.call_done(call), self.timeout_s):
+            self._fail("check_xfer_state", call, f"transfer {self.notifs[call].decode()} still in progress after "
+                       f"{self.timeout_s}s")
+
     def wait(self) -> float | None:
         """Poll until done; ExecutorError when ``timeout_s`` passes first. Returns seconds since run()."""
         if not poll_until(self.poll, self.timeout_s):

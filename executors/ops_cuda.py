@@ -53,6 +53,7 @@ class CudaDriver:
         except Exception as e:  # cuda-bindings raises when libcuda.so itself is missing
             raise ExecutorError("cuInit", 0, None, f"no CUDA driver could be loaded ({e})", 0) from None
         self.version = int(self._ok(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        self.ordinal = device
         self._device = self._ok(cu.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = self._ok(cu.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
         self._streams: dict[int, Any] = {}
@@ -68,6 +69,12 @@ class CudaDriver:
         cu = self._cu
         res = cu.cuGetProcAddress(symbol.encode(), abi_version, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         return int(res[1]) if int(res[0]) == 0 and res[1] else 0
+
+    def close(self) -> None:
+        """Release the primary context retained by the constructor (once)."""
+        if self._ctx is not None:
+            self._cu.cuDevicePrimaryCtxRelease(self._device)
+            self._ctx = None
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
@@ -143,6 +150,7 @@ class CudaRuntime(Runtime):
         self.driver = driver
         self.version = driver.version
         self.host_as_device = driver.host_as_device
+        self.device = getattr(driver, "ordinal", 0)
         basic = min(self.version, 12080)  # ABI of the non-batch calls; never above what the driver has
 
         def need(symbol: str, proto: Any, abi: int = basic) -> Any:
@@ -196,8 +204,15 @@ class CudaBatchExecutor(DmaExecutor):
 
     def __init__(self, driver: CudaDriver | ShimDriver | None = None, *, device: int = 0,
                  max_descriptors: int | None = None):
+        self._own_driver = driver is None  # a driver made here is closed (context released) with the executor
         super().__init__(CudaRuntime(driver if driver is not None else CudaDriver(device)),
                          max_descriptors=max_descriptors)
+
+    def close(self) -> None:
+        super().close()
+        if self._own_driver:
+            self.runtime.driver.close()
+            self._own_driver = False
 
     @classmethod
     def from_config(cls, config: Any) -> CudaBatchExecutor:

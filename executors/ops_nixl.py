@@ -6,7 +6,7 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-Each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>`` so the
+Each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvxfer.planner import TransferPlan
 
-from .base import BindingError, Executor, Transfer
+from .base import BindingError, Executor, ExecutorError, Transfer
 from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, local_segment, register
 from .nixl_transfer import Inflight, poll_until
 
@@ -65,6 +65,10 @@ class NixlTransfer(Transfer):
     notifs: tuple[bytes, ...] = ()
 
 
+def _not_stream_ordered(stream: Any, call: int) -> None:
+    raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; wait_call({call}) on the host")
+
+
 @dataclass(frozen=True)
 class _Sides:
     op: str
@@ -98,6 +102,7 @@ class NixlExecutor(Executor):
             agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
         self.agent = agent
         self._registrations: list[Registration] = []
+        self._flights: list[Inflight] = []  # transfers that may still touch registered memory
         self._runs = itertools.count()
 
     @classmethod
@@ -149,7 +154,13 @@ class NixlExecutor(Executor):
         self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
-        """Deregister everything registered through this executor."""
+        """Wait for transfers still in flight, then deregister everything registered through this executor."""
+        for flight in self._flights:  # memory must not be deregistered under a transfer in flight
+            try:
+                flight.wait()
+            except ExecutorError:
+                pass  # a failed transfer has already stopped touching memory (its owner sees the error)
+        self._flights = []
         while self._registrations:
             self._registrations.pop().deregister()
 
@@ -247,12 +258,15 @@ class NixlExecutor(Executor):
         local = np.stack([s.addr[loc_buf] + loc_off, plan.nbytes, s.dev[loc_buf]], axis=1)
         remote = np.stack([s.addr[rem_buf] + rem_off, plan.nbytes, s.dev[rem_buf]], axis=1)
         tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
-        notifs = tuple(f"{tag}:{c}".encode() for c in range(plan.num_calls))
+        notifs = tuple(f"{tag}:{c};".encode() for c in range(plan.num_calls))  # ';' ends the tag: 1 never matches 10
         flight = Inflight(self.agent, t0, self.options.poll_timeout_s, keep, notifs)
+        self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
         for c, sl in enumerate(plan.calls()):
             flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
                 s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
                 self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
                 f"{s.op} to {s.peer!r}")
         return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                            _poll=flight.poll, _wait=flight.wait, op=s.op, peer=s.peer, notifs=notifs)
+                            _poll=flight.poll, _wait=flight.wait, _call_poll=flight.call_done,
+                            _call_wait=flight.wait_call, _stream_wait=_not_stream_ordered,
+                            op=s.op, peer=s.peer, notifs=notifs)

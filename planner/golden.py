@@ -183,14 +183,17 @@ class GoldenCheck:
 def check(path: str | Path, case: Case, plan: TransferPlan | None = None) -> GoldenCheck:
     """Compare ``case`` and its ``plan`` (planned now when not given) with the golden file at ``path``."""
     path = Path(path)
-    plan = case.plan() if plan is None else plan
+    try:
+        plan = case.plan() if plan is None else plan
+    except PlanError as e:
+        return GoldenCheck(path, "unplannable", f"the case of {path} no longer plans: {e}")
     if not path.is_file():
         return GoldenCheck(path, "missing", f"no golden file at {path}; the plan is:\n{plan.explain(max_rows=10)}")
     try:
         stored = load(path)
+        diff = diff_plans(stored.plan, plan)
     except PlanError as e:
         return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
-    diff = diff_plans(stored.plan, plan)
     if stored.case != case:
         what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{diff.text()}"
         return GoldenCheck(path, "case-changed", f"the case differs from the one stored in {path}{what}", diff)

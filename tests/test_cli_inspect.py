@@ -100,6 +100,20 @@ def test_golden_check_and_update(tmp_path):
     assert invoke("golden", "check", folder).exit_code == 0
 
 
+def test_one_broken_golden_file_does_not_stop_the_others(tmp_path):
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    for name in ("a-hip-7.16", "c-cuda-13.0"):
+        shutil.copy(GOLDEN_DIR / f"{name[2:]}-runs8-h2d.json", folder / f"{name}.json")
+    text = (folder / "a-hip-7.16.json").read_text()
+    (folder / "b-broken.json").write_text(text.replace('"nbytes": 262144', '"nbytes": -5', 1))
+    r = invoke("golden", "check", folder)
+    assert r.exit_code == 1 and "unreadable    b-broken.json" in r.stdout and "ok            c-cuda-13.0.json" in r.stdout
+    assert "3 golden files: 2 ok, 1 failing" in r.stdout and "rewrites" not in r.stdout
+    r = invoke("golden", "update", folder)
+    assert r.exit_code == 1 and "unreadable    b-broken.json" in r.stdout and "unchanged     c-cuda-13.0.json" in r.stdout
+
+
 def test_project_goldens_check_clean():
     r = invoke("golden", "check", GOLDEN_DIR)
     assert r.exit_code == 0, r.stdout

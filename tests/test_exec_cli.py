@@ -43,3 +43,15 @@ def test_batch_executors_on_shims(case_file, capsys, tmp_path, monkeypatch):
     code, out, _ = _run([case_file, "-e", "hip-batch", "--shim", str(hip), "--shim-version", "71600000", "--replan",
                          "--max-descriptors", "4", "--verify"], capsys)
     assert code == 0 and "d2h rocm-7.16" in out and "6 ranges, 2 calls" in out and "verify: OK" in out
+
+
+def test_driver_failures_are_one_line(case_file, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVXFER_HIP_LIBRARY", str(tmp_path / "no-such-libamdhip64.so"))
+    code, out, err = _run([case_file, "-e", "hip-batch"], capsys)
+    assert code == 1 and err.startswith("kvxfer: ExecutorError:") and "no-such-libamdhip64" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_nixl_needs_a_peer(case_file, capsys):
+    code, out, err = _run([case_file, "-e", "nixl"], capsys)
+    assert code == 2 and "needs a remote peer" in err and "Traceback" not in err

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from kvxfer.executors import NumpyExecutor, RawMemory
+from kvxfer.executors import ExecutorError, NumpyExecutor, RawMemory
 from kvxfer.executors.config import (
     EXECUTORS,
     AutoExecutor,
@@ -16,7 +17,7 @@ from kvxfer.executors.config import (
     executor_class,
     get_executor,
 )
-from kvxfer.planner import Location, Platform, Target, plan_transfer, presets
+from kvxfer.planner import BlockMapping, Location, Platform, Target, plan_transfer, presets
 
 from .shims.build import build, compiler
 from .shims.cases import assert_same, expected, host_buffers
@@ -24,7 +25,7 @@ from .shims.cases import assert_same, expected, host_buffers
 
 def test_defaults_and_validation():
     c = ExecutorConfig()
-    assert c.kind is ExecutorKind.AUTO and c.max_descriptors is None and c.triton.max_mean_range_bytes == 28 * 1024
+    assert c.kind is ExecutorKind.AUTO and c.max_descriptors is None and c.triton.small_range_bytes == 28 * 1024
     with pytest.raises(ConfigError, match="colour = 'red': extra inputs are not permitted"):
         ExecutorConfig(colour="red")
     with pytest.raises(ConfigError, match=r"hip.device = -1"):
@@ -81,10 +82,14 @@ def test_auto_choice_uses_merged_range_sizes_not_page_size():
     cont = plan_transfer(layout, presets.mapping("contiguous", 64, 256, "h2d"), cuda)  # merges to 256 KiB ranges
     b = _pinned(layout)
     kind, why = choose_executor(cfg, frag, b, Platform.CUDA)
-    assert kind is ExecutorKind.TRITON and "mean merged range 4,096 B <= 28,672 B" in why
+    assert kind is ExecutorKind.TRITON and "100% of the bytes move in merged ranges <= 28,672 B" in why
     kind, why = choose_executor(cfg, cont, b, Platform.CUDA)
-    assert kind is ExecutorKind.CUDA_BATCH and "mean merged range 262,144 B > 28,672 B" in why
-    small = ExecutorConfig(triton={"max_mean_range_bytes": 1024})
+    assert kind is ExecutorKind.CUDA_BATCH and "0% of the bytes move in merged ranges <= 28,672 B" in why
+    # decided by bytes, not by counting ranges: one large range outweighs many small ones
+    mixed_ids = np.concatenate([np.arange(0, 128, 2), np.arange(160, 256)])  # mean range ~10 KiB, 60% of bytes in one
+    mixed = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=mixed_ids, dst_ids=mixed_ids), cuda)
+    assert mixed.num_ranges > 64 and choose_executor(cfg, mixed, b, Platform.CUDA)[0] is ExecutorKind.CUDA_BATCH
+    small = ExecutorConfig(triton={"small_range_bytes": 1024})
     assert choose_executor(small, frag, b, Platform.CUDA)[0] is ExecutorKind.CUDA_BATCH
     pageable = host_buffers(layout)  # numpy: pinning unknown
     assert "not known to be pinned" in choose_executor(cfg, frag, pageable, Platform.CUDA)[1]
@@ -122,3 +127,18 @@ def test_auto_with_a_cuda_shim_uses_cuda_batch_and_its_target(tmp_path):
     assert_same(bufs, want)
     assert ex.last_choice[0] is ExecutorKind.CUDA_BATCH
     ex.close()
+
+
+def test_get_executor_applies_the_same_precedence(tmp_path, monkeypatch):
+    from kvxfer.executors import NumpyExecutor
+    from kvxfer.executors.config import get_executor
+    cfg = tmp_path / "x.json"
+    cfg.write_text('{"kind": "numpy"}')
+    monkeypatch.delenv("KVXFER_EXECUTOR", raising=False)
+    assert isinstance(get_executor(cfg), NumpyExecutor)
+    assert isinstance(get_executor({"kind": "numpy"}), NumpyExecutor)
+    monkeypatch.setenv("KVXFER_EXECUTOR", "hip-batch")  # the environment overrides a file or dict...
+    monkeypatch.setenv("KVXFER_HIP_LIBRARY", str(tmp_path / "no-such-libamdhip64.so"))
+    with pytest.raises(ExecutorError, match="no-such-libamdhip64"):
+        get_executor({"kind": "numpy"})
+    assert isinstance(get_executor(ExecutorConfig(kind="numpy")), NumpyExecutor)  # ...not a model given as is

@@ -281,3 +281,20 @@ def test_round_trip_on_gpu():
         torch.cuda.synchronize()
         ex.run(plan, {**dev, **host}).wait()
         assert_same({k: v.cpu().numpy() for k, v in {**dev, **host}.items()}, want)
+
+
+def test_bound_memory_lives_until_the_copies_finish(make):
+    import gc
+    import weakref
+
+    layout, plan = _plan(V13)
+    ex, st = make(V13)
+    bufs = host_buffers(layout)
+    owner = weakref.ref(bufs[plan.buffers[int(plan.dst_buf[0])].name])
+    ex.run(plan, bufs)  # the caller drops the Transfer at once
+    del bufs
+    gc.collect()
+    assert owner() is not None and len(ex._inflight) == 1  # the executor still holds the memory
+    ex.run(plan, host_buffers(layout))  # the first transfer is seen finished and let go
+    gc.collect()
+    assert owner() is None and len(ex._inflight) == 1

@@ -166,3 +166,35 @@ def test_importing_executors_does_not_import_nixl():
     code = ("import sys, kvxfer.executors as e, kvxfer.executors.ops_nixl, kvxfer.executors.nixl_peer; "
             "assert e.NixlExecutor; assert not [m for m in sys.modules if m.startswith('nixl')], sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_per_call_completion_and_tags():
+    agent = ScriptedAgent(states={0: ["PROC", "PROC", "DONE"], 1: ["DONE"]})
+    ex, bindings, plan = _setup(agent)
+    assert plan.num_calls == 3
+    t = ex.run(plan, bindings)
+    assert not t.call_done(0) and t.call_done(1) and t.call_done(2)  # NIXL calls finish independently
+    t.wait_call(0)
+    assert t.call_done(0) and t.done()
+    with pytest.raises(ValueError, match="not stream-ordered"):
+        t.stream_wait(0)
+    assert all(n.endswith(b";") for n in t.notifs)  # self-delimiting: call 1's tag is no part of call 10's
+    assert not any(a != b and a in b for a in t.notifs for b in t.notifs)
+
+
+def test_wait_call_deadline():
+    agent = ScriptedAgent(states={0: ["PROC"]})
+    ex, bindings, plan = _setup(agent, poll_timeout_s=0.05)
+    t = ex.run(plan, bindings)
+    with pytest.raises(ExecutorError, match=r"still in progress after 0.05s"):
+        t.wait_call(0)
+
+
+def test_close_waits_for_transfers_before_deregistering():
+    agent = ScriptedAgent(states={0: ["PROC", "PROC", "DONE"]})
+    ex, bindings, plan = _setup(agent)
+    ex.run(plan, bindings)  # the caller drops the transfer
+    ex.close()
+    kinds = [e[0] for e in agent.log]
+    assert kinds.index("deregister") > max(i for i, k in enumerate(kinds) if k == "release")
+    assert all(h.released for h in agent.handles)
