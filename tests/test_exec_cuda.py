@@ -13,7 +13,7 @@ from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
-from .shims.cases import assert_same, expected, host_buffers
+from .shims.cases import assert_same, expected, gpu_buffers, gpu_round_trip, host_buffers
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the driver shim")
 
@@ -264,23 +264,12 @@ def test_prototype_check_rejects_a_wrong_abi(tmp_path):
 
 @pytest.mark.gpu
 def test_round_trip_on_gpu():
-    import torch
-
     from kvxfer.executors.ops_cuda import CudaDriver
     ex = CudaBatchExecutor(CudaDriver(0))
     layout = presets.kv_layout(4, 128, 4096)
-    dev = {b.name: torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8, device="cuda") for b in layout.buffers
-           if b.location.value == "device"}
-    host = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8).pin_memory() for b in layout.buffers
-            if b.location.value == "host"}
+    mem = gpu_buffers(layout)
     for direction, pattern in (("d2h", "runs8"), ("h2d", "descending")):
-        m = presets.mapping(pattern, 32, 128, direction)
-        plan = plan_transfer(layout, m, ex.target)
-        before = {k: v.cpu().numpy().copy() for k, v in {**dev, **host}.items()}
-        want = expected(plan, before)
-        torch.cuda.synchronize()
-        ex.run(plan, {**dev, **host}).wait()
-        assert_same({k: v.cpu().numpy() for k, v in {**dev, **host}.items()}, want)
+        gpu_round_trip(ex, plan_transfer(layout, presets.mapping(pattern, 32, 128, direction), ex.target), mem)
 
 
 def test_bound_memory_lives_until_the_copies_finish(make):

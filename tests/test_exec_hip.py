@@ -12,7 +12,7 @@ from kvxfer.executors.ops_hip import HIP_LIBRARIES, HipBatchExecutor, load_hip
 from kvxfer.planner import PlanError, PlanOptions, Target, hip_version, plan_transfer, presets
 
 from .shims.build import ShimState, build, compiler
-from .shims.cases import assert_same, expected, host_buffers
+from .shims.cases import assert_same, expected, gpu_buffers, gpu_round_trip, host_buffers
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the HIP shim")
 
@@ -123,17 +123,11 @@ def test_library_load_errors_name_every_candidate(tmp_path):
 
 @pytest.mark.rocm
 def test_round_trip_on_rocm():
-    import torch
     ex = HipBatchExecutor()
     layout = presets.kv_layout(4, 128, 4096)
-    mem = {b.name: (torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8, device="cuda") if b.location.value == "device"
-                    else torch.zeros(b.nbytes, dtype=torch.uint8).pin_memory()) for b in layout.buffers}
+    mem = gpu_buffers(layout)
     for direction in ("d2h", "h2d"):
-        plan = plan_transfer(layout, presets.mapping("runs8", 32, 128, direction), ex.target)
-        want = expected(plan, {k: v.cpu().numpy().copy() for k, v in mem.items()})
-        torch.cuda.synchronize()
-        ex.run(plan, mem).wait()
-        assert_same({k: v.cpu().numpy() for k, v in mem.items()}, want)
+        gpu_round_trip(ex, plan_transfer(layout, presets.mapping("runs8", 32, 128, direction), ex.target), mem)
 
 
 def test_the_callers_device_is_restored(make, lib_path):

@@ -75,22 +75,17 @@ def test_compiles_ahead_of_time(backend, arch, warp, binary):
 
 @pytest.mark.gpu
 def test_round_trip_on_gpu_and_refuses_pageable():
-    import torch
-    from shims.cases import assert_same, expected
-
     from kvxfer.executors import BindingError
     from kvxfer.executors.ops_triton import TritonExecutor
     from kvxfer.planner import plan_transfer, presets
+
+    from .shims.cases import gpu_buffers, gpu_round_trip
     ex = TritonExecutor()
     layout = presets.kv_layout(4, 128, 4096)
-    mem = {b.name: (torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8, device="cuda") if b.location.value == "device"
-                    else torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8).pin_memory()) for b in layout.buffers}
+    mem = gpu_buffers(layout)
     for direction in ("h2d", "d2h"):
         plan = plan_transfer(layout, presets.mapping("fragmented", 32, 128, direction), ex.target)
-        want = expected(plan, {k: v.cpu().numpy().copy() for k, v in mem.items()})
-        torch.cuda.synchronize()
-        ex.run(plan, mem).wait()
-        assert_same({k: v.cpu().numpy() for k, v in mem.items()}, want)
+        gpu_round_trip(ex, plan, mem)
     pageable = dict(mem, cpu=mem["cpu"].clone())
     with pytest.raises(BindingError, match="pinned"):
         ex.run(plan, pageable)

@@ -25,3 +25,23 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None
         if not np.array_equal(got[name], want[name]):
             bad = np.flatnonzero(got[name] != want[name])
             raise AssertionError(f"buffer {name!r}: {bad.size} bytes differ, first at offset {int(bad[0])}")
+
+
+def gpu_buffers(layout: Layout) -> dict:
+    """Random bytes in every buffer: device buffers on the GPU, host buffers pinned (device tests only)."""
+    import torch
+
+    def make(b):
+        t = torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8)
+        return t.to("cuda") if b.location.value == "device" else t.pin_memory()
+    return {b.name: make(b) for b in layout.buffers}
+
+
+def gpu_round_trip(ex, plan: TransferPlan, mem: dict) -> None:
+    """Run ``plan`` on GPU memory and compare every byte with the NumPy reference."""
+    import torch
+
+    want = expected(plan, {k: v.cpu().numpy().copy() for k, v in mem.items()})
+    torch.cuda.synchronize()
+    ex.run(plan, mem).wait()
+    assert_same({k: v.cpu().numpy() for k, v in mem.items()}, want)
