@@ -39,8 +39,8 @@ def naive_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[np.ndarray
     info = layout.info
     src, dst = info.side[mapping.direction.src_side], info.side[mapping.direction.dst_side]
     s, d = mapping.src_ids, mapping.dst_ids
-    srcs = (src["base"][:, None] + s[None, :] * src["stride"][:, None]).ravel()
-    dsts = (dst["base"][:, None] + d[None, :] * dst["stride"][:, None]).ravel()
+    srcs = (src.base[:, None] + s[None, :] * src.stride[:, None]).ravel()
+    dsts = (dst.base[:, None] + d[None, :] * dst.stride[:, None]).ravel()
     sizes = np.repeat(info.page, len(s))
     return srcs, dsts, sizes
 
@@ -85,8 +85,8 @@ def naive_fragment_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[n
         for key in ("src", "dst"):
             col = info.side[side[key]]
             p = np.resize(pages[key], n)
-            k = int(col["k"][r])
-            off = col["base"][r] + (p // k) * col["stride"][r] + (p % k) * col["page"][r]
+            k = int(col.k[r])
+            off = col.base[r] + (p // k) * col.stride[r] + (p % k) * col.page[r]
             local = (side[key] == "device")
             if frags:
                 piece = np.concatenate([(f.local_offset if local else f.canonical_offset)

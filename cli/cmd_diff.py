@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.text import Text
 
-        from kvxfer.planner.inspect import diff_plans
+        from kvxfer.planner.diff import diff_plans
 
         d = diff_plans(read_plan(a)[1], read_plan(b)[1])
         if html is not None:

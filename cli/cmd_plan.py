@@ -24,8 +24,8 @@ def register(app: typer.Typer) -> None:
         """Plan CASE and print a summary (or --explain, --json, --stats); --html/--png write files."""
         from rich.console import Console
 
-        from kvxfer.planner.inspect import stats as plan_stats
-        from kvxfer.planner.inspect import to_html, to_rich
+        from kvxfer.planner.render import stats as plan_stats
+        from kvxfer.planner.render import to_html, to_rich
 
         c, plan = read_plan(case)
         layout = c.layout if c is not None else None

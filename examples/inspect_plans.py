@@ -9,7 +9,8 @@
 import matplotlib.pyplot as plt
 
 from kvxfer.planner import PlanOptions, Target, hip_version, plan_transfer, presets
-from kvxfer.planner.inspect import diff_plans, stats_frame
+from kvxfer.planner.diff import diff_plans
+from kvxfer.planner.render import stats_frame
 from kvxfer.planner.viz import transfer_map
 
 layout = presets.kv_layout(118, 512)  # 118 KV tensors (MiniMax-M3 at TP4), 512 pages of 32 KiB each

@@ -1,9 +1,10 @@
 """kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only."""
 from .case import Case
-from .coalesce import plan_transfer
 from .errors import LayoutError, MappingError, PlanError, TargetError
+from .layout import Layout
 from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
-from .spec import BlockMapping, Buffer, Direction, Fragment, Layout, Location, Placement, Region
+from .planning import plan_transfer
+from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
 from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_version, hip_version
 
 __all__ = [

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from ._model import Spec
-from .coalesce import plan_transfer
+from .layout import Layout
 from .plan import TransferPlan
-from .spec import BlockMapping, Layout
+from .planning import plan_transfer
+from .spec import BlockMapping
 from .target import PlanOptions, Target
 
 

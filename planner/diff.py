@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._views import (
+from .errors import PlanError
+from .plan import CopyAttributes, TransferPlan
+from .render import (
     NUMERIC,
     RANGE_COLUMNS,
     STYLE,
@@ -23,8 +25,6 @@ from ._views import (
     rows_for,
     shown_indices,
 )
-from .errors import PlanError
-from .plan import CopyAttributes, TransferPlan
 from .spec import Location
 
 DEFAULT_DIFF_ROWS = 40

@@ -6,12 +6,13 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from ._model import Spec
 from .errors import PlanError
+from .runs import Column, Runs, runs_of
 from .spec import Buffer, Direction, Location
 from .target import AccessOrder, CopyApi, PlanOptions, Target
 
@@ -21,25 +22,6 @@ COLUMNS: dict[str, np.dtype] = {
     "dst_buf": np.dtype("<i4"), "dst_offset": np.dtype("<u8"),
     "nbytes": np.dtype("<u8"), "region": np.dtype("<i4"), "attr": np.dtype("<u2"),
 }
-
-
-class Runs:
-    """A run-length encoded column: ``values[i]`` repeated ``lengths[i]`` times. Dense on first access."""
-
-    __slots__ = ("values", "lengths")
-
-    def __init__(self, values: np.ndarray, lengths: np.ndarray):
-        self.values, self.lengths = np.asarray(values), np.asarray(lengths, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.lengths.sum())
-
-    def dense(self, dtype: Any = None) -> np.ndarray:
-        return np.repeat(self.values if dtype is None else self.values.astype(dtype), self.lengths)
-
-
-def dense(col: np.ndarray | Runs, dtype: Any = None) -> np.ndarray:
-    return col.dense(dtype) if isinstance(col, Runs) else col
 
 
 class LocationHint(Spec):
@@ -67,11 +49,30 @@ class CopyAttributes(Spec):
         return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (one decimal, binary units)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+class PlanColumn:
+    """A read-only column of a TransferPlan, one entry per range (a run-length column expands on first read)."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, plan: None, owner: type) -> PlanColumn: ...
+    @overload
+    def __get__(self, plan: TransferPlan, owner: type) -> np.ndarray: ...
+    def __get__(self, plan: TransferPlan | None, owner: type) -> np.ndarray | PlanColumn:
+        return self if plan is None else plan.column(self.name)
 
 
 class TransferPlan:
@@ -81,16 +82,40 @@ class TransferPlan:
     order (destination buffer, destination offset) unless a call boundary option groups them otherwise.
     ``call_offsets`` has one more entry than there are calls; call ``i`` covers ranges
     ``call_offsets[i]:call_offsets[i+1]``. ``attr`` indexes ``attrs``; a call passes attributes only when
-    ``passes_attrs`` (numAttrs = the number of attribute runs in that call).
+    ``passes_attrs`` (numAttrs = the number of attribute runs in that call). ``aliases`` lists (alias, region)
+    name pairs: regions naming the same bytes as an earlier region, whose copies that region's ranges make.
     """
 
     __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "region_page_bytes", "attrs", "passes_attrs",
-                 "requested_copies", "call_offsets", "_store", "_fingerprint")
+                 "requested_copies", "call_offsets", "aliases", "_store", "_fingerprint")
+    direction: Direction
+    target: Target
+    options: PlanOptions
+    api: CopyApi
+    buffers: tuple[Buffer, ...]
+    regions: tuple[str, ...]
+    region_page_bytes: tuple[int, ...]
+    attrs: tuple[CopyAttributes, ...]
+    passes_attrs: bool
+    requested_copies: int
+    call_offsets: np.ndarray
+    aliases: tuple[tuple[str, str], ...]
+    _store: dict[str, Column]
+    _fingerprint: str | None
+
+    src_buf = PlanColumn("Source buffer index (int32) of every range, into ``buffers``.")
+    src_offset = PlanColumn("Source byte offset (uint64) of every range within its buffer.")
+    dst_buf = PlanColumn("Destination buffer index (int32) of every range, into ``buffers``.")
+    dst_offset = PlanColumn("Destination byte offset (uint64) of every range within its buffer.")
+    nbytes = PlanColumn("Size in bytes (uint64) of every range.")
+    region = PlanColumn("Region index (int32) of every range's first byte, into ``regions``.")
+    attr = PlanColumn("Attribute index (uint16) of every range, into ``attrs``.")
 
     def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
-                 call_offsets: np.ndarray, columns: dict[str, np.ndarray | Runs], passes_attrs: bool | None = None,
-                 api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None):
+                 call_offsets: np.ndarray, columns: dict[str, Column], passes_attrs: bool | None = None,
+                 api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None,
+                 aliases: tuple[tuple[str, str], ...] | None = None):
         set_ = object.__setattr__
         set_(self, "direction", Direction(direction))
         set_(self, "target", target)
@@ -104,12 +129,13 @@ class TransferPlan:
         set_(self, "attrs", tuple(attrs))
         set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
         set_(self, "requested_copies", int(requested_copies))
+        set_(self, "aliases", tuple((str(a), str(b)) for a, b in aliases or ()))
         n = None
-        store: dict[str, np.ndarray | Runs] = {}
+        store: dict[str, Column] = {}
         for name, dtype in COLUMNS.items():
             col = columns[name]
             if isinstance(col, Runs):  # kept run-length encoded until first read (columns constant per region)
-                col = Runs(col.values.astype(dtype), col.lengths)
+                col = Runs(col.values.astype(dtype, copy=False), col.lengths)
                 col.values.flags.writeable = col.lengths.flags.writeable = False
             else:
                 col = np.ascontiguousarray(col, dtype=dtype)
@@ -132,7 +158,8 @@ class TransferPlan:
     def __delattr__(self, name: str) -> None:
         raise AttributeError("TransferPlan is immutable")
 
-    def _column(self, name: str) -> np.ndarray:
+    def column(self, name: str) -> np.ndarray:
+        """Column ``name`` (one of COLUMNS) as a read-only array; a run-length column is expanded once."""
         col = self._store[name]
         if isinstance(col, Runs):
             col = col.dense()
@@ -142,14 +169,7 @@ class TransferPlan:
 
     def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, lengths) of a column's runs of equal values, without expanding run-length columns."""
-        col = self._store[name]
-        if isinstance(col, Runs):
-            keep = col.lengths > 0
-            return col.values[keep], col.lengths[keep]
-        if len(col) == 0:
-            return col, np.zeros(0, dtype=np.int64)
-        starts = np.flatnonzero(np.concatenate(([True], col[1:] != col[:-1])))
-        return col[starts], np.diff(np.append(starts, len(col)))
+        return runs_of(self._store[name])
 
     def buffers_used(self, side: str) -> np.ndarray:
         """Sorted indices of the buffers read (``side="src"``) or written (``"dst"``) by any range."""
@@ -176,7 +196,7 @@ class TransferPlan:
             i = int(np.argmin(nb))
             raise PlanError("nbytes", 0, "empty range", i)
         for side in ("src", "dst"):
-            off, buf = getattr(self, f"{side}_offset"), getattr(self, f"{side}_buf")
+            off, buf = self.column(f"{side}_offset"), self.column(f"{side}_buf")
             end = off + nb  # uint64: a wrap shows up as end < off
             bad = (end < off) | (end > sizes[buf])
             if bad.any():
@@ -237,19 +257,25 @@ class TransferPlan:
             "region_page_bytes": list(self.region_page_bytes),
             "attrs": [a.model_dump(mode="json") for a in self.attrs],
             "requested_copies": self.requested_copies,
-        }
+        } | ({"aliases": [list(p) for p in self.aliases]} if self.aliases else {})
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over the header and the little-endian columns; identical on any machine and process."""
-        if self._fingerprint is None:
-            h = hashlib.sha256(json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode())
-            for name in COLUMNS:
-                h.update(name.encode())
-                h.update(getattr(self, name).tobytes())
-            h.update(self.call_offsets.astype("<i8").tobytes())
-            object.__setattr__(self, "_fingerprint", h.hexdigest())
-        return self._fingerprint
+        """sha256 over the header and the little-endian columns; identical on any machine and process.
+
+        Run-length columns are hashed piece by piece as if expanded, never expanded whole nor kept expanded."""
+        if self._fingerprint is not None:
+            return self._fingerprint
+        h = hashlib.sha256(json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode())
+        for name, dtype in COLUMNS.items():
+            h.update(name.encode())
+            col = self._store[name]
+            for piece in col.chunks() if isinstance(col, Runs) else (col,):
+                h.update(np.ascontiguousarray(piece, dtype=dtype).data)
+        h.update(np.ascontiguousarray(self.call_offsets, dtype="<i8").data)
+        digest = h.hexdigest()
+        object.__setattr__(self, "_fingerprint", digest)
+        return digest
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TransferPlan) and self.fingerprint == other.fingerprint
@@ -260,31 +286,31 @@ class TransferPlan:
     def __repr__(self) -> str:
         n, calls = self.num_ranges, self.num_calls
         return (f"TransferPlan({self.direction.value} {self.target.label}: {self.requested_copies} -> "
-                f"{n} range{'s' if n != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {_fmt_bytes(self.total_bytes)})")
+                f"{n} range{'s' if n != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {format_bytes(self.total_bytes)})")
 
-    # ---- views (planner/inspect.py) ---------------------------------------------------------------------
+    # ---- views: the one documented lazy edge, plan -> render (render imports plan at module level) ----------
     def explain(self, **kw: Any) -> str:
-        """Deterministic fixed-width text: header and range table. See kvxfer.planner.inspect.explain."""
-        from .inspect import explain
+        """Deterministic fixed-width text: header and range table. See kvxfer.planner.render.explain."""
+        from .render import explain
         return explain(self, **kw)
 
     def _repr_html_(self) -> str:
-        from .inspect import to_html
+        from .render import to_html
         return to_html(self)
 
     def __rich__(self) -> Any:
-        from .inspect import to_rich
+        from .render import to_rich
         return to_rich(self)
 
     def stats(self) -> dict[str, Any]:
-        from .inspect import stats
+        from .render import stats
         return stats(self)
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = self._header()
         d["call_offsets"] = self.call_offsets.tolist()
-        d["columns"] = {name: getattr(self, name).tolist() for name in COLUMNS}
+        d["columns"] = {name: self.column(name).tolist() for name in COLUMNS}
         d["fingerprint"] = self.fingerprint
         return d
 
@@ -304,7 +330,7 @@ class TransferPlan:
                 region_page_bytes=tuple(d.get("region_page_bytes") or ()),
                 attrs=tuple(CopyAttributes.model_validate(a) for a in d["attrs"]),
                 requested_copies=d["requested_copies"], passes_attrs=d["passes_attrs"], api=CopyApi(d["api"]),
-                call_offsets=np.asarray(d["call_offsets"], dtype=np.int64),
+                call_offsets=np.asarray(d["call_offsets"], dtype=np.int64), aliases=d.get("aliases"),
                 columns={name: np.asarray(d["columns"][name], dtype=dt) for name, dt in COLUMNS.items()})
         except KeyError as e:
             raise PlanError(str(e.args[0]), None, "missing from the serialized plan") from None
@@ -322,7 +348,7 @@ class TransferPlan:
         buf = io.BytesIO()
         header = json.dumps(self._header() | {"fingerprint": self.fingerprint})
         np.savez_compressed(buf, header=np.frombuffer(header.encode(), dtype=np.uint8),
-                            call_offsets=self.call_offsets, **{n: getattr(self, n) for n in COLUMNS})
+                            call_offsets=self.call_offsets, **{n: self.column(n) for n in COLUMNS})
         return buf.getvalue()
 
     @classmethod
@@ -348,7 +374,3 @@ class TransferPlan:
         return cls.from_npz_bytes(path.read_bytes()) if path.suffix == ".npz" else cls.from_json(path.read_text())
 
 
-for _name in COLUMNS:
-    setattr(TransferPlan, _name, property(lambda self, _n=_name: self._column(_n),
-                                          doc=f"Read-only column ``{_name}`` ({COLUMNS[_name]}), one entry per range."))
-del _name

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import BlockMapping, Buffer, Direction, Layout, Location, Placement, Region
+from .layout import Layout
+from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
 
 PATTERNS = ("contiguous", "runs8", "fragmented", "descending", "interleaved")
 
@@ -101,7 +102,6 @@ def tp_fragment_layout(num_regions: int = 118, num_blocks: int = 512, tokens: in
     holds heads/tp of them, so each page copies as ``tokens`` fragments (one per token)."""
     local_heads = heads // tp
     piece = local_heads * head_bytes
-    from .spec import Fragment
 
     frag = Fragment(local_offset=0, local_stride=piece, canonical_offset=rank * piece,
                     canonical_stride=heads * head_bytes, fragment_bytes=piece, count=tokens)

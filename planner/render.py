@@ -1,8 +1,9 @@
 """Views of a TransferPlan: ``explain`` (fixed-width text), ``to_html``, ``to_rich``, ``stats``, ``stats_frame``.
 
 Every view is built from the same two pieces, ``header_rows`` and ``range_rows``, so the text that tests pin,
-the notebook HTML and the terminal rendering always agree. Diffs and equivalence live in ``planner/diff.py``
-and are re-exported here. Pure: pandas and rich are imported only inside the functions that need them.
+the notebook HTML and the terminal rendering always agree; the table pieces here also serve the diff views
+(``planner/diff.py``). Pure: pandas and rich are imported only inside the functions that need them.
+``TransferPlan.explain`` and friends import this module lazily: the one documented cycle, plan <-> render.
 """
 from __future__ import annotations
 
@@ -12,28 +13,125 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._views import (
-    DEFAULT_MAX_ROWS,
-    NUMERIC,
-    RANGE_COLUMNS,
-    STYLE,
-    block_bytes,
-    count,
-    format_table,
-    html_table,
-    plural,
-    range_rows,
-)
-from .diff import PlanDiff, diff_plans, equivalent, normalize
 from .errors import PlanError
-from .plan import TransferPlan, _fmt_bytes
-from .spec import Layout, Location
+from .layout import Layout
+from .plan import TransferPlan, format_bytes
+from .spec import Location
 from .target import CopyApi
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
 _HIST_SHOWN = 8
+
+
+# ---- table pieces (shared with the diff views in diff.py) ------------------------------------------------
+DEFAULT_MAX_ROWS = 20
+RANGE_COLUMNS = ("call", "#", "source", "destination", "bytes", "blocks", "region")
+NUMERIC = {"call", "#", "bytes", "blocks"}
+
+
+def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
+    """Bytes of one block for every range (float64): the device page of the range's region (from ``layout``
+    when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the mean
+    bytes per requested copy, exact whenever all regions share one page size).
+
+    Raises PlanError when ``layout`` does not have the plan's regions.
+    """
+    if layout is not None:
+        names = tuple(r.name for r in layout.regions)
+        if names != plan.regions:
+            raise PlanError("layout.regions", f"{len(names)} regions",
+                            f"do not match the plan's {len(plan.regions)} regions")
+        return layout.info.page.astype(np.float64)[plan.region]
+    if plan.region_page_bytes:
+        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]
+    unit = plan.total_bytes / plan.requested_copies if plan.requested_copies else 1.0
+    return np.full(plan.num_ranges, unit or 1.0)
+
+
+def count(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _where(plan: TransferPlan, buf: np.ndarray, off: np.ndarray) -> list[str]:
+    names = [b.name for b in plan.buffers]
+    return [f"{names[b]}:{o}" for b, o in zip(buf.tolist(), off.tolist())]
+
+
+def shown_indices(n: int, max_rows: int | None) -> tuple[np.ndarray, int]:
+    """Indices of the rows to show and where the elision marker goes (-1: none)."""
+    if max_rows is None or n <= max_rows:
+        return np.arange(n), -1
+    head = (max_rows + 1) // 2
+    return np.concatenate((np.arange(head), np.arange(n - (max_rows - head), n))), head
+
+
+def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None) -> list[tuple[str, ...]]:
+    """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS."""
+    idx = np.asarray(idx, dtype=np.int64)
+    call = np.searchsorted(plan.call_offsets, idx, side="right") - 1
+    blocks = plan.nbytes[idx].astype(np.float64) / block_bytes(plan, layout)[idx]
+    cols = (call.tolist(), idx.tolist(), _where(plan, plan.src_buf[idx], plan.src_offset[idx]),
+            _where(plan, plan.dst_buf[idx], plan.dst_offset[idx]), plan.nbytes[idx].tolist(),
+            [count(b) for b in blocks.tolist()], [plan.regions[r] for r in plan.region[idx].tolist()])
+    return [tuple(str(v) for v in r) for r in zip(*cols)]
+
+
+def check_max_rows(max_rows: int | None) -> None:
+    if max_rows is not None and max_rows < 2:
+        raise PlanError("max_rows", max_rows, "must be at least 2, or None for every row")
+
+
+def range_rows(plan: TransferPlan, layout: Layout | None = None, max_rows: int | None = DEFAULT_MAX_ROWS,
+               ) -> tuple[list[tuple[str, ...]], int, int]:
+    """The range table as strings (columns RANGE_COLUMNS), the row before which the elision marker goes
+    (-1: no elision), and how many ranges were elided. ``max_rows=None`` shows every range."""
+    check_max_rows(max_rows)
+    idx, cut = shown_indices(plan.num_ranges, max_rows)
+    return rows_for(plan, idx, layout), cut, plan.num_ranges - len(idx)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,
+                 marker: str = "", indent: str = " ") -> list[str]:
+    """Fixed-width lines: numeric columns right-aligned, others left; ``marker`` is inserted before row ``cut``."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if name in numeric else c.ljust(w) for c, w, name in zip(cells, widths, columns)]
+        return (indent + "  ".join(out)).rstrip()
+
+    lines = [line(columns)]
+    for i, r in enumerate(rows):
+        if i == cut:
+            lines.append(indent + marker)
+        lines.append(line(r))
+    return lines
+
+
+STYLE = ("<style>.kvxfer td,.kvxfer th{padding:1px 8px;font-family:monospace;text-align:left}"
+          ".kvxfer td.n,.kvxfer th.n{text-align:right}.kvxfer .elided{font-style:italic;color:#888}</style>")
+
+
+def html_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,
+               marker: str = "", row_class: Sequence[str] | None = None) -> str:
+    """A plain <table>: header row, body rows, an elision row before ``cut``; cells escaped."""
+    def cls(name: str) -> str:
+        return ' class="n"' if name in numeric else ""
+
+    out = ["<table>", "<thead><tr>" + "".join(f"<th{cls(c)}>{html.escape(c)}</th>" for c in columns) + "</tr></thead>",
+           "<tbody>"]
+    for i, r in enumerate(rows):
+        if i == cut:
+            out.append(f'<tr class="elided"><td colspan="{len(columns)}">{html.escape(marker)}</td></tr>')
+        tr = f'<tr class="{row_class[i]}">' if row_class else "<tr>"
+        out.append(tr + "".join(f"<td{cls(c)}>{html.escape(v)}</td>" for c, v in zip(columns, r)) + "</tr>")
+    out += ["</tbody>", "</table>"]
+    return "\n".join(out)
 
 
 # ---- shared pieces ----------------------------------------------------------------------------------------
@@ -106,7 +204,7 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
     rows += [
         ("buffers", _buffers_line(plan)),
         ("copies", f"{req} requested -> {plural(n, 'range')} ({ratio})"),
-        ("bytes", f"{_fmt_bytes(plan.total_bytes)} ({plan.total_bytes} B)"),
+        ("bytes", f"{format_bytes(plan.total_bytes)} ({plan.total_bytes} B)"),
         ("calls", _calls_line(plan)),
     ]
     if n:
@@ -117,9 +215,9 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
         shown = list(hist.items())[:_HIST_SHOWN]
         more = f", ... ({len(hist) - _HIST_SHOWN} more)" if len(hist) > _HIST_SHOWN else ""
         rows += [
-            ("range", f"min {_fmt_bytes(int(nb.min()))}, median {_fmt_bytes(int(np.median(nb)))}, "
-                      f"max {_fmt_bytes(int(nb.max()))}"),
-            ("blocks", ("of " + _fmt_bytes(int(unit[0])) if uniform else "per region page")
+            ("range", f"min {format_bytes(int(nb.min()))}, median {format_bytes(int(np.median(nb)))}, "
+                      f"max {format_bytes(int(nb.max()))}"),
+            ("blocks", ("of " + format_bytes(int(unit[0])) if uniform else "per region page")
              + ": " + ", ".join(f"{count(k)} x{c}" for k, c in shown) + more),
         ]
     return rows
@@ -268,5 +366,5 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
 
 
 
-__all__ = ["DEFAULT_MAX_ROWS", "PlanDiff", "block_bytes", "diff_plans", "equivalent", "explain", "header_rows",
-           "normalize", "run_length_histogram", "stats", "stats_frame", "to_html", "to_rich"]
+__all__ = ["DEFAULT_MAX_ROWS", "block_bytes", "explain", "header_rows", "run_length_histogram", "stats", "stats_frame",
+           "to_html", "to_rich"]

@@ -1,17 +1,19 @@
-"""The transfer's inputs: buffers, regions and their placements (the layout), and the block mapping."""
+"""The transfer's inputs, piece by piece: buffers, placements, fragments, regions and the block mapping.
+
+The Layout that gathers buffers and regions lives in ``layout.py`` (it carries the derived ``LayoutInfo``).
+"""
 from __future__ import annotations
 
-import functools
+import json
 from enum import StrEnum
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
 
-_MISSING = object()
 MAX_NBYTES = 2**63 - 1  # keeps every offset and difference inside int64
 U64 = 2**64
 
@@ -26,12 +28,12 @@ class Direction(StrEnum):
     D2H = "d2h"  # store: device placement -> host placement
 
     @property
-    def src_side(self) -> str:
-        return "host" if self is Direction.H2D else "device"
+    def src_side(self) -> Location:
+        return Location.HOST if self is Direction.H2D else Location.DEVICE
 
     @property
-    def dst_side(self) -> str:
-        return "device" if self is Direction.H2D else "host"
+    def dst_side(self) -> Location:
+        return Location.DEVICE if self is Direction.H2D else Location.HOST
 
 
 class Buffer(Spec):
@@ -77,6 +79,11 @@ class Region(Spec):
     ``host_page_bytes`` (default page_bytes) is the host (canonical) page size; when it differs, or when a
     rank's page is a slice of the canonical page, ``fragments`` say which bytes correspond. ``group`` is the
     region's KV-cache group (hybrid models), which consumes its own slice of the mapping's id lists.
+
+    ``num_writers`` / ``writer_index`` (None: the plan's ``PlanOptions`` values) set writer rotation for this
+    region alone: on stores only canonical pages with ``page % num_writers == writer_index`` are written, so a
+    replicated layer (``num_writers`` = replicas) and a rank-private one (``num_writers=1``) mix in one plan.
+    Loads read everything. Two regions naming exactly the same bytes on both sides are aliases: planned once.
     """
 
     _error: ClassVar = LayoutError
@@ -87,11 +94,15 @@ class Region(Spec):
     host_page_bytes: int | None = Field(default=None, gt=0)
     fragments: tuple[Fragment, ...] = ()
     group: int = Field(default=0, ge=0)
+    num_writers: int | None = Field(default=None, ge=1)
+    writer_index: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _strides(self) -> Region:
-        for side in ("device", "host"):
-            p: Placement = getattr(self, side)
+        if self.num_writers is not None and self.writer_index is not None and self.writer_index >= self.num_writers:
+            raise LayoutError("writer_index", self.writer_index, f"must be below num_writers {self.num_writers}")
+        for side in (Location.DEVICE, Location.HOST):
+            p = self.placement(side)
             page = self.side_page(side)
             if p.byte_offset + page > U64:
                 raise LayoutError(f"{side}.byte_offset", p.byte_offset, f"block 0 ends past 2^64 (page_bytes {page})")
@@ -100,12 +111,12 @@ class Region(Spec):
                 k = p.blocks_per_chunk
                 what = "page_bytes" if k == 1 else f"blocks_per_chunk x page_bytes ({k} x {page})"
                 raise LayoutError(f"{side}.stride_bytes", p.stride_bytes, f"stride is smaller than {what} {row}")
-        if not self.fragments and self.side_page("host") != self.page_bytes:
+        if not self.fragments and self.side_page(Location.HOST) != self.page_bytes:
             raise LayoutError("host_page_bytes", self.host_page_bytes,
                               f"differs from page_bytes {self.page_bytes}; fragments must say which bytes correspond")
         for side, off, stride, page in (("local", "local_offset", "local_stride", self.page_bytes),
-                                        ("canonical", "canonical_offset", "canonical_stride", self.side_page("host"))):
-            spans = []
+                                        ("canonical", "canonical_offset", "canonical_stride", self.side_page(Location.HOST))):
+            spans: list[tuple[int, int, int]] = []
             for j, f in enumerate(self.fragments):
                 start, step = getattr(f, off), getattr(f, stride)
                 end = start + (f.count - 1) * step + f.fragment_bytes
@@ -121,142 +132,24 @@ class Region(Spec):
                     raise LayoutError(f"fragments[{jb}].{off}", b0, f"{side} bytes [{b0}, {a1}) overlap fragments[{ja}]")
         return self
 
-    def side_page(self, side: str) -> int:
-        """Page size on ``side``: page_bytes on the device, host_page_bytes (default page_bytes) on the host."""
-        return self.host_page_bytes or self.page_bytes if side == "host" else self.page_bytes
+    def placement(self, side: Location | str) -> Placement:
+        return self.host if side == Location.HOST else self.device
 
-    def stride(self, side: str) -> int:
-        p: Placement = getattr(self, side)
+    def side_page(self, side: Location | str) -> int:
+        """Page size on ``side``: page_bytes on the device, host_page_bytes (default page_bytes) on the host."""
+        return self.host_page_bytes or self.page_bytes if side == Location.HOST else self.page_bytes
+
+    def stride(self, side: Location | str) -> int:
+        p = self.placement(side)
         return self.side_page(side) * p.blocks_per_chunk if p.stride_bytes is None else p.stride_bytes
 
-
-class Layout(Spec):
-    """Named buffers and the regions placed in them. Derived arrays are computed once per layout (cached)."""
-
-    _error: ClassVar = LayoutError
-    buffers: tuple[Buffer, ...]
-    regions: tuple[Region, ...]
-
-    @model_validator(mode="after")
-    def _names(self) -> Layout:
-        seen: dict[str, int] = {}
-        for i, b in enumerate(self.buffers):
-            if b.name in seen:
-                raise LayoutError("buffers", b.name, f"duplicate buffer name (also buffers[{seen[b.name]}])", i)
-            seen[b.name] = i
-        rseen: dict[str, int] = {}
-        for i, r in enumerate(self.regions):
-            if r.name in rseen:
-                raise LayoutError("regions", r.name, f"duplicate region name (also regions[{rseen[r.name]}])", i)
-            rseen[r.name] = i
-            for side in ("device", "host"):
-                p: Placement = getattr(r, side)
-                if p.buffer not in seen:
-                    raise LayoutError(f"regions[{i}].{side}.buffer", p.buffer, f"unknown buffer (known: {sorted(seen)})")
-                b = self.buffers[seen[p.buffer]]
-                page = r.side_page(side)
-                if p.byte_offset + page > b.nbytes:
-                    raise LayoutError(
-                        f"regions[{i}].{side}.byte_offset", p.byte_offset,
-                        f"block 0 of {page} bytes runs past buffer {b.name!r} of {b.nbytes} bytes")
-        return self
-
-    @functools.cached_property
-    def info(self) -> LayoutInfo:
-        return LayoutInfo(self)
-
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Layout:
-        """A copy, validated again when ``update`` changes fields (derived arrays are rebuilt, never shared)."""
-        if update:
-            return type(self).model_validate(self.model_dump() | update)
-        copy = super().model_copy(deep=deep)
-        copy.__dict__.pop("info", None)
-        return copy
-
-    def buffer_index(self, name: str) -> int:
-        return self.info.buffer_index[name]
-
-
-class LayoutInfo:
-    """Per-side numpy columns derived from a Layout; pure, computed once and then read-only."""
-
-    def __init__(self, layout: Layout):
-        self.buffer_index = {b.name: i for i, b in enumerate(layout.buffers)}
-        regs = layout.regions
-        self.nregions = len(regs)
-        self.page = np.array([r.page_bytes for r in regs], dtype=np.int64)
-        self.side: dict[str, dict[str, np.ndarray]] = {}
-        self.group = np.array([r.group for r in regs], dtype=np.int64)
-        self.pieces = np.array([max(sum(f.count for f in r.fragments), 1) for r in regs], dtype=np.int64)
-        self.num_groups = int(self.group.max()) + 1 if regs else 1
-        # plain: one group, k == 1, no fragments -- the fast path in coalesce.py applies
-        self.plain = self.num_groups == 1 and all(
-            not r.fragments and r.device.blocks_per_chunk == 1 and r.host.blocks_per_chunk == 1 for r in regs)
-        for side in ("device", "host"):
-            buf = np.array([self.buffer_index[getattr(r, side).buffer] for r in regs], dtype=np.int32)
-            base = np.array([getattr(r, side).byte_offset for r in regs], dtype=np.int64)
-            stride = np.array([r.stride(side) for r in regs], dtype=np.int64)
-            page = np.array([r.side_page(side) for r in regs], dtype=np.int64)
-            k = np.array([getattr(r, side).blocks_per_chunk for r in regs], dtype=np.int64)
-            cap = np.array([layout.buffers[i].nbytes for i in buf], dtype=np.int64)
-            max_id = (cap - base - page * k) // stride  # last chunk (block when k == 1) that fits whole
-            cols = dict(buf=buf, base=base, stride=stride, max_id=max_id, page=page, k=k, cap=cap,
-                        dense=stride == page * k)
-            for a in cols.values():
-                a.flags.writeable = False
-            self.side[side] = cols
-        self.memo: dict[tuple, object] = {}  # other per-layout results, keyed by their caller
-
-    def shared_buffers(self, direction: Direction) -> tuple[int, ...]:
-        """Buffers that some region reads and some region writes in this direction (rare; needs overlap checks)."""
-        return self.cached(("shared", direction.value), lambda: tuple(
-            np.intersect1d(self.side[direction.src_side]["buf"], self.side[direction.dst_side]["buf"]).tolist()))
-
-    def extent_end(self, side: str, top: int) -> np.ndarray:
-        """Per region: the end byte of page ``top`` on ``side`` -- the extent of a transfer whose ids stay <= top."""
-        c = self.side[side]
-        return c["base"] + (top // c["k"]) * c["stride"] + (top % c["k"]) * c["page"] + c["page"]
-
-    def cached(self, key: tuple, make: Any) -> Any:
-        """``memo[key]``, made once. Safe when threads plan on one layout: a value read is never evicted under
-        the reader, and two threads making the same value make equal values."""
-        value = self.memo.get(key, _MISSING)
-        if value is _MISSING:
-            value = make()
-            if len(self.memo) > 64:  # per-transfer keys: keep the memo small
-                for k in [k for k in list(self.memo) if k[0] in ("links", "disjoint")]:
-                    self.memo.pop(k, None)
-            self.memo[key] = value
-        return value
-
-    def linked_regions(self, direction: Direction, top_src: int, top_dst: int) -> np.ndarray:
-        """Mask of regions whose ranges might merge with another region's: same buffers on both sides and
-        extents (up to the transfer's largest page ids) touching on both sides."""
-        def make() -> np.ndarray:
-            s, d = self.side[direction.src_side], self.side[direction.dst_side]
-            mask = np.zeros(self.nregions, dtype=bool)
-            if self.nregions > 1:
-                es, ed = self.extent_end(direction.src_side, top_src), self.extent_end(direction.dst_side, top_dst)
-                pair = (s["buf"][:, None] == s["buf"][None, :]) & (d["buf"][:, None] == d["buf"][None, :])
-                pair &= (s["base"][:, None] <= es[None, :]) & (s["base"][None, :] <= es[:, None])
-                pair &= (d["base"][:, None] <= ed[None, :]) & (d["base"][None, :] <= ed[:, None])
-                np.fill_diagonal(pair, False)
-                mask = pair.any(axis=1)
-            mask.flags.writeable = False
-            return mask
-        return self.cached(("links", direction.value, top_src, top_dst), make)
-
-    def dst_order(self, direction: Direction, top_dst: int) -> tuple[np.ndarray, bool]:
-        """Regions ordered by destination (buffer, base), and whether their destination extents (up to page id
-        ``top_dst``) are pairwise disjoint."""
-        order = self.cached(("order", direction.value), lambda: np.lexsort(
-            (self.side[direction.dst_side]["base"], self.side[direction.dst_side]["buf"])))
-
-        def make() -> bool:
-            d = self.side[direction.dst_side]
-            b, lo, hi = d["buf"][order], d["base"][order], self.extent_end(direction.dst_side, top_dst)[order]
-            return bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
-        return order, self.cached(("disjoint", direction.value, top_dst), make)
+    def alias_key(self) -> tuple[Any, ...]:
+        """Equal for two regions exactly when they name the same bytes on both sides for every block id, in the
+        same group with the same writers (aliases: layers sharing one KV tensor). Defaults are resolved."""
+        sides = tuple((p.buffer, p.byte_offset, self.stride(s), p.blocks_per_chunk)
+                      for s, p in ((Location.DEVICE, self.device), (Location.HOST, self.host)))
+        return (sides, self.page_bytes, self.side_page(Location.HOST), self.fragments, self.group,
+                self.num_writers, self.writer_index)
 
 
 def _as_ids(value: Any, field: str) -> np.ndarray:
@@ -304,16 +197,16 @@ class BlockMapping(Spec):
 
     @field_validator("group_sizes", "group_starts")
     @classmethod
-    def _non_negative(cls, v: tuple[int, ...] | None, info: Any) -> tuple[int, ...] | None:
+    def _non_negative(cls, v: tuple[int, ...] | None, info: ValidationInfo) -> tuple[int, ...] | None:
         for i, x in enumerate(v or ()):
             if x < 0:
-                raise MappingError(info.field_name, x, "must be non-negative", i)
+                raise MappingError(str(info.field_name), x, "must be non-negative", i)
         return v
 
     @field_validator("src_ids", "dst_ids", mode="plain")
     @classmethod
-    def _ids(cls, v: Any, info: Any) -> np.ndarray:
-        return _as_ids(v, info.field_name)
+    def _ids(cls, v: Any, info: ValidationInfo) -> np.ndarray:
+        return _as_ids(v, str(info.field_name))
 
     @model_validator(mode="after")
     def _lengths(self) -> BlockMapping:
@@ -328,7 +221,8 @@ class BlockMapping(Spec):
         return self
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips
-        d = {"direction": self.direction.value, "src_ids": self.src_ids.tolist(), "dst_ids": self.dst_ids.tolist()}
+        d: dict[str, Any] = {"direction": self.direction.value, "src_ids": self.src_ids.tolist(),
+                             "dst_ids": self.dst_ids.tolist()}
         if self.group_sizes is not None:
             d["group_sizes"] = list(self.group_sizes)
         if self.group_starts is not None:
@@ -336,7 +230,6 @@ class BlockMapping(Spec):
         return d
 
     def model_dump_json(self, **kw: Any) -> str:
-        import json
         return json.dumps(self.model_dump(), **({"indent": kw["indent"]} if kw.get("indent") else {}))
 
     def __eq__(self, other: object) -> bool:

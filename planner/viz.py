@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ._views import block_bytes
-from .plan import TransferPlan, _fmt_bytes
-from .spec import Layout
+from .layout import Layout
+from .plan import TransferPlan, format_bytes
+from .render import block_bytes
 
 _LEGEND_REGIONS = 12
 _LABELLED_CALLS = 32
@@ -88,7 +88,7 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = 
     def label(side: str, spans: list[tuple[float, float, str]]) -> str:
         return f"{side} block" + (f" of {spans[0][2]}" if len(spans) == 1 else "")
 
-    ax.set_xlabel(label(f"source ({plan.direction.src_side})", xspans) + f", {_fmt_bytes(int(unit))} each")
+    ax.set_xlabel(label(f"source ({plan.direction.src_side})", xspans) + f", {format_bytes(int(unit))} each")
     ax.set_ylabel(label(f"destination ({plan.direction.dst_side})", yspans))
     ax.set_title(title or repr(plan), fontsize=9)
     regions = np.unique(plan.region).tolist()

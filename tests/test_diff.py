@@ -16,7 +16,7 @@ from kvxfer.planner import (
     plan_transfer,
     presets,
 )
-from kvxfer.planner.inspect import diff_plans, equivalent, normalize
+from kvxfer.planner.diff import diff_plans, equivalent, normalize
 
 
 def rocm(major, minor, patch=0):

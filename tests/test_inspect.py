@@ -20,7 +20,7 @@ from kvxfer.planner import (
     plan_transfer,
     presets,
 )
-from kvxfer.planner.inspect import explain, header_rows, run_length_histogram, stats, stats_frame, to_html, to_rich
+from kvxfer.planner.render import explain, header_rows, run_length_histogram, stats, stats_frame, to_html, to_rich
 
 ROCM716 = Target(platform="rocm", runtime_version=hip_version(7, 16))
 
@@ -234,7 +234,7 @@ def test_views_import_no_heavy_or_device_modules():
     import subprocess
     import sys
 
-    code = ("import sys, kvxfer.planner.inspect, kvxfer.planner.diff, kvxfer.planner.golden, kvxfer.planner.viz; "
+    code = ("import sys, kvxfer.planner.render, kvxfer.planner.diff, kvxfer.planner.golden, kvxfer.planner.viz; "
             "print(sorted(m for m in ('pandas', 'matplotlib', 'rich', 'torch', 'pytest', 'cuda') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,0 +1,66 @@
+"""Layout: named buffers and the regions placed in them, with the derived columns (``info``) cached on it."""
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from ._model import Spec
+from .errors import LayoutError
+from .layout_info import LayoutInfo
+from .spec import Buffer, Location, Region
+
+
+class Layout(Spec):
+    """Named buffers and the regions placed in them. Derived arrays are computed once per layout (cached).
+
+    ``num_groups`` declares the number of KV-cache groups (None: one more than the largest ``region.group``), so
+    a group with no regions still exists: it consumes its slice of the mapping's ids and copies nothing.
+    """
+
+    _error: ClassVar = LayoutError
+    buffers: tuple[Buffer, ...]
+    regions: tuple[Region, ...]
+    num_groups: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _names(self) -> Layout:
+        seen: dict[str, int] = {}
+        for i, b in enumerate(self.buffers):
+            if b.name in seen:
+                raise LayoutError("buffers", b.name, f"duplicate buffer name (also buffers[{seen[b.name]}])", i)
+            seen[b.name] = i
+        rseen: dict[str, int] = {}
+        for i, r in enumerate(self.regions):
+            if r.name in rseen:
+                raise LayoutError("regions", r.name, f"duplicate region name (also regions[{rseen[r.name]}])", i)
+            rseen[r.name] = i
+            if self.num_groups is not None and r.group >= self.num_groups:
+                raise LayoutError(f"regions[{i}].group", r.group, f"the layout declares {self.num_groups} KV-cache groups")
+            for side in (Location.DEVICE, Location.HOST):
+                p = r.placement(side)
+                if p.buffer not in seen:
+                    raise LayoutError(f"regions[{i}].{side}.buffer", p.buffer, f"unknown buffer (known: {sorted(seen)})")
+                b = self.buffers[seen[p.buffer]]
+                page = r.side_page(side)
+                if p.byte_offset + page > b.nbytes:
+                    raise LayoutError(
+                        f"regions[{i}].{side}.byte_offset", p.byte_offset,
+                        f"block 0 of {page} bytes runs past buffer {b.name!r} of {b.nbytes} bytes")
+        return self
+
+    @functools.cached_property
+    def info(self) -> LayoutInfo:
+        return LayoutInfo(self.buffers, self.regions, self.num_groups)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Layout:
+        """A copy, validated again when ``update`` changes fields (derived arrays are rebuilt, never shared)."""
+        if update:
+            return type(self).model_validate(self.model_dump() | update)
+        copy = super().model_copy(deep=deep)
+        copy.__dict__.pop("info", None)
+        return copy
+
+    def buffer_index(self, name: str) -> int:
+        return self.info.buffer_index[name]

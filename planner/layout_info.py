@@ -1,0 +1,169 @@
+"""LayoutInfo: the numpy columns both planning paths read, derived once from a layout's buffers and regions."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .spec import Buffer, Direction, Location, Region
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class SideColumns:
+    """One side (device or host) of every region, one entry per region; arrays are read-only."""
+
+    buf: np.ndarray  # int32 buffer index
+    base: np.ndarray  # byte offset of block 0
+    stride: np.ndarray  # bytes between chunks (blocks when k == 1)
+    page: np.ndarray  # page bytes on this side
+    k: np.ndarray  # blocks per chunk
+    cap: np.ndarray  # the buffer's size
+    max_page: np.ndarray  # last page id whose bytes end inside the buffer (-1: none)
+    dense: np.ndarray  # stride == k * page: consecutive pages are consecutive bytes
+    linear_stride: np.ndarray  # bytes between consecutive page ids where offsets are linear in the page id
+
+    @classmethod
+    def of(cls, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], index: dict[str, int],
+           side: Location) -> SideColumns:
+        places = [r.placement(side) for r in regions]
+        buf = np.array([index[p.buffer] for p in places], dtype=np.int32)
+        base = np.array([p.byte_offset for p in places], dtype=np.int64)
+        stride = np.array([r.stride(side) for r in regions], dtype=np.int64)
+        page = np.array([r.side_page(side) for r in regions], dtype=np.int64)
+        k = np.array([p.blocks_per_chunk for p in places], dtype=np.int64)
+        cap = np.array([buffers[i].nbytes for i in buf.tolist()], dtype=np.int64)
+        last_chunk = (cap - base - page) // stride  # the last chunk whose first page fits
+        last_in_chunk = np.minimum(k - 1, (cap - base - np.maximum(last_chunk, 0) * stride - page) // page)
+        max_page = np.where(last_chunk < 0, -1, last_chunk * k + last_in_chunk)
+        dense = stride == page * k
+        cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, max_page=max_page, dense=dense,
+                   linear_stride=np.where(k == 1, stride, page))
+        for a in vars(cols).values():
+            a.flags.writeable = False
+        return cols
+
+    def offsets(self, r: int, pages: np.ndarray) -> np.ndarray:
+        """Byte offsets of ``pages`` (page ids) of region ``r``."""
+        k = int(self.k[r])
+        if k == 1:
+            return self.base[r] + pages * self.stride[r]
+        return self.base[r] + (pages // k) * self.stride[r] + (pages % k) * self.page[r]
+
+    def page_end(self, r: int, page: int) -> int:
+        """End byte of page ``page`` of region ``r`` (Python integers: no overflow)."""
+        k = int(self.k[r])
+        return int(self.base[r]) + page // k * int(self.stride[r]) + page % k * int(self.page[r]) + int(self.page[r])
+
+
+class LayoutInfo:
+    """Per-side numpy columns derived from buffers and regions; pure, computed once and then read-only.
+
+    ``origin[i]`` is region i's index in the layout it came from (an alias-free view keeps the first region of
+    each set of aliases). ``alias_of[i]`` is the region whose bytes region i repeats (itself when none).
+    """
+
+    def __init__(self, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], num_groups: int | None = None,
+                 origin: np.ndarray | None = None):
+        self.buffers, self.regions = buffers, regions
+        self.buffer_index = {b.name: i for i, b in enumerate(buffers)}
+        self.nregions = len(regions)
+        self.origin = np.arange(self.nregions, dtype=np.int64) if origin is None else origin
+        self.page = np.array([r.page_bytes for r in regions], dtype=np.int64)
+        self.group = np.array([r.group for r in regions], dtype=np.int64)
+        self.pieces = np.array([max(sum(f.count for f in r.fragments), 1) for r in regions], dtype=np.int64)
+        self.num_groups = num_groups if num_groups is not None else int(self.group.max()) + 1 if regions else 1
+        # -1: the plan-level PlanOptions value applies
+        self.num_writers = np.array([-1 if r.num_writers is None else r.num_writers for r in regions], dtype=np.int64)
+        self.writer_index = np.array([-1 if r.writer_index is None else r.writer_index for r in regions], dtype=np.int64)
+        # plain: one group, k == 1, no fragments -- the fast path applies
+        self.plain = self.num_groups == 1 and all(
+            not r.fragments and r.device.blocks_per_chunk == 1 and r.host.blocks_per_chunk == 1 for r in regions)
+        self.side = {s: SideColumns.of(buffers, regions, self.buffer_index, s) for s in (Location.DEVICE, Location.HOST)}
+        first: dict[tuple[Any, ...], int] = {}
+        self.alias_of = np.array([first.setdefault(r.alias_key(), i) for i, r in enumerate(regions)], dtype=np.int64)
+        self.memo: dict[tuple[Any, ...], object] = {}  # other per-layout results, keyed by their caller
+
+    @property
+    def aliases(self) -> tuple[tuple[str, str], ...]:
+        """(alias, region it repeats) name pairs, in region order."""
+        return tuple((self.regions[i].name, self.regions[a].name)
+                     for i, a in enumerate(self.alias_of.tolist()) if a != i)
+
+    def without_aliases(self) -> LayoutInfo:
+        """The same layout with each alias dropped (its bytes move once, through the region it repeats)."""
+        def make() -> LayoutInfo:
+            keep = np.flatnonzero(self.alias_of == np.arange(self.nregions))
+            return LayoutInfo(self.buffers, tuple(self.regions[i] for i in keep.tolist()), self.num_groups, keep)
+        return self.cached(("without_aliases",), make)
+
+    def writers(self, num_writers: int, writer_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per region: (writers, this rank's index) for stores; the region's own values, else the plan's."""
+        nw = np.where(self.num_writers < 0, num_writers, self.num_writers)
+        wi = np.where(self.writer_index < 0, writer_index, self.writer_index)
+        return nw, wi
+
+    def call_group(self, regions_per_call: int | None) -> np.ndarray:
+        """Per region: its call group (one per ``regions_per_call`` regions of the original layout; 0 when None)."""
+        if not regions_per_call:
+            return np.zeros(self.nregions, np.int64)
+        return self.origin // regions_per_call
+
+    def shared_buffers(self, direction: Direction) -> tuple[int, ...]:
+        """Buffers that some region reads and some region writes in this direction (rare; needs overlap checks)."""
+        return self.cached(("shared", direction.value), lambda: tuple(
+            np.intersect1d(self.side[direction.src_side].buf, self.side[direction.dst_side].buf).tolist()))
+
+    def extent_end(self, side: Location, top: int) -> np.ndarray:
+        """Per region: the end byte of page ``top`` on ``side`` -- the extent of a transfer whose ids stay <= top."""
+        c = self.side[side]
+        out: np.ndarray = c.base + (top // c.k) * c.stride + (top % c.k) * c.page + c.page
+        return out
+
+    def cached(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        """``memo[key]``, made once. Safe when threads plan on one layout: a value read is never evicted under
+        the reader, and two threads making the same value make equal values."""
+        value = self.memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = make()
+            if len(self.memo) > 64:  # per-transfer keys: keep the memo small
+                for k in [k for k in list(self.memo) if k[0] in ("links", "disjoint")]:
+                    self.memo.pop(k, None)
+            self.memo[key] = value
+        return value  # type: ignore[return-value]
+
+    def linked_regions(self, direction: Direction, top_src: int, top_dst: int) -> np.ndarray:
+        """Mask of regions whose ranges might merge with another region's: same buffers on both sides and
+        extents (up to the transfer's largest page ids) touching on both sides."""
+        def make() -> np.ndarray:
+            s, d = self.side[direction.src_side], self.side[direction.dst_side]
+            mask = np.zeros(self.nregions, dtype=bool)
+            if self.nregions > 1:
+                es, ed = self.extent_end(direction.src_side, top_src), self.extent_end(direction.dst_side, top_dst)
+                pair = (s.buf[:, None] == s.buf[None, :]) & (d.buf[:, None] == d.buf[None, :])
+                pair &= (s.base[:, None] <= es[None, :]) & (s.base[None, :] <= es[:, None])
+                pair &= (d.base[:, None] <= ed[None, :]) & (d.base[None, :] <= ed[:, None])
+                np.fill_diagonal(pair, False)
+                mask = pair.any(axis=1)
+            mask.flags.writeable = False
+            return mask
+        return self.cached(("links", direction.value, top_src, top_dst), make)
+
+    def dst_order(self, direction: Direction, top_dst: int,
+                  regions_per_call: int | None = None) -> tuple[np.ndarray, bool]:
+        """Regions ordered by (call group, destination buffer, base), and whether their destination extents (up
+        to page id ``top_dst``) are pairwise disjoint -- then that order, each region in destination order, is
+        canonical order and no byte can be written twice by two regions."""
+        d = self.side[direction.dst_side]
+        order = self.cached(("order", direction.value, regions_per_call), lambda: np.lexsort(
+            (d.base, d.buf, self.call_group(regions_per_call))))
+
+        def make() -> bool:
+            o = np.lexsort((d.base, d.buf))
+            b, lo, hi = d.buf[o], d.base[o], self.extent_end(direction.dst_side, top_dst)[o]
+            return bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
+        return order, self.cached(("disjoint", direction.value, top_dst), make)

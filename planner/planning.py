@@ -1,0 +1,83 @@
+"""plan_transfer: layout + block mapping -> TransferPlan, with maximal merging of byte-contiguous copies.
+
+Plain transfers (one group, whole pages, k == 1, no writer rotation, no per-layer calls) take the fast path
+(``plain_path``); everything else the general path (``general_path``). Both build on the column operations
+in ``columns``, and give identical plans wherever both apply (a differential test checks it through
+``plan_transfer_general``). Aliased regions (the same bytes under two names) are planned once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .columns import attributes
+from .general_path import plan_general
+from .layout import Layout
+from .layout_info import LayoutInfo
+from .plain_path import plan_plain
+from .plan import TransferPlan
+from .runs import Column, Runs
+from .spec import BlockMapping, Direction
+from .target import PlanOptions, Target
+
+
+def plan_transfer(layout: Layout | dict[str, Any] | Any, mapping: BlockMapping | dict[str, Any] | Any,
+                  target: Target | dict[str, Any] | None = None,
+                  options: PlanOptions | dict[str, Any] | None = None) -> TransferPlan:
+    """Plan the copies of ``mapping`` over every region of ``layout``.
+
+    Returns a TransferPlan whose ranges cover exactly the requested bytes with the fewest ranges possible
+    (or one range per block copy when ``options.coalesce`` is off), split into calls of at most the
+    descriptor cap. Raises LayoutError / MappingError / TargetError (ValueError subclasses) on bad input.
+    """
+    return _plan(layout, mapping, target, options, general=False)
+
+
+def plan_transfer_general(layout: Layout | dict[str, Any] | Any, mapping: BlockMapping | dict[str, Any] | Any,
+                          target: Target | dict[str, Any] | None = None,
+                          options: PlanOptions | dict[str, Any] | None = None) -> TransferPlan:
+    """``plan_transfer`` forced through the general path, even where the fast path applies. For differential
+    tests and diagnosis: its plans must equal ``plan_transfer``'s."""
+    return _plan(layout, mapping, target, options, general=True)
+
+
+def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, general: bool) -> TransferPlan:
+    layout = Layout.coerce(layout_in, "layout")
+    mapping = BlockMapping.coerce(mapping_in, "mapping")
+    target = Target() if target_in is None else Target.coerce(target_in, "target")
+    options = PlanOptions() if options_in is None else PlanOptions.coerce(options_in, "options")
+    full = layout.info
+    info = full.without_aliases() if full.aliases else full
+    direction = mapping.direction
+    cap = options.descriptor_cap(target)
+    if general or not _plain(info, mapping, options):
+        ranges, requested, call_offsets = plan_general(info, mapping, options, cap)
+    else:
+        ranges, requested, call_offsets = plan_plain(info, mapping, options, cap)
+    if info is not full:  # region indices of the alias-free view -> the layout's own
+        ranges["region"] = _map(ranges["region"], info.origin)
+    attrs, region_attr = attributes(full, direction, target, options)
+    reg = ranges["region"]
+    ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
+    for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
+        col = ranges[k]
+        ranges[k] = Runs(col.values.view(np.uint64), col.lengths) if isinstance(col, Runs) else col.view(np.uint64)
+    return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
+                        regions=tuple(r.name for r in layout.regions), attrs=attrs,
+                        region_page_bytes=tuple(r.page_bytes for r in layout.regions), aliases=full.aliases,
+                        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
+
+
+def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> bool:
+    """Whether the fast path applies: plain layout and mapping, no per-layer calls, no writer rotation."""
+    if not (info.plain and mapping.plain and options.regions_per_call is None):
+        return False
+    if mapping.direction is Direction.H2D:
+        return True
+    writers, _ = info.writers(options.num_writers, options.writer_index)
+    return not bool(np.any(writers > 1))
+
+
+def _map(col: Column, table: np.ndarray) -> Column:
+    return Runs(table[col.values], col.lengths) if isinstance(col, Runs) else table[col]

@@ -1,0 +1,59 @@
+"""Run-length encoded columns, and the column sets (``Ranges``) that planning passes between steps."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+CHUNK = 1 << 20  # elements expanded at a time where a run-length column is streamed
+
+
+class Runs:
+    """A run-length encoded column: ``values[i]`` repeated ``lengths[i]`` times."""
+
+    __slots__ = ("values", "lengths")
+
+    def __init__(self, values: np.ndarray, lengths: np.ndarray):
+        self.values, self.lengths = np.asarray(values), np.asarray(lengths, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.lengths.sum())
+
+    def dense(self, dtype: DTypeLike = None) -> np.ndarray:
+        return np.repeat(self.values if dtype is None else self.values.astype(dtype), self.lengths)
+
+    def chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        """The dense column in consecutive pieces of at most ``size`` elements (never all of it at once)."""
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        total = int(ends[-1]) if len(ends) else 0
+        for lo in range(0, total, size):
+            hi = min(lo + size, total)
+            a, b = np.searchsorted(ends, [lo, hi - 1], side="right").tolist()  # runs covering lo and hi - 1
+            take = np.minimum(ends[a:b + 1], hi) - np.maximum(starts[a:b + 1], lo)
+            yield np.repeat(self.values[a:b + 1], take)
+
+
+Column = np.ndarray | Runs
+Ranges = dict[str, Column]  # src/dst_buf, region: int32; src/dst_offset, nbytes: int64 while planning; or Runs
+DenseRanges = dict[str, np.ndarray]
+
+
+def dense(col: Column, dtype: DTypeLike = None) -> np.ndarray:
+    return col.dense(dtype) if isinstance(col, Runs) else col
+
+
+def dense_all(r: Ranges) -> DenseRanges:
+    return {k: dense(v) for k, v in r.items()}
+
+
+def runs_of(col: Column) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths) of a column's runs of equal values, without expanding a run-length column."""
+    if isinstance(col, Runs):
+        keep = col.lengths > 0
+        return col.values[keep], col.lengths[keep]
+    if len(col) == 0:
+        return col, np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], col[1:] != col[:-1])))
+    return col[starts], np.diff(np.append(starts, len(col)))
