@@ -25,6 +25,7 @@ test: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy --strict planner
 
 bench: $(BIN)/.installed
 	$(BIN)/kvxfer bench

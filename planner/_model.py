@@ -51,7 +51,7 @@ class Spec(BaseModel):
             raise _reraise(e, self._error) from e
 
     @classmethod
-    def model_validate(cls: type[M], obj: Any, **kw: Any) -> M:  # type: ignore[override]
+    def model_validate(cls: type[M], obj: Any, **kw: Any) -> M:
         try:
             return super().model_validate(obj, **kw)
         except ValidationError as e:

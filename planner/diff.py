@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import PlanError
-from .plan import CopyAttributes, TransferPlan
+from .plan import CopyAttributes, LocationHint, TransferPlan
 from .render import (
     NUMERIC,
     RANGE_COLUMNS,
@@ -83,7 +83,7 @@ def _change(label: str, x: object, y: object) -> str | None:
     return None if x == y else f"{label} {x} -> {y}"
 
 
-def _loc(h) -> str:
+def _loc(h: LocationHint) -> str:
     return f"dev{h.id}" if h.location is Location.DEVICE else "host"
 
 
@@ -141,10 +141,10 @@ def _differing(a: TransferPlan, b: TransferPlan) -> tuple[np.ndarray, np.ndarray
     for buf in a.buffers + b.buffers:  # a's buffer order, then b's new buffers: rows follow the plans' order
         ids.setdefault(buf.name, len(ids))
     ka, kb = _named(a, ids), _named(b, ids)
-    cols = {k: np.concatenate((ka[k].astype(np.uint64), kb[k].astype(np.uint64))) for k in _KEY}
+    cols: dict[str, np.ndarray] = {k: np.concatenate((ka[k].astype(np.uint64), kb[k].astype(np.uint64))) for k in _KEY}
     side = np.concatenate((np.zeros(a.num_ranges, np.int8), np.ones(b.num_ranges, np.int8)))
     index = np.concatenate((np.arange(a.num_ranges), np.arange(b.num_ranges)))
-    o = np.lexsort((side, *(cols[k] for k in reversed(_KEY))))
+    o = np.lexsort([side, *(cols[k] for k in reversed(_KEY))])
     same_next = np.ones(len(o) - 1 if len(o) else 0, dtype=bool)
     for k in _KEY:
         c = cols[k][o]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
@@ -54,10 +55,10 @@ class Layout(Spec):
     def info(self) -> LayoutInfo:
         return LayoutInfo(self.buffers, self.regions, self.num_groups)
 
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Layout:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Layout:
         """A copy, validated again when ``update`` changes fields (derived arrays are rebuilt, never shared)."""
         if update:
-            return type(self).model_validate(self.model_dump() | update)
+            return type(self).model_validate(self.model_dump() | dict(update))
         copy = super().model_copy(deep=deep)
         copy.__dict__.pop("info", None)
         return copy

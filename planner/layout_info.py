@@ -50,9 +50,9 @@ class SideColumns:
     def offsets(self, r: int, pages: np.ndarray) -> np.ndarray:
         """Byte offsets of ``pages`` (page ids) of region ``r``."""
         k = int(self.k[r])
-        if k == 1:
-            return self.base[r] + pages * self.stride[r]
-        return self.base[r] + (pages // k) * self.stride[r] + (pages % k) * self.page[r]
+        out: np.ndarray = (self.base[r] + pages * self.stride[r] if k == 1
+                           else self.base[r] + (pages // k) * self.stride[r] + (pages % k) * self.page[r])
+        return out
 
     def page_end(self, r: int, page: int) -> int:
         """End byte of page ``page`` of region ``r`` (Python integers: no overflow)."""

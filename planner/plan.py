@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, overload
 
@@ -113,7 +113,7 @@ class TransferPlan:
 
     def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
-                 call_offsets: np.ndarray, columns: dict[str, Column], passes_attrs: bool | None = None,
+                 call_offsets: np.ndarray, columns: Mapping[str, Column], passes_attrs: bool | None = None,
                  api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None,
                  aliases: tuple[tuple[str, str], ...] | None = None):
         set_ = object.__setattr__
@@ -348,7 +348,7 @@ class TransferPlan:
         buf = io.BytesIO()
         header = json.dumps(self._header() | {"fingerprint": self.fingerprint})
         np.savez_compressed(buf, header=np.frombuffer(header.encode(), dtype=np.uint8),
-                            call_offsets=self.call_offsets, **{n: self.column(n) for n in COLUMNS})
+                            call_offsets=self.call_offsets, **{n: self.column(n) for n in COLUMNS})  # type: ignore[arg-type]
         return buf.getvalue()
 
     @classmethod

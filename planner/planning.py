@@ -55,6 +55,7 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
         ranges, requested, call_offsets = plan_general(info, mapping, options, cap)
     else:
         ranges, requested, call_offsets = plan_plain(info, mapping, options, cap)
+    ranges = dict(ranges)
     if info is not full:  # region indices of the alias-free view -> the layout's own
         ranges["region"] = _map(ranges["region"], info.origin)
     attrs, region_attr = attributes(full, direction, target, options)

@@ -20,7 +20,7 @@ from .spec import Location
 from .target import CopyApi
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pandas
+    import pandas  # type: ignore[import-untyped]
 
 _HIST_SHOWN = 8
 
@@ -43,9 +43,10 @@ def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
         if names != plan.regions:
             raise PlanError("layout.regions", f"{len(names)} regions",
                             f"do not match the plan's {len(plan.regions)} regions")
-        return layout.info.page.astype(np.float64)[plan.region]
+        page: np.ndarray = layout.info.page.astype(np.float64)[plan.region]
+        return page
     if plan.region_page_bytes:
-        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]
+        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]  # type: ignore[no-any-return]
     unit = plan.total_bytes / plan.requested_copies if plan.requested_copies else 1.0
     return np.full(plan.num_ranges, unit or 1.0)
 

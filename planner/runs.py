@@ -1,7 +1,7 @@
 """Run-length encoded columns, and the column sets (``Ranges``) that planning passes between steps."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -20,7 +20,7 @@ class Runs:
     def __len__(self) -> int:
         return int(self.lengths.sum())
 
-    def dense(self, dtype: DTypeLike = None) -> np.ndarray:
+    def dense(self, dtype: DTypeLike | None = None) -> np.ndarray:
         return np.repeat(self.values if dtype is None else self.values.astype(dtype), self.lengths)
 
     def chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
@@ -36,11 +36,13 @@ class Runs:
 
 
 Column = np.ndarray | Runs
-Ranges = dict[str, Column]  # src/dst_buf, region: int32; src/dst_offset, nbytes: int64 while planning; or Runs
+# Columns src_buf, dst_buf, region (int32) and src_offset, dst_offset, nbytes (int64 while planning), each a
+# dense array or Runs. Read-only in type (steps return new sets); DenseRanges is the all-dense form.
+Ranges = Mapping[str, Column]
 DenseRanges = dict[str, np.ndarray]
 
 
-def dense(col: Column, dtype: DTypeLike = None) -> np.ndarray:
+def dense(col: Column, dtype: DTypeLike | None = None) -> np.ndarray:
     return col.dense(dtype) if isinstance(col, Runs) else col
 
 

@@ -114,22 +114,22 @@ class Region(Spec):
         if not self.fragments and self.side_page(Location.HOST) != self.page_bytes:
             raise LayoutError("host_page_bytes", self.host_page_bytes,
                               f"differs from page_bytes {self.page_bytes}; fragments must say which bytes correspond")
-        for side, off, stride, page in (("local", "local_offset", "local_stride", self.page_bytes),
+        for kind, off, stride, page in (("local", "local_offset", "local_stride", self.page_bytes),
                                         ("canonical", "canonical_offset", "canonical_stride", self.side_page(Location.HOST))):
             spans: list[tuple[int, int, int]] = []
             for j, f in enumerate(self.fragments):
                 start, step = getattr(f, off), getattr(f, stride)
                 end = start + (f.count - 1) * step + f.fragment_bytes
                 if end > page:
-                    raise LayoutError(f"fragments[{j}].{off}", start, f"{side} fragments end at byte {end}, past the "
-                                      f"{side} page of {page} bytes")
+                    raise LayoutError(f"fragments[{j}].{off}", start, f"{kind} fragments end at byte {end}, past the "
+                                      f"{kind} page of {page} bytes")
                 if f.count > 1 and step < f.fragment_bytes:
                     raise LayoutError(f"fragments[{j}].{stride}", step, f"pieces of {f.fragment_bytes} bytes overlap")
                 spans += [(start + i * step, start + i * step + f.fragment_bytes, j) for i in range(f.count)]
             spans.sort()
             for (_, a1, ja), (b0, _, jb) in zip(spans, spans[1:]):
                 if b0 < a1:
-                    raise LayoutError(f"fragments[{jb}].{off}", b0, f"{side} bytes [{b0}, {a1}) overlap fragments[{ja}]")
+                    raise LayoutError(f"fragments[{jb}].{off}", b0, f"{kind} bytes [{b0}, {a1}) overlap fragments[{ja}]")
         return self
 
     def placement(self, side: Location | str) -> Placement:

@@ -74,7 +74,7 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = 
     segments = np.stack([np.stack([x0, y0], 1), np.stack([x0 + length, y0 + length], 1)], 1)
     cmap = colormaps["tab20"]
     colours = cmap((plan.region % 20) / 19.0)
-    ax.add_collection(LineCollection(segments, colors=colours, linewidths=linewidth, capstyle="butt"))
+    ax.add_collection(LineCollection(list(segments), colors=colours, linewidths=linewidth, capstyle="butt"))
     starts = plan.call_offsets[:-1]
     if plan.num_ranges:
         ax.scatter(x0[starts], y0[starts], marker="o", s=28, facecolors="none", edgecolors="black",
