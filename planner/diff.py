@@ -128,6 +128,11 @@ def summary_line(a: TransferPlan, b: TransferPlan, same_bytes: bool | None) -> s
     if a.regions != b.regions:
         parts.append(f"regions {len(a.regions)} -> {len(b.regions)}" if len(a.regions) != len(b.regions)
                      else "regions renamed")
+    if a.aliases != b.aliases:
+        parts.append(f"aliases {len(a.aliases)} -> {len(b.aliases)}" if len(a.aliases) != len(b.aliases)
+                     else "aliases changed")
+    if a.region_writers != b.region_writers:
+        parts.append("region writers changed")
     if same_bytes is not None:
         parts.append("same bytes moved" if same_bytes else "different bytes moved")
     return ", ".join(p for p in parts if p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -84,10 +84,12 @@ class TransferPlan:
     ``call_offsets[i]:call_offsets[i+1]``. ``attr`` indexes ``attrs``; a call passes attributes only when
     ``passes_attrs`` (numAttrs = the number of attribute runs in that call). ``aliases`` lists (alias, region)
     name pairs: regions naming the same bytes as an earlier region, whose copies that region's ranges make.
+    ``region_writers`` holds each region's (num_writers, writer_index) on a store where some region sets its
+    own writer rotation (empty otherwise: ``options`` says it all).
     """
 
     __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "region_page_bytes", "attrs", "passes_attrs",
-                 "requested_copies", "call_offsets", "aliases", "_store", "_fingerprint")
+                 "requested_copies", "call_offsets", "aliases", "region_writers", "_store", "_fingerprint")
     direction: Direction
     target: Target
     options: PlanOptions
@@ -100,6 +102,7 @@ class TransferPlan:
     requested_copies: int
     call_offsets: np.ndarray
     aliases: tuple[tuple[str, str], ...]
+    region_writers: tuple[tuple[int, int], ...]
     _store: dict[str, Column]
     _fingerprint: str | None
 
@@ -115,7 +118,8 @@ class TransferPlan:
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
                  call_offsets: np.ndarray, columns: Mapping[str, Column], passes_attrs: bool | None = None,
                  api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None,
-                 aliases: tuple[tuple[str, str], ...] | None = None):
+                 aliases: Sequence[Sequence[str]] | None = None,
+                 region_writers: Sequence[Sequence[int]] | None = None):
         set_ = object.__setattr__
         set_(self, "direction", Direction(direction))
         set_(self, "target", target)
@@ -130,6 +134,12 @@ class TransferPlan:
         set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
         set_(self, "requested_copies", int(requested_copies))
         set_(self, "aliases", tuple((str(a), str(b)) for a, b in aliases or ()))
+        set_(self, "region_writers", tuple((int(w), int(i)) for w, i in region_writers or ()))
+        unknown = sorted({n for pair in self.aliases for n in pair} - set(self.regions))
+        if unknown:
+            raise PlanError("aliases", unknown, "not regions of the plan")
+        if self.region_writers and len(self.region_writers) != len(self.regions):
+            raise PlanError("region_writers", len(self.region_writers), f"expected one per region ({len(self.regions)})")
         n = None
         store: dict[str, Column] = {}
         for name, dtype in COLUMNS.items():
@@ -257,7 +267,8 @@ class TransferPlan:
             "region_page_bytes": list(self.region_page_bytes),
             "attrs": [a.model_dump(mode="json") for a in self.attrs],
             "requested_copies": self.requested_copies,
-        } | ({"aliases": [list(p) for p in self.aliases]} if self.aliases else {})
+        } | ({"aliases": [list(p) for p in self.aliases]} if self.aliases else {}) | (
+            {"region_writers": [list(w) for w in self.region_writers]} if self.region_writers else {})
 
     @property
     def fingerprint(self) -> str:
@@ -331,6 +342,7 @@ class TransferPlan:
                 attrs=tuple(CopyAttributes.model_validate(a) for a in d["attrs"]),
                 requested_copies=d["requested_copies"], passes_attrs=d["passes_attrs"], api=CopyApi(d["api"]),
                 call_offsets=np.asarray(d["call_offsets"], dtype=np.int64), aliases=d.get("aliases"),
+                region_writers=d.get("region_writers"),
                 columns={name: np.asarray(d["columns"][name], dtype=dt) for name, dt in COLUMNS.items()})
         except KeyError as e:
             raise PlanError(str(e.args[0]), None, "missing from the serialized plan") from None

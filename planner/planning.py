@@ -67,6 +67,7 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
                         regions=tuple(r.name for r in layout.regions), attrs=attrs,
                         region_page_bytes=tuple(r.page_bytes for r in layout.regions), aliases=full.aliases,
+                        region_writers=_region_writers(full, direction, options),
                         requested_copies=requested, call_offsets=call_offsets, columns=ranges)
 
 
@@ -78,6 +79,14 @@ def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> boo
         return True
     writers, _ = info.writers(options.num_writers, options.writer_index)
     return not bool(np.any(writers > 1))
+
+
+def _region_writers(info: LayoutInfo, direction: Direction, options: PlanOptions) -> list[tuple[int, int]]:
+    """Each region's (writers, index) on a store where some region sets its own; [] when the options say it all."""
+    if direction is Direction.H2D or not np.any((info.num_writers >= 0) | (info.writer_index >= 0)):
+        return []
+    nw, wi = info.writers(options.num_writers, options.writer_index)
+    return list(zip(nw.tolist(), wi.tolist()))
 
 
 def _map(col: Column, table: np.ndarray) -> Column:

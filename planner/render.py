@@ -191,6 +191,18 @@ def _calls_line(plan: TransferPlan) -> str:
     return line
 
 
+def _writers_line(plan: TransferPlan) -> str:
+    """Writer rotation per region on a store, regions with equal settings grouped: 'index 0 of 2: a, b | all: c'."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, w in zip(plan.regions, plan.region_writers):
+        groups.setdefault(w, []).append(name)
+    parts = []
+    for (w, i), names in groups.items():
+        shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+        parts.append(f"{'every rank' if w == 1 else f'index {i} of {w}'}: {shown}")
+    return " | ".join(parts)
+
+
 def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[str, str]]:
     """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls."""
     n, req = plan.num_ranges, plan.requested_copies
@@ -208,6 +220,12 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
         ("bytes", f"{format_bytes(plan.total_bytes)} ({plan.total_bytes} B)"),
         ("calls", _calls_line(plan)),
     ]
+    rows += [("aliases" if i == 0 else "", f"region {a!r} aliases {b!r} (planned once)") for i, (a, b) in enumerate(plan.aliases)]
+    if plan.region_writers:
+        rows.append(("writers", _writers_line(plan)))
+    if layout is not None and layout.num_groups is not None:
+        empty = sorted(set(range(layout.num_groups)) - {r.group for r in layout.regions})
+        rows.append(("groups", f"{layout.num_groups} declared" + (f", without regions: {empty}" if empty else "")))
     if n:
         nb = plan.nbytes
         unit = block_bytes(plan, layout)

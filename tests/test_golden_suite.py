@@ -11,10 +11,15 @@ import pytest
 
 from kvxfer.planner import (
     BlockMapping,
+    Buffer,
     Case,
     Direction,
+    Layout,
+    Location,
+    Placement,
     PlanOptions,
     Platform,
+    Region,
     Target,
     cuda_version,
     hip_version,
@@ -71,6 +76,36 @@ def fragments(target: Target, **options) -> Case:
                 mapping=presets.mapping("runs8", 8, 16, "d2h"), target=target, options=PlanOptions(**options))
 
 
+def mixed_writers(target: Target) -> Case:
+    """Issue repro: a replicated region (2 writers, this rank index 0) and a rank-private one (every rank writes)
+    store device pages 0-3 into 64-byte host rows: replicated pages 0 and 2, private pages 0-3 (6 pages)."""
+    buffers = (Buffer(name="dev.repl", nbytes=32 * 8), Buffer(name="dev.priv", nbytes=32 * 8),
+               Buffer(name="host", nbytes=64 * 8, location=Location.HOST))
+    regions = (Region(name="repl", page_bytes=32, device=Placement(buffer="dev.repl"),
+                      host=Placement(buffer="host", stride_bytes=64), num_writers=2, writer_index=0),
+               Region(name="priv", page_bytes=32, device=Placement(buffer="dev.priv"),
+                      host=Placement(buffer="host", byte_offset=32, stride_bytes=64), num_writers=1))
+    return Case(layout=Layout(buffers=buffers, regions=regions), target=target,
+                mapping=BlockMapping(direction=Direction.D2H, src_ids=[0, 1, 2, 3], dst_ids=[0, 1, 2, 3]))
+
+
+def aliased(target: Target, direction: Direction) -> Case:
+    """Two layers sharing one KV tensor: regions 'layer' and 'alias' name the same bytes; planned once."""
+    layout = presets.kv_layout(3, 16, 1 * KiB)
+    regions = layout.regions[:2] + (layout.regions[1].model_copy(update={"name": "alias"}),) + layout.regions[2:]
+    return Case(layout=layout.model_copy(update={"regions": regions}), target=target,
+                mapping=presets.mapping("runs8", 8, 16, direction.value))
+
+
+def empty_group(target: Target) -> Case:
+    """Three declared KV-cache groups; group 1 has no regions but still consumes its slice of the ids."""
+    layout = presets.kv_layout(2, 16, 1 * KiB)
+    regions = (layout.regions[0], layout.regions[1].model_copy(update={"group": 2}))
+    return Case(layout=layout.model_copy(update={"regions": regions, "num_groups": 3}), target=target,
+                mapping=BlockMapping(direction=Direction.H2D, src_ids=[0, 1, 2, 9, 10, 11], dst_ids=[4, 5, 6, 7, 8, 9],
+                                     group_sizes=[2, 1, 3]))
+
+
 HIP_GATES = {
     "unknown": Target(platform=Platform.ROCM), "7.1": rocm(7, 1), "7.2.0": rocm(7, 2), "7.2.2-53211": rocm(7, 2, 53211),
     "7.3": rocm(7, 3), "7.12": rocm(7, 12), "7.13": rocm(7, 13), "7.13-26193": rocm(7, 13, 26193),
@@ -113,6 +148,10 @@ CASES = {
     "layout-page-first-contiguous-h2d-rocm7.16": lambda: Case(
         layout=presets.page_first_layout(8, 32, 1 * KiB), mapping=presets.mapping("contiguous", 12, 32), target=rocm(7, 16)),
     "layout-per-layer-calls-cap1-h2d-rocm7.16": lambda: small(rocm(7, 16), regions_per_call=1, max_descriptors=1),
+    "layout-mixed-writers-d2h-cuda13": lambda: mixed_writers(cuda(13, 0)),
+    "layout-aliased-regions-h2d-rocm7.16": lambda: aliased(rocm(7, 16), Direction.H2D),
+    "layout-aliased-regions-d2h-cuda13": lambda: aliased(cuda(13, 0), Direction.D2H),
+    "layout-empty-group-h2d-rocm7.16": lambda: empty_group(rocm(7, 16)),
     "empty-mapping-rocm7.16": lambda: Case(layout=presets.kv_layout(2, 8, 4 * KiB), target=rocm(7, 16),
                                            mapping=BlockMapping(direction=Direction.H2D, src_ids=np.zeros(0, np.int64),
                                                                 dst_ids=np.zeros(0, np.int64))),
