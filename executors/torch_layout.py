@@ -64,6 +64,8 @@ def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, k
     ``device`` and ``host`` map a layer name to a tensor shaped [num_blocks, ...] (or [2, num_blocks, ...]
     with ``kv_split``, giving regions ``<name>.k`` and ``<name>.v``). Host tensors must be on the CPU; device
     tensors must be on ``device_type`` when given (CPU tensors are accepted otherwise, for testing).
+    Layers that share one tensor storage at the same offset and strides (layers sharing a KV tensor) become
+    aliased regions of one buffer, which a plan copies once.
     Returns (layout, bindings) where bindings map each buffer name to a tensor over its whole storage.
     Raises LayoutError naming the layer for mismatched keys, devices, dtypes, page sizes or strides.
     """

@@ -102,9 +102,10 @@ class LayoutInfo:
         return self.cached(("without_aliases",), make)
 
     def writers(self, num_writers: int, writer_index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per region: (writers, this rank's index) for stores; the region's own values, else the plan's."""
+        """Per region: (writers, this rank's index) for stores; the region's own values, else the plan's. One writer
+        means every rank writes the region (rank-private), whatever the index."""
         nw = np.where(self.num_writers < 0, num_writers, self.num_writers)
-        wi = np.where(self.writer_index < 0, writer_index, self.writer_index)
+        wi = np.where(nw == 1, 0, np.where(self.writer_index < 0, writer_index, self.writer_index))
         return nw, wi
 
     def call_group(self, regions_per_call: int | None) -> np.ndarray:
