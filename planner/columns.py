@@ -236,19 +236,54 @@ def merge_where(r: Ranges, mergeable: np.ndarray, call_group: np.ndarray) -> Ran
 
 
 def split_large(r: Ranges, cap: int | None) -> Ranges:
-    """Cut ranges longer than ``cap`` bytes into cap-sized pieces plus a remainder, in place order."""
+    """Cut ranges longer than ``cap`` bytes into cap-sized pieces plus a remainder, in place order.
+
+    Run-length columns stay run-length (their runs grow by the pieces added); offsets are written once."""
     nb = r["nbytes"]
     if cap is None or len(nb) == 0 or int(runs_of(nb)[0].max()) <= cap:
         return r
-    d = dense_all(r)
-    pieces = -(-d["nbytes"] // cap)
-    idx = np.repeat(np.arange(len(pieces)), pieces)
-    first = np.cumsum(pieces) - pieces
-    k = np.arange(len(idx)) - first[idx]
-    out = take(d, idx)
-    out["src_offset"] = out["src_offset"] + k * cap
-    out["dst_offset"] = out["dst_offset"] + k * cap
-    out["nbytes"] = np.minimum(d["nbytes"][idx] - k * cap, cap)
+    values = runs_of(nb)[0]
+    if len(np.unique(-(-values // cap))) == 1:
+        return _split_uniform(r, cap, int(-(-values[0] // cap)))
+    nbd = dense(nb)
+    pieces = -(-nbd // cap)
+    ends = np.cumsum(pieces)
+    k = np.arange(int(ends[-1]), dtype=np.int64)  # piece index within its range, times cap
+    k -= np.repeat(ends - pieces, pieces)
+    k *= cap
+    out: dict[str, np.ndarray | Runs] = {}
+    for name, col in r.items():
+        if isinstance(col, Runs):
+            new_ends = ends[np.cumsum(col.lengths) - 1] if len(col.lengths) else col.lengths
+            out[name] = Runs(col.values, np.diff(new_ends, prepend=0))
+        else:
+            out[name] = np.repeat(col, pieces)
+    for name in ("src_offset", "dst_offset"):
+        col = out[name]
+        out[name] = dense(col) + k if isinstance(col, Runs) else np.add(col, k, out=col)
+    size = np.repeat(nbd, pieces)
+    size -= k
+    out["nbytes"] = np.minimum(size, cap, out=size)
+    return out
+
+
+def _split_uniform(r: Ranges, cap: int, pieces: int) -> Ranges:
+    """``split_large`` where every range becomes ``pieces`` pieces: broadcasts, no per-piece index arrays."""
+    step = np.arange(pieces, dtype=np.int64) * cap
+    out: dict[str, np.ndarray | Runs] = {}
+    for name, col in r.items():
+        out[name] = Runs(col.values, col.lengths * pieces) if isinstance(col, Runs) else np.repeat(col, pieces)
+    for name in ("src_offset", "dst_offset"):
+        col = dense(out[name]) if isinstance(out[name], Runs) else out[name]
+        col.reshape(-1, pieces)[:] += step
+        out[name] = col
+    nb = r["nbytes"]
+    if isinstance(nb, Runs) and not np.any(nb.values % cap):
+        out["nbytes"] = Runs(np.full(len(nb.values), cap, dtype=np.int64), nb.lengths * pieces)
+    else:
+        size = np.repeat(dense(nb), pieces).reshape(-1, pieces)
+        size -= step
+        out["nbytes"] = np.minimum(size, cap, out=size).ravel()
     return out
 
 

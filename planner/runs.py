@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 from numpy.typing import DTypeLike
 
-CHUNK = 1 << 20  # elements expanded at a time where a run-length column is streamed
+CHUNK = 1 << 16  # elements expanded at a time where a run-length column is streamed (512 KiB of int64)
 
 
 class Runs:
