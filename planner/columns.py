@@ -274,9 +274,9 @@ def _split_uniform(r: Ranges, cap: int, pieces: int) -> Ranges:
     for name, col in r.items():
         out[name] = Runs(col.values, col.lengths * pieces) if isinstance(col, Runs) else np.repeat(col, pieces)
     for name in ("src_offset", "dst_offset"):
-        col = dense(out[name]) if isinstance(out[name], Runs) else out[name]
-        col.reshape(-1, pieces)[:] += step
-        out[name] = col
+        offsets = dense(out[name])
+        offsets.reshape(-1, pieces)[:] += step
+        out[name] = offsets
     nb = r["nbytes"]
     if isinstance(nb, Runs) and not np.any(nb.values % cap):
         out["nbytes"] = Runs(np.full(len(nb.values), cap, dtype=np.int64), nb.lengths * pieces)

@@ -194,8 +194,8 @@ def _calls_line(plan: TransferPlan) -> str:
 def _writers_line(plan: TransferPlan) -> str:
     """Writer rotation per region on a store, regions with equal settings grouped: 'index 0 of 2: a, b | all: c'."""
     groups: dict[tuple[int, int], list[str]] = {}
-    for name, w in zip(plan.regions, plan.region_writers):
-        groups.setdefault(w, []).append(name)
+    for name, setting in zip(plan.regions, plan.region_writers):
+        groups.setdefault(setting, []).append(name)
     parts = []
     for (w, i), names in groups.items():
         shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
