@@ -1,69 +1,81 @@
-"""Planner time, old code against new, measured in the same run (no timed asserts anywhere).
+"""Planner time, old code against new, measured in the same run and the same process (no timed asserts).
 
-    python benchmarks/compare_planner.py OLD_ROOT NEW_ROOT [ROUNDS]
+    python benchmarks/compare_planner.py OLD_ROOT [ROUNDS]
 
-Each root is a checkout of this project (e.g. ``git worktree add /tmp/planner-old <commit>``). Each round runs
-the planner cases of ``cli/bench.py`` (``plan_cases`` and ``layout_cases``) once per root, in a fresh
-subprocess that imports that root's ``kvxfer``; rounds alternate old and new so load on the machine hits both
-alike. Prints per case the median over rounds of each root's best-of-5 time, and the ratio new / old.
+OLD_ROOT is a checkout of the baseline (e.g. ``git worktree add /tmp/planner-old <commit>``); the new code is
+this checkout. The baseline planner is imported under another package name (``kvxfer_old.planner``: the planner
+imports itself only relatively), so both run in one process on the same inputs. For each case of
+``cli/bench.py`` (``plan_cases`` and ``layout_cases``) the rounds alternate old and new, each timed over a loop
+of at least 50 ms of this process's CPU time (``time.process_time``: waiting for a core on a shared machine is
+not counted); the reported time is the minimum over rounds, the figure least disturbed by other load.
+Prints each case's times and the ratio new / old.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import importlib
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-CHILD = r"""
-import json, sys
-from kvxfer.cli.bench import best_time, layout_cases, plan_cases
-from kvxfer.planner import Target, plan_transfer
-target = Target(platform="rocm", runtime_version=71600000)
-out = {}
-for name, layout, mapping in plan_cases(True):
-    _ = layout.info
-    out[name] = best_time(lambda: plan_transfer(layout, mapping, target), 5) * 1e3
-for name, layout, mapping in layout_cases():
-    _ = layout.info
-    out["layout " + name] = best_time(lambda: plan_transfer(layout, mapping), 5) * 1e3
-print(json.dumps(out))
-"""
+import numpy as np
+
+from kvxfer.cli.bench import layout_cases, plan_cases
+from kvxfer.planner import BlockMapping, Target
 
 
-def package_root(root: Path, into: Path) -> Path:
-    """A folder holding ``kvxfer/`` whose subpackages are ``root``'s folders (the package-dir mapping)."""
-    pkg = into / "kvxfer"
-    pkg.mkdir(parents=True)
+def load_old(root: Path, into: Path) -> Any:
+    pkg = into / "kvxfer_old"
+    pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for name in ("planner", "cli", "executors"):
-        (pkg / name).symlink_to(root.resolve() / name)
-    return into
+    (pkg / "planner").symlink_to(root.resolve() / "planner")
+    sys.path.insert(0, str(into))
+    return importlib.import_module("kvxfer_old.planner")
+
+
+def loop_time(fn: Callable[[], Any], min_s: float = 0.05) -> float:
+    """CPU seconds per call (process time: time spent waiting for a core on a shared machine is left out)."""
+    loops, t0 = 0, time.process_time()
+    while True:
+        fn()
+        loops += 1
+        t = time.process_time() - t0
+        if t >= min_s:
+            return t / loops
 
 
 def main() -> None:
-    old, new = Path(sys.argv[1]), Path(sys.argv[2])
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    import kvxfer.planner as new
+
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 7
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {k: package_root(root, Path(tmp) / k) for k, root in (("old", old), ("new", new))}
-        for _ in range(rounds):
-            for k in ("old", "new"):
-                env = os.environ | {"PYTHONPATH": str(paths[k])}
-                res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True,
-                                     cwd=tmp)
-                results[k].append(json.loads(res.stdout))
-    import numpy as np
-    print(f"{'case':<40}{'old ms':>10}{'new ms':>10}{'new/old':>9}")
-    ratios = []
-    for case in results["old"][0]:
-        o = float(np.median([r[case] for r in results["old"]]))
-        n = float(np.median([r[case] for r in results["new"]]))
-        ratios.append(n / o)
-        print(f"{case:<40}{o:>10.3f}{n:>10.3f}{n / o:>9.3f}")
-    print(f"geometric mean new/old: {float(np.exp(np.mean(np.log(ratios)))):.3f} over {len(ratios)} cases, "
-          f"{rounds} alternating rounds")
+        old = load_old(Path(sys.argv[1]), Path(tmp))
+        target = Target(platform="rocm", runtime_version=71600000)
+        cases = [(n, lay, m, target) for n, lay, m in plan_cases(True)] + [(f"layout {n}", lay, m, None)
+                                                                           for n, lay, m in layout_cases()]
+        print(f"{'case':<40}{'old ms':>10}{'new ms':>10}{'new/old':>9}")
+        ratios = []
+        for name, layout, mapping, tgt in cases:
+            # each side gets its own values, validated by its own code (the layout-derived arrays built once)
+            lay_old = old.Layout.model_validate(layout.model_dump(exclude_defaults=True))
+            lay_new = new.Layout.model_validate(layout.model_dump())
+            map_old = old.BlockMapping.model_validate(mapping.model_dump())
+            map_new = BlockMapping.model_validate(mapping.model_dump())
+            t_old = None if tgt is None else old.Target.model_validate(tgt.model_dump())
+            plans = {"old": lambda: old.plan_transfer(lay_old, map_old, t_old),
+                     "new": lambda: new.plan_transfer(lay_new, map_new, tgt)}
+            assert plans["old"]().fingerprint == plans["new"]().fingerprint, name  # same plans, else no comparison
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            for _ in range(rounds):
+                for k in ("old", "new"):
+                    times[k].append(loop_time(plans[k]))
+            o, n = min(times["old"]) * 1e3, min(times["new"]) * 1e3
+            ratios.append(n / o)
+            print(f"{name:<40}{o:>10.3f}{n:>10.3f}{n / o:>9.3f}", flush=True)
+        print(f"geometric mean new/old: {float(np.exp(np.mean(np.log(ratios)))):.3f} over {len(ratios)} cases, "
+              f"{rounds} alternating rounds, minimum per case")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .errors import LayoutError, MappingError
-from .layout_info import LayoutInfo
+from .layout_info import LayoutInfo, SideColumns
 from .plan import CopyAttributes, LocationHint
 from .runs import DenseRanges, Ranges, Runs, dense, dense_all, runs_of
 from .spec import Direction, Location
@@ -98,10 +98,10 @@ def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray, pages: n
 class Part(Protocol):
     """Ranges of some regions, written straight into the plan's columns when they are assembled."""
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
+    def counts(self, regs: np.ndarray) -> np.ndarray | list[int]:
         """Ranges per region of ``regs``."""
 
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
+    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | list[int] | None:
         """Per region of ``regs``: the one size all its ranges have; None when some region's sizes vary."""
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
@@ -151,20 +151,22 @@ class PageRuns:
 
 
 class Pieces:
-    """Pages x pieces of one region (a fragment table, or pages whose offsets are not linear in the id)."""
+    """Pages x pieces of one region (a fragment table, or pages whose offsets are not linear in the id).
 
-    def __init__(self, info: LayoutInfo, direction: Direction, r: int, sp: np.ndarray, dp: np.ndarray,
+    ``sp`` and ``dp`` are the pages in destination order; the table's pieces are in destination order already."""
+
+    def __init__(self, src: SideColumns, dst: SideColumns, r: int, sp: np.ndarray, dp: np.ndarray,
                  table: tuple[np.ndarray, np.ndarray, np.ndarray]):
-        o = np.argsort(dp, kind="stable")  # pages in destination order; pieces are in destination order already
-        self.so = info.side[direction.src_side].offsets(r, sp[o])
-        self.do = info.side[direction.dst_side].offsets(r, dp[o])
+        self.so, self.do = src.offsets(r, sp), dst.offsets(r, dp)
         self.table = table
+        self.count = len(sp) * len(table[2])
+        self.size = int(table[2][0]) if len(table[2]) == 1 else None
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        return np.full(len(regs), len(self.so) * len(self.table[2]), dtype=np.int64)
+    def counts(self, regs: np.ndarray) -> list[int]:
+        return [self.count] * len(regs)
 
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        return np.full(len(regs), self.table[2][0], dtype=np.int64) if len(self.table[2]) == 1 else None
+    def uniform_nbytes(self, regs: np.ndarray) -> list[int] | None:
+        return None if self.size is None else [self.size] * len(regs)
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         fs, fd, fb = self.table
@@ -183,16 +185,16 @@ def assemble(info: LayoutInfo, direction: Direction, parts: Sequence[tuple[np.nd
         return empty_ranges()
     regs = np.concatenate([g for g, _ in parts]).astype(np.int32)
     counts = [p.counts(g) for g, p in parts]
-    lengths = np.concatenate(counts)
+    lengths = np.concatenate(counts).astype(np.int64, copy=False)
     sizes = [p.uniform_nbytes(g) for g, p in parts]
     total = int(lengths.sum())
     so, do = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
     nb = None if all(s is not None for s in sizes) else np.empty(total, dtype=np.int64)
+    ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     at = 0
-    for (g, p), c in zip(parts, counts):
-        n = int(c.sum())
-        p.fill(g, so[at:at + n], do[at:at + n], None if nb is None else nb[at:at + n])
-        at += n
+    for (g, p), end in zip(parts, ends):
+        p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
+        at = end
     nbytes: np.ndarray | Runs = nb if nb is not None else Runs(np.concatenate(sizes), lengths)  # type: ignore[arg-type]
     return {"src_buf": Runs(info.side[direction.src_side].buf[regs], lengths), "src_offset": so,
             "dst_buf": Runs(info.side[direction.dst_side].buf[regs], lengths), "dst_offset": do,

@@ -187,8 +187,11 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
             for sel, joins in ((page_regs[dense], options.coalesce), (page_regs[~dense], False)):
                 if len(sel):
                     part_of |= dict.fromkeys(sel.tolist(), PageRuns(info, direction, sp, dp, joins))
-            for r in regs[kinds[regs] != RegionKind.PAGE].tolist():
-                part_of[r] = Pieces(info, direction, r, sp, dp, tables[r])
+            piece_regs = regs[kinds[regs] != RegionKind.PAGE].tolist()
+            if piece_regs:
+                o = np.argsort(dp, kind="stable")  # pages in destination order
+                S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], dp[o]
+                part_of |= {r: Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs}
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "

@@ -86,13 +86,11 @@ class LayoutInfo:
         self.side = {s: SideColumns.of(buffers, regions, self.buffer_index, s) for s in (Location.DEVICE, Location.HOST)}
         first: dict[tuple[Any, ...], int] = {}
         self.alias_of = np.array([first.setdefault(r.alias_key(), i) for i, r in enumerate(regions)], dtype=np.int64)
+        # (alias, region it repeats) name pairs, in region order
+        self.aliases = tuple((regions[i].name, regions[a].name) for i, a in enumerate(self.alias_of.tolist()) if a != i)
+        self.names = tuple(r.name for r in regions)
+        self.page_bytes = tuple(r.page_bytes for r in regions)
         self.memo: dict[tuple[Any, ...], object] = {}  # other per-layout results, keyed by their caller
-
-    @property
-    def aliases(self) -> tuple[tuple[str, str], ...]:
-        """(alias, region it repeats) name pairs, in region order."""
-        return tuple((self.regions[i].name, self.regions[a].name)
-                     for i, a in enumerate(self.alias_of.tolist()) if a != i)
 
     def without_aliases(self) -> LayoutInfo:
         """The same layout with each alias dropped (its bytes move once, through the region it repeats)."""

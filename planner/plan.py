@@ -127,7 +127,7 @@ class TransferPlan:
         set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
         set_(self, "buffers", tuple(buffers))
         set_(self, "regions", tuple(regions))
-        set_(self, "region_page_bytes", tuple(int(p) for p in region_page_bytes or ()))
+        set_(self, "region_page_bytes", tuple(map(int, region_page_bytes or ())))
         if self.region_page_bytes and len(self.region_page_bytes) != len(self.regions):
             raise PlanError("region_page_bytes", len(self.region_page_bytes), f"expected one per region ({len(self.regions)})")
         set_(self, "attrs", tuple(attrs))

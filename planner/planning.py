@@ -65,8 +65,7 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
         col = ranges[k]
         ranges[k] = Runs(col.values.view(np.uint64), col.lengths) if isinstance(col, Runs) else col.view(np.uint64)
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
-                        regions=tuple(r.name for r in layout.regions), attrs=attrs,
-                        region_page_bytes=tuple(r.page_bytes for r in layout.regions), aliases=full.aliases,
+                        regions=full.names, attrs=attrs, region_page_bytes=full.page_bytes, aliases=full.aliases,
                         region_writers=_region_writers(full, direction, options),
                         requested_copies=requested, call_offsets=call_offsets, columns=ranges)
 
