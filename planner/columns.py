@@ -74,16 +74,21 @@ def raise_repeated_id(dst_ids: np.ndarray) -> None:
         first[v] = j
 
 
-def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray, pages: np.ndarray,
+def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray | None, pages: np.ndarray,
                     index: np.ndarray | None, ids: np.ndarray, field: str) -> None:
-    """Every page of every region in ``regs`` must end inside its buffer. Page ends grow with the page id, so
-    the largest page decides; ``index[i]`` (default i) is the position in ``ids`` that page i came from."""
+    """Every page of every region in ``regs`` (None: all) must end inside its buffer. Page ends grow with the
+    page id, so the largest page decides; ``index[i]`` (default i) is the position in ``ids`` of page i."""
+    col = info.side[side]
+    if regs is None:
+        regs = np.arange(info.nregions)
+        lowest = col.lowest_max_page
+    else:
+        lowest = int(col.max_page[regs].min()) if len(regs) else 0
     if not len(pages) or not len(regs):
         return
-    col = info.side[side]
     limit = col.max_page[regs]
     top = int(pages.max())
-    if top <= int(limit.min()):
+    if top <= lowest:
         return
     r = int(regs[np.argmax(limit < top)])
     i = int(np.argmax(pages > col.max_page[r]))

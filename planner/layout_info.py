@@ -26,6 +26,7 @@ class SideColumns:
     max_page: np.ndarray  # last page id whose bytes end inside the buffer (-1: none)
     dense: np.ndarray  # stride == k * page: consecutive pages are consecutive bytes
     linear_stride: np.ndarray  # bytes between consecutive page ids where offsets are linear in the page id
+    lowest_max_page: int  # the smallest max_page: page ids up to it fit every region
 
     @classmethod
     def of(cls, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], index: dict[str, int],
@@ -42,9 +43,11 @@ class SideColumns:
         max_page = np.where(last_chunk < 0, -1, last_chunk * k + last_in_chunk)
         dense = stride == page * k
         cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, max_page=max_page, dense=dense,
-                   linear_stride=np.where(k == 1, stride, page))
+                   linear_stride=np.where(k == 1, stride, page),
+                   lowest_max_page=int(max_page.min()) if len(max_page) else 0)
         for a in vars(cols).values():
-            a.flags.writeable = False
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
         return cols
 
     def offsets(self, r: int, pages: np.ndarray) -> np.ndarray:

@@ -44,9 +44,8 @@ def plan_plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     """
     direction = mapping.direction
     s, d = mapping.src_ids, mapping.dst_ids
-    every = np.arange(info.nregions)
-    check_pages_fit(info, direction.src_side, every, s, None, s, "src_ids")
-    check_pages_fit(info, direction.dst_side, every, d, None, d, "dst_ids")
+    check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids")
+    check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids")
     if len(s) == 0 or info.nregions == 0:
         r: Ranges = dict(empty_ranges())
     else:

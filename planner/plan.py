@@ -135,7 +135,7 @@ class TransferPlan:
         set_(self, "requested_copies", int(requested_copies))
         set_(self, "aliases", tuple((str(a), str(b)) for a, b in aliases or ()))
         set_(self, "region_writers", tuple((int(w), int(i)) for w, i in region_writers or ()))
-        unknown = sorted({n for pair in self.aliases for n in pair} - set(self.regions))
+        unknown = sorted({n for pair in self.aliases for n in pair} - set(self.regions)) if self.aliases else []
         if unknown:
             raise PlanError("aliases", unknown, "not regions of the plan")
         if self.region_writers and len(self.region_writers) != len(self.regions):

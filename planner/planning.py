@@ -63,7 +63,8 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
     for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
         col = ranges[k]
-        ranges[k] = Runs(col.values.view(np.uint64), col.lengths) if isinstance(col, Runs) else col.view(np.uint64)
+        if not isinstance(col, Runs):  # (run-length values are converted by TransferPlan)
+            ranges[k] = col.view(np.uint64)
     return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
                         regions=full.names, attrs=attrs, region_page_bytes=full.page_bytes, aliases=full.aliases,
                         region_writers=_region_writers(full, direction, options),
