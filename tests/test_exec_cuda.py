@@ -9,11 +9,12 @@ import pytest
 
 from kvxfer.executors import ExecutorError, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
-from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
 from .shims.cases import assert_same, expected, gpu_buffers, gpu_round_trip, host_buffers
+from .shims.runtime import ShimCudaRuntime
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the driver shim")
 
@@ -29,11 +30,10 @@ def shim_path(tmp_path_factory):
 def make(shim_path):
     """make(version) -> (executor, shim state), state reset."""
     def _make(version: int = V13, **kw):
-        driver = ShimDriver(shim_path, version)
-        state = ShimState(driver.lib)
+        state = ShimState(ctypes.CDLL(str(shim_path)))
         state.reset()
         state.set(null_batch=0)
-        return CudaBatchExecutor(driver, **kw), state
+        return CudaBatchExecutor(ShimCudaRuntime(shim_path, version), **kw), state
     return _make
 
 
@@ -101,11 +101,11 @@ def test_stream_order_compute_then_previous_transfer(make):
     first = ex.run(plan, bufs, stream=77)
     second = ex.run(plan, bufs, stream=77)
     second.wait()
-    ev_end_first = first._keep[1][2]
+    ev_end_first = first.end
     log = [op for op in st.log if op[0] not in ("sync", "stream")]
     s = ex._stream
-    ready1, start1, end1 = first._keep[1]
-    ready2, start2, end2 = second._keep[1]
+    (start1, end1), (start2, end2) = (first.start, first.end), (second.start, second.end)
+    ready1, ready2 = start1 - 1, start2 - 1  # events are made ready, start, end, marks...
     assert log == [("record", ready1, 77), ("wait", s, ready1), ("record", start1, s), ("batch", s, plan.num_ranges),
                    ("record", end1, s),
                    ("record", ready2, 77), ("wait", s, ready2), ("wait", s, ev_end_first), ("record", start2, s),
@@ -122,7 +122,7 @@ def test_per_call_completion_for_layer_wise_plans(make, version):
     bufs = host_buffers(layout)
     want = expected(plan, bufs)
     t = ex.run(plan, bufs)
-    ready, start, end, mark0, mark1 = t._keep[1]
+    end, (mark0, mark1) = t.end, t.marks[:2]
     s = ex._stream
     issue = "batch" if version == V13 else "copy"
     marks = {mark0: "mark0", mark1: "mark1", end: "end"}
@@ -159,7 +159,7 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
     assert e.value.descriptor == (9 if descriptor else None)
     assert ("descriptor 9 is index 1 of the call" in msg) == descriptor
     # the failed transfer still gets an end event, and the next transfer waits for it
-    failed_end = ex._last._keep[1][2]
+    failed_end = ex._last.end
     assert ("record", failed_end, ex._stream) in st.log
     st.reset()
     ex.run(plan, bufs).wait()
@@ -169,7 +169,7 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
 def test_null_entry_point_is_unavailable_not_a_crash(make):
     ex, st = make(V13)
     st.set(null_batch=1)
-    ex2 = CudaBatchExecutor(ex.runtime.driver)  # resolves again, now NULL
+    ex2 = CudaBatchExecutor(ShimCudaRuntime(ex.runtime.lib._name, V13))  # resolves again, now NULL
     layout, plan = _plan(V13)
     with pytest.raises(ExecutorError, match="NULL: unavailable") as e:
         ex2.run(plan, host_buffers(layout))
@@ -193,12 +193,6 @@ def test_target_mismatch_names_both_and_replan(make):
     assert_same(bufs, want)
     with pytest.raises(TargetMismatchError):
         ex.run_case(case, bufs, replan=False)
-
-
-def test_shim_without_a_version_is_refused(shim_path, monkeypatch):
-    monkeypatch.delenv("KVXFER_SHIM_VERSION", raising=False)
-    with pytest.raises(ExecutorError, match="reports driver version 0"):
-        ShimDriver(shim_path, 0)
 
 
 def test_cap_refused_before_issue(make):
@@ -264,8 +258,7 @@ def test_prototype_check_rejects_a_wrong_abi(tmp_path):
 
 @pytest.mark.gpu
 def test_round_trip_on_gpu():
-    from kvxfer.executors.ops_cuda import CudaDriver
-    ex = CudaBatchExecutor(CudaDriver(0))
+    ex = CudaBatchExecutor(device=0)
     layout = presets.kv_layout(4, 128, 4096)
     mem = gpu_buffers(layout)
     for direction, pattern in (("d2h", "runs8"), ("h2d", "descending")):
