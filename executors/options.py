@@ -20,8 +20,9 @@ def _config_error(err: ValidationError) -> ConfigError:
     first = err.errors(include_url=False)[0]
     path = ".".join(str(p) for p in first["loc"])
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, ConfigError):
-        return ConfigError(path or cause.field, cause.value, cause.reason)
+    if isinstance(cause, ConfigError):  # raised by a validator, or by a nested model naming its own field
+        field = path if not cause.field or path.endswith(cause.field) else ".".join(p for p in (path, cause.field) if p)
+        return ConfigError(field, cause.value, cause.reason)
     msg = first["msg"]
     return ConfigError(path or "config", first.get("input"), msg[0].lower() + msg[1:])
 

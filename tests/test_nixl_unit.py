@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -142,18 +141,15 @@ def test_empty_plan_is_done_at_once():
     assert t.done() and t.calls == 0
 
 
-def test_from_config_shapes(monkeypatch):
+def test_built_from_typed_options(monkeypatch):
+    from kvxfer.executors.config import ExecutorConfig, build_executor
     seen = []
     monkeypatch.setattr(NixlExecutor, "__init__", lambda self, options=None, **kw: seen.append(options))
-    NixlExecutor.from_config(SimpleNamespace(kind="nixl", nixl={"name": "x", "backends": ["UCX"]}))
-    NixlExecutor.from_config({"kind": "nixl", "nixl": {"poll_timeout_s": 3}})
-    NixlExecutor.from_config({"num_threads": 2})
-    NixlExecutor.from_config(SimpleNamespace(nixl=None))
-    assert seen == [NixlOptions(name="x"), NixlOptions(poll_timeout_s=3), NixlOptions(num_threads=2), NixlOptions()]
-    with pytest.raises(ValueError, match="needs kind 'nixl'"):
-        NixlExecutor.from_config({"kind": "cuda", "nixl": {}})
-    with pytest.raises(ValueError, match="bogus"):
-        NixlExecutor.from_config({"bogus": 1})
+    build_executor("nixl", ExecutorConfig(kind="nixl", nixl={"name": "x", "backends": ["UCX"]}))
+    NixlExecutor.from_options(NixlOptions(poll_timeout_s=3))
+    assert seen == [NixlOptions(name="x"), NixlOptions(poll_timeout_s=3)]
+    with pytest.raises(ValueError, match="nixl.bogus = 1: extra inputs are not permitted"):
+        ExecutorConfig(nixl={"bogus": 1})
 
 
 def test_missing_nixl_gives_install_hint(monkeypatch):
