@@ -222,8 +222,8 @@ class BoundMemory:
 
         Refuses, before anything is copied: a closed binding or another buffer table (BindingError); an
         index out of its table or a zero-byte range (PlanError naming column and range); a range that leaves
-        its buffer, wrapping uint64 included, or a buffer read but not bound or written but read-only
-        (BindingError naming buffer and range). Writes into ``out`` (two uint64 arrays of at least
+        its buffer, wrapping uint64 included (PlanError naming side, range and buffer), or a buffer read but
+        not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64 arrays of at least
         ``plan.num_ranges``) when given.
         """
         if self.closed:
@@ -278,8 +278,8 @@ class BoundMemory:
     def _past_end(self, plan: TransferPlan, side: str, i: int, offs: np.ndarray, nb: np.ndarray,
                   values: np.ndarray, starts: np.ndarray) -> None:
         b = int(values[np.searchsorted(starts, i, side="right") - 1])
-        raise BindingError(self.buffers[b].name, f"range {i} [{int(offs[i])}, +{int(nb[i])})",
-                           f"{side} range runs past the buffer's {int(self.size[b])} bytes (malformed plan)")
+        raise PlanError(f"{side}_offset", int(offs[i]), f"range of {int(nb[i])} bytes runs past buffer "
+                        f"{self.buffers[b].name!r} of {int(self.size[b])} bytes (malformed plan)", i)
 
 
 def _buffers_of(buffers: Layout | TransferPlan | Iterable[Buffer]) -> tuple[Buffer, ...]:
