@@ -223,8 +223,8 @@ class BoundMemory:
         Refuses, before anything is copied: a closed binding or another buffer table (BindingError); an
         index out of its table or a zero-byte range (PlanError naming column and range); a range that leaves
         its buffer, wrapping uint64 included (PlanError naming side, range and buffer), or a buffer read but
-        not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64 arrays of at least
-        ``plan.num_ranges``) when given.
+        not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64
+        arrays of at least ``plan.num_ranges``) when given.
         """
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
@@ -237,9 +237,11 @@ class BoundMemory:
                 raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
         n = plan.num_ranges
         nb = plan.nbytes
-        if n and (int(nb.min()) == 0 or int(nb.max()) >= MAX_OFFSET):
-            i = int(np.argmin(nb)) if int(nb.min()) == 0 else int(np.argmax(nb))
-            raise PlanError("nbytes", int(nb[i]), "empty range" if nb[i] == 0 else "range too large", i)
+        if n and int(nb.min()) == 0:
+            raise PlanError("nbytes", 0, "empty range", int(np.argmin(nb)))
+        if n and int(nb.max()) >= MAX_OFFSET:  # so that offset + nbytes cannot wrap once offsets are below 2^63
+            i = int(np.argmax(nb >= MAX_OFFSET))
+            raise PlanError("nbytes", int(nb[i]), "range too large", i)
         addrs = []
         for k, side in enumerate(("src", "dst")):
             offs = getattr(plan, f"{side}_offset")
@@ -259,26 +261,46 @@ class BoundMemory:
                 raise BindingError(self.buffers[b].name, describe(self.memory[b].owner) if self.memory[b] else "missing", why)
             addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                # offsets and sizes are below 2^63, so their sum cannot wrap; larger offsets are refused here
-                if int(offs.max()) >= MAX_OFFSET:
-                    i = int(np.argmax(offs >= MAX_OFFSET))
-                    self._past_end(plan, side, i, offs, nb, values, starts)
-                np.add(offs, nb, out=addr)
-                ends = np.maximum.reduceat(addr, starts)
-                bad = ends > self.size[values]
-                if bad.any():
-                    r = int(np.argmax(bad))
-                    lo, hi = int(starts[r]), int(starts[r] + lengths[r])
-                    i = lo + int(np.argmax(addr[lo:hi] > self.size[values[r]]))
-                    self._past_end(plan, side, i, offs, nb, values, starts)
-                np.add(offs, np.repeat(self.base[values], lengths), out=addr)
+                self._add_bases(plan, side, offs, nb, values, starts, lengths, addr)
             addrs.append(addr)
         return addrs[0], addrs[1]
 
-    def _past_end(self, plan: TransferPlan, side: str, i: int, offs: np.ndarray, nb: np.ndarray,
-                  values: np.ndarray, starts: np.ndarray) -> None:
-        b = int(values[np.searchsorted(starts, i, side="right") - 1])
-        raise PlanError(f"{side}_offset", int(offs[i]), f"range of {int(nb[i])} bytes runs past buffer "
+    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb: np.ndarray, values: np.ndarray,
+                   starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray) -> None:
+        """addr = base + offset, after checking offset + nbytes <= size for every range (offsets of 2^63 or
+        more, which could wrap, are refused; nbytes was checked below 2^63).
+
+        Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the largest
+        size within the buffer proves every range inside (two reductions and one add over the run's slice;
+        the exact per-range sum only when that bound fails). With runs almost as many as ranges, the columns
+        are gathered instead."""
+        if len(values) * 64 > len(offs):
+            bufs = np.repeat(values, lengths)
+            if int(offs.max()) >= MAX_OFFSET:
+                self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
+            np.add(offs, nb, out=addr)
+            bad = addr > self.size[bufs]
+            if bad.any():
+                self._past_end(plan, side, int(np.argmax(bad)))
+            np.add(offs, self.base[bufs], out=addr)
+            return
+        ends = starts + lengths
+        nb_max = int(nb.max())
+        for b, lo, hi in zip(values.tolist(), starts.tolist(), ends.tolist()):
+            seg, out = offs[lo:hi], addr[lo:hi]
+            top, limit = int(seg.max()), int(self.size[b])
+            if top >= MAX_OFFSET:
+                self._past_end(plan, side, lo + int(np.argmax(seg >= MAX_OFFSET)))
+            if top + nb_max > limit and top + int(nb[lo:hi].max()) > limit:  # only then is the exact sum needed
+                np.add(seg, nb[lo:hi], out=out)
+                if int(out.max()) > limit:
+                    self._past_end(plan, side, lo + int(np.argmax(out > limit)))
+            np.add(seg, self.base[b], out=out)
+
+    def _past_end(self, plan: TransferPlan, side: str, i: int) -> None:
+        col, ranges = getattr(plan, f"{side}_buf"), getattr(plan, f"{side}_offset")
+        b = int(col[i])
+        raise PlanError(f"{side}_offset", int(ranges[i]), f"range of {int(plan.nbytes[i])} bytes runs past buffer "
                         f"{self.buffers[b].name!r} of {int(self.size[b])} bytes (malformed plan)", i)
 
 
