@@ -280,3 +280,36 @@ def test_bound_memory_lives_until_the_copies_finish(make):
     ex.run(plan, host_buffers(layout))  # the first transfer is seen finished and let go
     gc.collect()
     assert owner() is None and len(ex._inflight) == 1
+
+
+def test_two_devices_and_a_call_cut_mid_run_pass_every_attribute_run(make):
+    """Regions on devices 0 and 1; max_descriptors=4 cuts call 0 after device 1's first range, so call 0 carries
+    two attribute runs and call 1 one. Expected values are written out from the CUDA headers' enums."""
+    from kvxfer.planner import Buffer, Layout, Placement, Region
+    layout = Layout(buffers=(Buffer(name="gpu0", nbytes=2048, location="device", device=0),
+                             Buffer(name="gpu1", nbytes=2048, location="device", device=1),
+                             Buffer(name="cpu", nbytes=4096, location="host")),
+                    regions=(Region(name="k0", page_bytes=256, device=Placement(buffer="gpu0"), host=Placement(buffer="cpu")),
+                             Region(name="k1", page_bytes=256, device=Placement(buffer="gpu1"),
+                                    host=Placement(buffer="cpu", byte_offset=2048))))
+    plan = plan_transfer(layout, {"direction": "h2d", "src_ids": [0, 2, 4], "dst_ids": [1, 3, 5]},
+                         Target(platform="cuda", runtime_version=V13), PlanOptions(max_descriptors=4))
+    ex, st = make(V13)
+    bufs = host_buffers(layout, seed=3)
+    want = expected(plan, bufs)
+    ex.run(plan, bufs).wait()
+    assert_same(bufs, want)
+    assert st.counts == [4, 2]
+    assert st.num_attrs == [2, 1]  # call 0: device 0's three ranges, then device 1's first
+    recs, idx = st.attrs(ATTR_DTYPE)
+    assert idx.tolist() == [0, 3, 0]  # attrsIdxs are local to each call
+    ANY, HOST, DEVICE = 3, 2, 1  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEM_LOCATION_TYPE_HOST / _DEVICE
+    assert recs.tolist() == [(ANY, (HOST, 0), (DEVICE, 0), 0), (ANY, (HOST, 0), (DEVICE, 1), 0),
+                             (ANY, (HOST, 0), (DEVICE, 1), 0)]
+    # each descriptor's destination hint, from the records and attrsIdxs the driver received
+    per_descriptor = []
+    for call, (count, first) in enumerate(zip(st.counts, (0, 2))):
+        starts = idx[first:first + st.num_attrs[call]].tolist() + [count]
+        hints = recs[first:first + st.num_attrs[call]]["dstLocHint"]["id"].tolist()
+        per_descriptor += [hints[j] for j in range(len(hints)) for _ in range(starts[j], starts[j + 1])]
+    assert per_descriptor == [0, 0, 0, 1, 1, 1]
