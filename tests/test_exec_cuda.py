@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, TargetMismatchError
+from kvxfer.executors import ExecutorError, NumpyExecutor, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
 from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
@@ -313,3 +313,25 @@ def test_two_devices_and_a_call_cut_mid_run_pass_every_attribute_run(make):
         hints = recs[first:first + st.num_attrs[call]]["dstLocHint"]["id"].tolist()
         per_descriptor += [hints[j] for j in range(len(hints)) for _ in range(starts[j], starts[j + 1])]
     assert per_descriptor == [0, 0, 0, 1, 1, 1]
+
+
+def test_bind_once_then_run_many_plans(make):
+    from kvxfer.executors import BindingError
+    ex, st = make(V13)
+    layout = presets.kv_layout(3, 64, 512)
+    bufs = host_buffers(layout, seed=4)
+    bound = ex.bind(layout, bufs)
+    for pattern in ("runs8", "fragmented", "descending"):
+        for direction in ("h2d", "d2h"):
+            plan = plan_transfer(layout, presets.mapping(pattern, 24, 64, direction, seed=2),
+                                 Target(platform="cuda", runtime_version=V13))
+            want = expected(plan, bufs)
+            ex.run(plan, bound).wait()
+            assert_same(bufs, want)
+    other = presets.kv_layout(3, 32, 512)
+    with pytest.raises(BindingError, match=r"bindings\['cpu'\].*the bound buffer table has"):
+        ex.run(plan_transfer(other, presets.mapping("runs8", 8, 32), Target(platform="cuda", runtime_version=V13)), bound)
+    issued = len(st.counts)
+    with pytest.raises(BindingError, match="bound by another executor kind"):
+        ex.run(plan, NumpyExecutor().bind(layout, bufs))
+    assert len(st.counts) == issued
