@@ -38,8 +38,7 @@ def test_batch_executors_on_shims(case_file, tmp_path):
     import ctypes
 
     from kvxfer.cli.cmd_run import run_case
-    from kvxfer.executors import CudaBatchExecutor, HipBatchExecutor
-    from kvxfer.executors import TargetMismatchError
+    from kvxfer.executors import CudaBatchExecutor, HipBatchExecutor, TargetMismatchError
     from kvxfer.executors.config import ExecutorConfig, ExecutorKind
 
     from .shims.runtime import ShimCudaRuntime, ShimHipRuntime
