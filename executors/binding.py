@@ -53,7 +53,8 @@ class RawMemory:
 class Memory:
     """One binding resolved: absolute address, size, where it lives (None = unknown), and its owner.
 
-    ``view`` is a flat uint8 numpy view for host memory reachable from numpy (arrays, CPU tensors), else None.
+    ``view`` makes a flat uint8 numpy view for host memory numpy can reach (arrays, CPU tensors), else None;
+    it is only called by executors that copy with numpy (a numpy view makes a torch storage non-resizable).
     """
 
     address: int
@@ -63,7 +64,7 @@ class Memory:
     pinned: bool | None
     writable: bool
     owner: Any = field(repr=False, default=None)
-    view: np.ndarray | None = field(repr=False, default=None, compare=False)
+    view: Callable[[], np.ndarray] | None = field(repr=False, default=None, compare=False)
 
 
 def _over_immutable_bytes(address: int, nbytes: int) -> bool:
@@ -86,10 +87,12 @@ def _torch_memory(obj: Any, name: str) -> Memory:
     nbytes, address = obj.numel() * obj.element_size(), int(obj.data_ptr())
     if dev.type == "cpu":
         writable = not (nbytes and _over_immutable_bytes(address, nbytes))
-        view = obj.detach().reshape(-1).view(__import__("torch").uint8).numpy() if nbytes else np.zeros(0, np.uint8)
-        if not writable:
-            view = view.view()
-            view.flags.writeable = False
+
+        def view() -> np.ndarray:
+            v = obj.detach().reshape(-1).view(__import__("torch").uint8).numpy() if nbytes else np.zeros(0, np.uint8)
+            v = v.view()
+            v.flags.writeable = writable
+            return v
         return Memory(address, nbytes, Location.HOST, None, bool(obj.is_pinned()) if nbytes else False, writable, obj, view)
     if dev.type == "cuda":
         return Memory(address, nbytes, Location.DEVICE, dev.index if dev.index is not None else 0, None, True, obj)
@@ -104,7 +107,7 @@ def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
     arr = np.asarray(obj)  # a subclass such as np.matrix stays 2-D under reshape; the base class flattens
     view = arr.reshape(-1).view(np.uint8)
     return Memory(int(arr.__array_interface__["data"][0]), int(arr.nbytes), Location.HOST, None, None,
-                  bool(arr.flags.writeable), obj, view)
+                  bool(arr.flags.writeable), obj, lambda: view)
 
 
 def resolve(obj: Any, name: str) -> Memory:
@@ -200,6 +203,18 @@ class BoundMemory:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def verify(self) -> None:
+        """Re-resolve every binding and refuse, naming the buffer, one whose memory moved or changed size since
+        bind (a tensor re-allocated or resized): such memory must be bound again. Costs one resolve per buffer,
+        so call it when memory may have changed, not per run."""
+        for buf, m in zip(self.buffers, self.memory):
+            if m is None or isinstance(m.owner, (RawMemory, tuple)) or hasattr(m.owner, "__kvxfer_memory__"):
+                continue  # memory given by address cannot move
+            now = resolve(m.owner, buf.name)
+            if (now.address, now.nbytes) != (m.address, m.nbytes):
+                raise BindingError(buf.name, f"[{now.address:#x}, +{now.nbytes})",
+                                   f"changed since bind (was [{m.address:#x}, +{m.nbytes})); bind it again")
+
     def owners(self) -> list[Any]:
         return [m.owner for m in self.memory if m is not None]
 
@@ -256,9 +271,10 @@ class BoundMemory:
             if not usable.all():
                 i = int(np.argmin(usable))
                 b = int(values[i])
-                why = ("read-only, but the plan writes to it" if self.memory[b] is not None else
-                       "not bound, but the plan reads or writes it")
-                raise BindingError(self.buffers[b].name, describe(self.memory[b].owner) if self.memory[b] else "missing", why)
+                m = self.memory[b]
+                if m is None:
+                    raise BindingError(self.buffers[b].name, "missing", "not bound, but the plan reads or writes it")
+                raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
             addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
                 self._add_bases(plan, side, offs, nb, values, starts, lengths, addr)

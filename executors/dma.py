@@ -266,7 +266,7 @@ class DmaExecutor(Executor):
         return transfer
 
     def _issue_batches(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
-        rt, s = self.runtime, self._stream
+        rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         sizes = plan.nbytes  # uint64 == size_t on the 64-bit platforms drivers support
         src_p, dst_p, size_p = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
         table = attribute_records(plan.attrs) if plan.passes_attrs else None
@@ -289,7 +289,7 @@ class DmaExecutor(Executor):
     def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
         """Below the batch APIs: one cuMemcpyAsync/hipMemcpyAsync per range, in plan order on the same stream,
         so completion, ordering and error reporting are what the batch path gives."""
-        rt, s = self.runtime, self._stream
+        rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         d_all, s_all, n_all = dst[:plan.num_ranges].tolist(), src[:plan.num_ranges].tolist(), plan.nbytes.tolist()
         copy = rt.copy
         for c in range(plan.num_calls):
@@ -301,7 +301,7 @@ class DmaExecutor(Executor):
             _mark_call(rt, marks, c, s)
 
 
-def _mark_call(rt: Runtime, marks: tuple[int, ...], call: int, stream: int | None) -> None:
+def _mark_call(rt: Runtime, marks: tuple[int, ...], call: int, stream: int) -> None:
     """Record the event that says call ``call`` is done (the last call's is the transfer's end event)."""
     if call < len(marks) - 1:
         code = rt.event_record(marks[call], stream)

@@ -68,6 +68,10 @@ def segment_of(mem: Memory, name: str) -> Segment:
     return Segment(mem.address, mem.nbytes, 0, "DRAM", mem.writable)
 
 
+def _describable(buf: Any, mem: Memory) -> None:
+    segment_of(mem, buf.name)
+
+
 def local_segment(obj: Any, name: str) -> Segment:
     """The memory behind one local binding (numpy array, CPU or CUDA tensor). Raises BindingError."""
     return segment_of(resolve(obj, name), name)
@@ -116,7 +120,7 @@ def register(agent: Any, bindings: Mapping[str, Any], buffers: Iterable[Any] | N
     BindingError for a missing, undersized or unsupported binding, before anything is registered.
     """
     if buffers is not None:  # the one binding check: every buffer bound, large enough, describable by NIXL
-        bound = bind(tuple(buffers), bindings, check=lambda buf, mem: segment_of(mem, buf.name) and None)
+        bound = bind(tuple(buffers), bindings, check=_describable)
         segments = {b.name: segment_of(m, b.name) for b, m in zip(bound.buffers, bound.memory) if m is not None}
     else:
         segments = {n: local_segment(bindings[n], n) for n in bindings}

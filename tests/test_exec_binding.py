@@ -166,3 +166,14 @@ def test_bind_once_refuses_another_buffer_table_and_a_closed_binding():
         ex.run(plan, bound)
     with pytest.raises(BindingError, match="missing"):
         ex.bind(layout, {})
+
+
+def test_verify_refuses_memory_that_moved_since_bind():
+    torch = pytest.importorskip("torch")
+    layout, plan = _one_range_plan()
+    bufs = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8) for b in layout.buffers}
+    bound = bind(layout, bufs, check=lambda buf, mem: None)  # as a DMA executor binds: no numpy view is taken
+    bound.verify()
+    bufs["cpu"].resize_(1 << 20)  # re-allocates the storage: the bound address is stale
+    with pytest.raises(BindingError, match=r"bindings\['cpu'\] = .*changed since bind .*bind it again"):
+        bound.verify()
