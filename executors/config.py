@@ -204,6 +204,10 @@ def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None 
     return build_executor(config.kind, config)
 
 
+def _checked_by_the_chosen_executor(buf: Buffer, mem: Any) -> None:
+    """Auto resolves memory at bind; each sub-executor checks it when it binds on first use."""
+
+
 class AutoExecutor(Executor):
     """Chooses per plan (``choose_executor``) and delegates; sub-executors are built on first use, or passed
     in as ``executors`` (kind -> executor, e.g. one made on a particular runtime).
@@ -238,7 +242,7 @@ class AutoExecutor(Executor):
         return f"executor: {kind.value} ({reason})"
 
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
-        bound = bind(buffers, bindings, bound_by=type(self).__name__)
+        bound = bind(buffers, bindings, check=_checked_by_the_chosen_executor, bound_by=type(self).__name__)
         bound.extra["bindings"] = dict(bindings)
         return bound
 

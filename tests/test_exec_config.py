@@ -152,3 +152,18 @@ def test_get_executor_applies_the_same_precedence(tmp_path, monkeypatch):
     with pytest.raises(ExecutorError, match="no-such-libamdhip64"):
         get_executor({"kind": "numpy"})
     assert isinstance(get_executor(ExecutorConfig(kind="numpy")), NumpyExecutor)  # ...not a model given as is
+
+
+def test_auto_binds_once_for_the_executor_it_chooses():
+    ex = AutoExecutor(ExecutorConfig(), Platform.CPU)
+    layout = presets.kv_layout(2, 32, 128)
+    bufs = host_buffers(layout, seed=2)
+    bound = ex.bind(layout, bufs)
+    for direction in ("d2h", "h2d"):
+        plan = plan_transfer(layout, presets.mapping("runs8", 8, 32, direction))
+        want = expected(plan, bufs)
+        ex.run(plan, bound).wait()
+        assert_same(bufs, want)
+    assert ex.last_choice[0] is ExecutorKind.NUMPY and ExecutorKind.NUMPY in bound.extra  # bound once for numpy
+    bound.close()
+    assert bound.extra[ExecutorKind.NUMPY].closed
