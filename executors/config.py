@@ -10,90 +10,32 @@ not the page size), else cuda-batch; no GPU -> numpy.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
-from enum import StrEnum
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from kvxfer.planner import Direction, PlanError, Platform, Target, TransferPlan
-from kvxfer.planner._model import Spec
+from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, TransferPlan
 
-from .base import Executor, Transfer, resolve_memory
+from .base import Executor, Transfer
+from .binding import BindingError, BoundMemory, bind, resolve
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
+from .registry import ExecutorKind, backend
 
-
-class ConfigError(PlanError):
-    """Bad executor configuration; names the field and value (a PlanError so validation reports it as is)."""
-
-
-class ExecutorKind(StrEnum):
-    AUTO = "auto"
-    CUDA_BATCH = "cuda-batch"
-    HIP_BATCH = "hip-batch"
-    TRITON = "triton"
-    NUMPY = "numpy"
-    NIXL = "nixl"
+__all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "build_executor", "choose_executor",
+           "detect_platform", "executor_class", "get_executor"]
 
 
-EXECUTORS: dict[ExecutorKind, str] = {  # resolved on use, so unused backends are never imported
-    ExecutorKind.CUDA_BATCH: "kvxfer.executors.ops_cuda:CudaBatchExecutor",
-    ExecutorKind.HIP_BATCH: "kvxfer.executors.ops_hip:HipBatchExecutor",
-    ExecutorKind.TRITON: "kvxfer.executors.ops_triton:TritonExecutor",
-    ExecutorKind.NUMPY: "kvxfer.executors.ops_numpy:NumpyExecutor",
-    ExecutorKind.NIXL: "kvxfer.executors.ops_nixl:NixlExecutor",
-}
-
-
-class _Options(Spec):
-    _error: ClassVar = ConfigError
-
-
-class CudaOptions(_Options):
-    """cuda-batch: device ordinal; ``driver_lib`` loads a host-memory driver stand-in (tests/shims/fake_cuda.c)
-    instead of the real driver, reporting ``driver_version`` when given."""
-
-    device: int = Field(default=0, ge=0)
-    driver_lib: str | None = None
-    driver_version: int | None = Field(default=None, ge=0)
-
-
-class HipOptions(_Options):
-    """hip-batch: device ordinal; ``library`` overrides the libamdhip64 search; ``host_as_device`` allows host
-    memory for device buffers (only for host-memory stand-ins such as tests/shims/fake_hip.c)."""
-
-    device: int = Field(default=0, ge=0)
-    library: str | None = None
-    host_as_device: bool = False
-
-
-class TritonOptions(_Options):
-    """triton: ``small_range_bytes`` is auto's threshold (a load goes to the kernel when at least half of its
-    bytes move in ranges no larger); ``tile_bytes`` is the bytes one program copies per
-    step (power of two); ``num_programs`` caps the grid (None = 4 per SM, or the tile count if smaller)."""
-
-    device: int = Field(default=0, ge=0)
-    small_range_bytes: int = Field(default=28 * 1024, ge=0)
-    tile_bytes: int = Field(default=8192, ge=16, le=1 << 16)
-    num_programs: int | None = Field(default=None, gt=0)
-
-    @field_validator("tile_bytes")
-    @classmethod
-    def _power_of_two(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ConfigError("", v, "must be a power of two")  # the field path is added by validation
-        return v
-
-
-class ExecutorConfig(_Options):
+class ExecutorConfig(Options):
     """Which executor to build and its options. ``max_descriptors``: per-call cap used when planning and
     enforced by the executor (None = the target's default, 0 = unlimited). ``replan``: re-plan a case for the
-    runtime found instead of refusing a target mismatch. ``nixl``: free-form options for the NIXL executor."""
+    runtime found instead of refusing a target mismatch. One section of typed options per backend."""
 
     kind: ExecutorKind = ExecutorKind.AUTO
     max_descriptors: int | None = Field(default=None, ge=0)
@@ -101,7 +43,15 @@ class ExecutorConfig(_Options):
     cuda: CudaOptions = CudaOptions()
     hip: HipOptions = HipOptions()
     triton: TritonOptions = TritonOptions()
-    nixl: dict[str, Any] = Field(default_factory=dict)
+    nixl: NixlOptions = NixlOptions()
+
+    def options_for(self, kind: ExecutorKind | str) -> Options:
+        """The options of backend ``kind``, with the top-level ``max_descriptors`` applied where the backend has one."""
+        b = backend(kind)
+        opts = getattr(self, b.section, None) or b.options()
+        if self.max_descriptors is not None and "max_descriptors" in type(opts).model_fields:
+            opts = opts.model_copy(update={"max_descriptors": self.max_descriptors})
+        return opts
 
     @classmethod
     def load(cls, source: str | Path | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
@@ -126,7 +76,6 @@ ENV_VARS: dict[str, str] = {
     "KVXFER_MAX_DESCRIPTORS": "max_descriptors",
     "KVXFER_REPLAN": "replan",
     "KVXFER_CUDA_DEVICE": "cuda.device",
-    "KVXFER_CUDA_DRIVER_LIB": "cuda.driver_lib",
     "KVXFER_HIP_LIBRARY": "hip.library",
     "KVXFER_TRITON_SMALL_RANGE_BYTES": "triton.small_range_bytes",
 }
@@ -167,13 +116,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 
 # ---- choosing -----------------------------------------------------------------------------------------------
-def detect_platform(config: ExecutorConfig) -> Platform:
-    """The platform to run on: a configured shim decides; else a CUDA driver with a device; else a HIP
-    runtime with a device; else the CPU."""
-    if config.cuda.driver_lib:
-        return Platform.CUDA
-    if config.hip.library:
-        return Platform.ROCM
+def detect_platform(config: ExecutorConfig | None = None) -> Platform:
+    """The platform to run on: a CUDA driver with a device; else a HIP runtime with a device; else the CPU."""
     try:
         from cuda.bindings import driver as cu
         if int(cu.cuInit(0)[0]) == 0:
@@ -183,13 +127,11 @@ def detect_platform(config: ExecutorConfig) -> Platform:
     except Exception:  # no cuda-bindings, or no libcuda: not a CUDA machine
         pass
     try:
-        import ctypes
-
-        from .ops_hip import load_hip
-        n = ctypes.c_int(0)
-        if load_hip().hipGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0:
+        from hip import hip
+        err, count = hip.hipGetDeviceCount()
+        if int(err) == 0 and count > 0:
             return Platform.ROCM
-    except Exception:
+    except Exception:  # no hip-python, or no HIP runtime
         pass
     return Platform.CPU
 
@@ -203,7 +145,7 @@ def _host_sources_pinned(plan: TransferPlan, bindings: Mapping[str, Any] | None)
         buf = plan.buffers[i]
         if buf.location.value != "host" or buf.name not in bindings:
             continue
-        pinned = resolve_memory(bindings[buf.name], buf.name).pinned
+        pinned = resolve(bindings[buf.name], buf.name).pinned
         if pinned is False:
             return False
         known = known and pinned is True
@@ -215,7 +157,7 @@ def choose_executor(config: ExecutorConfig, plan: TransferPlan | None = None, bi
     """(kind, reason) for running ``plan`` with ``bindings`` under ``config``; pure given ``platform``."""
     if config.kind is not ExecutorKind.AUTO:
         return config.kind, f"configured: kind = {config.kind.value}"
-    platform = detect_platform(config) if platform is None else platform
+    platform = detect_platform() if platform is None else platform
     if platform is Platform.ROCM:
         return ExecutorKind.HIP_BATCH, "ROCm: DMA batch copies (the SM-kernel path is only chosen on CUDA)"
     if platform is Platform.CPU:
@@ -243,22 +185,13 @@ def choose_executor(config: ExecutorConfig, plan: TransferPlan | None = None, bi
 
 
 def executor_class(kind: ExecutorKind | str) -> type[Executor]:
-    """Import the class registered for ``kind`` (raises ConfigError for auto or unknown kinds)."""
-    try:
-        kind = ExecutorKind(kind)
-        module, _, name = EXECUTORS[kind].partition(":")
-    except (ValueError, KeyError):
-        raise ConfigError("kind", str(kind), f"no executor class (known: {', '.join(k.value for k in EXECUTORS)})") from None
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        raise ImportError(f"executor {kind.value!r} ({EXECUTORS[kind]}) is not available: {e}") from e
+    """Import the class registered for ``kind`` (ConfigError for auto or unknown kinds)."""
+    return backend(kind).load()
 
 
 def build_executor(kind: ExecutorKind | str, config: ExecutorConfig) -> Executor:
-    cls = executor_class(kind)
-    from_config = getattr(cls, "from_config", None)
-    return from_config(config) if from_config is not None else cls()
+    """An executor of ``kind`` made from its typed options in ``config``."""
+    return executor_class(kind).from_options(config.options_for(kind))
 
 
 def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None = None) -> Executor:
@@ -271,20 +204,27 @@ def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None 
     return build_executor(config.kind, config)
 
 
+def _checked_by_the_chosen_executor(buf: Buffer, mem: Any) -> None:
+    """Auto resolves memory at bind; each sub-executor checks it when it binds on first use."""
+
+
 class AutoExecutor(Executor):
-    """Chooses per plan (``choose_executor``) and delegates; sub-executors are built on first use.
+    """Chooses per plan (``choose_executor``) and delegates; sub-executors are built on first use, or passed
+    in as ``executors`` (kind -> executor, e.g. one made on a particular runtime).
 
     Transfers of one sub-executor complete in submission order; when consecutive runs switch executor, the
-    previous transfer is waited for on the host first, so the order holds across them too.
+    previous transfer is waited for on the host first, so the order holds across them too. Runs hold a
+    lock while choosing and submitting, so one AutoExecutor may be shared between threads.
+    ``bind`` keeps the bindings and binds them for each sub-executor the first time it is chosen.
     """
 
-    name = "auto"
-
-    def __init__(self, config: ExecutorConfig, platform: Platform | None = None):
+    def __init__(self, config: ExecutorConfig, platform: Platform | None = None,
+                 executors: Mapping[ExecutorKind, Executor] | None = None):
         self.config = config
-        self.platform = detect_platform(config) if platform is None else platform
-        self._executors: dict[ExecutorKind, Executor] = {}
+        self.platform = detect_platform() if platform is None else platform
+        self._executors: dict[ExecutorKind, Executor] = dict(executors or {})
         self._last: tuple[ExecutorKind, Transfer] | None = None
+        self._lock = threading.RLock()
         self.last_choice: tuple[ExecutorKind, str] | None = None
 
     def _get(self, kind: ExecutorKind) -> Executor:
@@ -301,16 +241,34 @@ class AutoExecutor(Executor):
         kind, reason = choose_executor(self.config, plan, bindings, self.platform)
         return f"executor: {kind.value} ({reason})"
 
-    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> Transfer:
-        kind, reason = self.last_choice = choose_executor(self.config, plan, bindings, self.platform)
-        if self._last is not None and self._last[0] is not kind:
-            self._last[1].wait()
-        transfer = self._get(kind).run(plan, bindings, stream)
-        self._last = (kind, transfer)
-        return transfer
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
+        bound = bind(buffers, bindings, check=_checked_by_the_chosen_executor, bound_by=type(self).__name__)
+        bound.extra["bindings"] = dict(bindings)
+        return bound
+
+    def _sub_memory(self, kind: ExecutorKind, memory: BoundMemory | Mapping[str, Any]) -> Any:
+        if not isinstance(memory, BoundMemory):
+            return memory
+        if memory.bound_by != type(self).__name__:
+            raise BindingError(memory.bound_by, repr(memory), "bound by another executor kind; bind with this AutoExecutor")
+        if kind not in memory.extra:
+            sub = self._get(kind).bind(memory.buffers, memory.extra["bindings"])
+            memory.extra[kind] = sub
+            memory.on_close(sub.close)
+        return memory.extra[kind]
+
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None) -> Transfer:
+        with self._lock:
+            raw = memory.extra["bindings"] if isinstance(memory, BoundMemory) else memory
+            kind, reason = self.last_choice = choose_executor(self.config, plan, raw, self.platform)
+            if self._last is not None and self._last[0] is not kind:
+                self._last[1].wait()
+            transfer = self._get(kind).run(plan, self._sub_memory(kind, memory), stream)
+            self._last = (kind, transfer)
+            return transfer
 
     def close(self) -> None:
-        for ex in self._executors.values():
-            ex.close()
-        self._executors.clear()
-
+        with self._lock:
+            for ex in self._executors.values():
+                ex.close()
+            self._executors.clear()

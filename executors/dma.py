@@ -1,22 +1,31 @@
-"""What the CUDA and HIP batch executors share: the 24-byte attribute record, the runtime calls they need,
-and the lowering of a plan onto a copy stream (descriptor arrays, attributes, events, stream order).
+"""What the CUDA and HIP batch executors share: the 24-byte attribute record, the ``Runtime`` protocol a
+driver implements, and the lowering of a plan onto a copy stream (descriptor arrays, attributes, events,
+stream order).
 
-The backend files (ops_cuda.py, ops_hip.py) only bind a ``Runtime`` to their driver's entry points.
+The backend files (ops_cuda.py, ops_hip.py) only implement ``Runtime`` for their driver. Tests pass a
+host-memory runtime (tests/shims) through the executor's constructor.
+
+Threads: one executor may be shared. ``run`` holds a lock while it lowers and issues a plan (the
+descriptor arrays are reused and the copy stream's order is one chain), so concurrent runs serialize
+their submission; the copies themselves stay asynchronous.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import sys
+import threading
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer.planner import CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
+from kvxfer.planner import Buffer, CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
-from .base import Bound, Buffer, Executor, ExecutorError, Transfer, bind_addresses, check_location, check_plan_target
+from .base import Executor, ExecutorError, Transfer, check_plan_target
+from .binding import BoundMemory, Memory
 
 SIZE_MAX = (1 << 64) - 1
 NOT_READY = 600  # CUDA_ERROR_NOT_READY and hipErrorNotReady share the value
@@ -63,53 +72,52 @@ def stream_handle(stream: Any, device: int = 0) -> int:
         raise TypeError(f"stream = {stream!r}: expected None, an int handle, a torch stream or a CUstream") from None
 
 
-class Runtime:
-    """The runtime calls a DMA executor issues. Subclasses bind them to a driver; methods return raw codes.
+class Runtime(Protocol):
+    """The driver calls a DMA executor issues. Every call returns the driver's raw code (0 = success) except
+    ``stream_create``/``event_create``, which raise ExecutorError, and ``error_name``.
 
-    ``platform``/``version`` describe what was found; ``host_as_device`` marks host-memory stand-ins (shims)
-    whose "device" buffers are host memory. ``api_available(api)`` says whether an entry point resolved.
+    ``batch`` passes descriptor arrays by address (size_t/pointer arrays the executor owns) and is a ctypes
+    function in every implementation: the Python bindings build one object per pointer, too slow for tens of
+    thousands of descriptors (CUDA) or mis-declare the call (hip-python). ``fail_idx`` is written by ABIs
+    that report a failing descriptor. ``check_memory`` refuses memory the runtime cannot address.
     """
 
     platform: Platform
     version: int
-    device: int = 0  # ordinal of the device the executor copies on
-    host_as_device: bool = False
+    device: int
 
-    def api_available(self, api: CopyApi) -> bool: raise NotImplementedError
+    def api_available(self, api: CopyApi) -> bool: ...
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
-              attrs_idxs: int | None, num_attrs: int, fail_idx: Any, stream: int) -> int: raise NotImplementedError
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int: raise NotImplementedError
-    def stream_create(self) -> int: raise NotImplementedError
-    def stream_destroy(self, stream: int) -> int: raise NotImplementedError
-    def event_destroy(self, event: int) -> int: raise NotImplementedError
-    def event_record(self, event: int, stream: int) -> int: raise NotImplementedError
-    def event_query(self, event: int) -> int: raise NotImplementedError
-    def event_synchronize(self, event: int) -> int: raise NotImplementedError
+              attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int: ...
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int: ...
+    def stream_create(self) -> int: ...
+    def stream_destroy(self, stream: int) -> int: ...
+    def event_create(self) -> int: ...
+    def event_destroy(self, event: int) -> int: ...
+    def event_record(self, event: int, stream: int) -> int: ...
+    def stream_wait_event(self, stream: int, event: int) -> int: ...
+    def event_query(self, event: int) -> int: ...
+    def event_synchronize(self, event: int) -> int: ...
+    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]: ...
+    def error_name(self, code: int) -> str: ...
+    def current(self) -> contextlib.AbstractContextManager[None]: ...
+    def check_memory(self, buf: Buffer, mem: Memory) -> None: ...
+    def close(self) -> None: ...
 
-    # CUDA's driver and HIP's runtime share these C signatures; subclasses set the three ctypes functions:
-    # _event_create(event*, flags), _stream_wait(stream, event, flags), _elapsed(float*, start, end).
-    def event_create(self) -> int:
-        e = ctypes.c_void_p()
-        self.check(self._event_create(ctypes.byref(e), 0), "event create")
-        return e.value
 
-    def stream_wait_event(self, stream: int, event: int) -> int:
-        return self._stream_wait(stream, event, 0)
+def check(rt: Runtime, code: int, call: str) -> None:
+    """Raise ExecutorError for a failed stream/event call (one that issues no copies)."""
+    if code:
+        raise ExecutorError(call, 0, None, f"{rt.error_name(code)} ({code})", 0)
 
-    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
-        ms = ctypes.c_float()
-        return self._elapsed(ctypes.byref(ms), start, end), ms.value
 
-    def error_name(self, code: int) -> str: raise NotImplementedError
-    @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
-        """Make the runtime's device current on this thread for the block, then restore the caller's."""
-        yield
-
-    def check(self, code: int, call: str) -> None:
-        """Raise ExecutorError for a failed stream/event call (one that issues no copies)."""
-        if code:
-            raise ExecutorError(call, 0, None, f"{self.error_name(code)} ({code})", 0)
+def driver_result(result: Any, call: str, error_name: Any) -> Any:
+    """Unpack a Python binding's ``(err, *values)`` tuple (cuda-bindings and hip-python both return one):
+    the value(s), or ExecutorError naming ``call`` and ``error_name(err)``."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise ExecutorError(call, 0, None, f"{error_name(err)} ({int(err)})", 0)
+    return rest[0] if len(rest) == 1 else tuple(rest) or None
 
 
 class DescriptorBuffers:
@@ -126,6 +134,41 @@ class DescriptorBuffers:
         return self.src, self.dst
 
 
+@dataclass(eq=False, kw_only=True)
+class DmaTransfer(Transfer):
+    """A plan issued on a copy stream. ``marks[i]`` completes with call i (the last is ``end``); ``keep``
+    holds the bound memory until the copies finish; the events are destroyed with the transfer."""
+
+    runtime: Runtime = field(repr=False)
+    start: int = field(repr=False)
+    end: int = field(repr=False)
+    marks: tuple[int, ...] = field(repr=False)
+    keep: tuple[Any, ...] = field(repr=False, default=())
+
+    def done(self) -> bool:
+        return _query(self.runtime, self.end)
+
+    def wait(self) -> DmaTransfer:
+        rt = self.runtime
+        check(rt, rt.event_synchronize(self.end), "event synchronize")
+        code, ms = rt.event_elapsed_ms(self.start, self.end)
+        check(rt, code, "event elapsed time")
+        self.elapsed_s = ms / 1e3
+        return self
+
+    def call_done(self, call: int) -> bool:
+        return _query(self.runtime, self.marks[self._call(call)])
+
+    def wait_call(self, call: int) -> DmaTransfer:
+        check(self.runtime, self.runtime.event_synchronize(self.marks[self._call(call)]), "event synchronize (call)")
+        return self
+
+    def stream_wait(self, stream: Any, call: int = -1) -> None:
+        rt = self.runtime
+        check(rt, rt.stream_wait_event(stream_handle(stream, rt.device), self.marks[self._call(call)]),
+              "stream wait (consumer)")
+
+
 class DmaExecutor(Executor):
     """Runs a plan with the driver's copy engines, one driver call per planned call.
 
@@ -135,30 +178,36 @@ class DmaExecutor(Executor):
     refuses plans whose calls exceed a runtime limit (ROCm faults above 8,192), 0/None = no limit.
     """
 
-    def __init__(self, runtime: Runtime, *, max_descriptors: int | None = None):
+    def __init__(self, runtime: Runtime, *, max_descriptors: int | None = None, own_runtime: bool = False):
         self.runtime = runtime
         self.max_descriptors = max_descriptors or None
+        self._own_runtime = own_runtime  # a runtime made by the executor is closed with it
         self._buffers = DescriptorBuffers()
         self._fail_idx = ctypes.c_size_t(SIZE_MAX)
-        self._last: Transfer | None = None
-        self._inflight: list[Transfer] = []  # keeps bound memory alive until the copies finish
+        self._lock = threading.Lock()
+        self._last: DmaTransfer | None = None
+        self._inflight: list[DmaTransfer] = []  # keeps bound memory alive until the copies finish
         with runtime.current():
-            self._stream = runtime.stream_create()
+            self._stream: int | None = runtime.stream_create()
 
     @property
     def target(self) -> Target:
         return Target(platform=self.runtime.platform, runtime_version=self.runtime.version)
 
-    def close(self) -> None:
-        if self._stream is not None:
-            if self._last is not None:
-                self._last.wait()
-            with self.runtime.current():
-                self.runtime.stream_destroy(self._stream)
-            self._stream = None
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        self.runtime.check_memory(buf, mem)
 
-    def _check_memory(self, buf: Buffer, bound: Bound) -> None:
-        check_location(buf, bound, host_as_device=self.runtime.host_as_device)
+    def close(self) -> None:
+        with self._lock:
+            if self._stream is not None:
+                if self._last is not None:
+                    self._last.wait()
+                with self.runtime.current():
+                    self.runtime.stream_destroy(self._stream)
+                self._stream = None
+            if self._own_runtime:
+                self.runtime.close()
+                self._own_runtime = False
 
     def _check_plan(self, plan: TransferPlan) -> None:
         check_plan_target(plan, self.target)
@@ -171,16 +220,21 @@ class DmaExecutor(Executor):
             raise PlanError("call_sizes", int(plan.call_sizes[i]), f"call {i} exceeds this executor's cap of {cap} "
                             f"descriptors per call; re-plan with PlanOptions(max_descriptors<={cap})", i)
 
-    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> Transfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None) -> DmaTransfer:
         """Issue every call of ``plan``; returns at once. Raises TargetMismatchError, BindingError or
         PlanError before anything is issued, ExecutorError (naming call, chunk, descriptor and what was
         already issued) when the driver fails."""
-        if self._stream is None:
-            raise ExecutorError("run", 0, None, "the executor was closed", 0)
         self._check_plan(plan)
-        addrs = bind_addresses(plan, bindings, self._check_memory, self._buffers.reserve(plan.num_ranges))
-        rt = self.runtime
-        self._inflight = [t for t in self._inflight if not _finished(t)]
+        bound = self.memory_for(plan, memory)
+        with self._lock:
+            if self._stream is None:
+                raise ExecutorError("run", 0, None, "the executor was closed", 0)
+            src, dst = bound.lower(plan, self._buffers.reserve(plan.num_ranges))
+            self._inflight = [t for t in self._inflight if not _finished(t)]
+            return self._submit(plan, bound, src, dst, stream)
+
+    def _submit(self, plan: TransferPlan, bound: BoundMemory, src: np.ndarray, dst: np.ndarray, stream: Any) -> DmaTransfer:
+        rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         with rt.current():  # the caller's current device/context is restored afterwards
             compute = stream_handle(stream, rt.device)
             events: list[int] = []
@@ -191,35 +245,28 @@ class DmaExecutor(Executor):
                 _destroy_events(rt, tuple(events))
                 raise
             ready, start, end = events[:3]
-            # marks[i] completes with call i (calls complete in order on the copy stream); the last is ``end``
-            marks = events[3:] + [end]
-            transfer = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                                _keep=([b.owner for b in addrs.bound if b is not None], tuple(events)))
+            marks = (*events[3:], end)  # marks[i] completes with call i (calls complete in order on the stream)
+            transfer = DmaTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
+                                   runtime=rt, start=start, end=end, marks=marks, keep=tuple(bound.owners()))
             weakref.finalize(transfer, _destroy_events, rt, tuple(events))
-            rt.check(rt.event_record(ready, compute), "event record (compute stream)")
-            rt.check(rt.stream_wait_event(self._stream, ready), "stream wait (compute stream)")
+            check(rt, rt.event_record(ready, compute), "event record (compute stream)")
+            check(rt, rt.stream_wait_event(s, ready), "stream wait (compute stream)")
             if self._last is not None:
-                rt.check(rt.stream_wait_event(self._stream, self._last._keep[1][2]), "stream wait (previous transfer)")
-            rt.check(rt.event_record(start, self._stream), "event record (start)")
-            transfer._poll = lambda: _query(rt, end)
-            transfer._wait = lambda: _finish(rt, start, end)
-            transfer._call_poll = lambda i: _query(rt, marks[i])
-            transfer._call_wait = lambda i: rt.check(rt.event_synchronize(marks[i]), "event synchronize (call)")
-            transfer._stream_wait = lambda s, i: rt.check(rt.stream_wait_event(stream_handle(s, rt.device), marks[i]),
-                                                          "stream wait (consumer)")
+                check(rt, rt.stream_wait_event(s, self._last.end), "stream wait (previous transfer)")
+            check(rt, rt.event_record(start, s), "event record (start)")
             try:
-                self._issue(plan, addrs.src, addrs.dst, marks)
+                if plan.api in BATCH_APIS:
+                    self._issue_batches(plan, src, dst, marks)
+                else:
+                    self._issue_per_range(plan, src, dst, marks)
             finally:  # successors must order after whatever was issued, even on failure
-                rt.event_record(end, self._stream)
+                rt.event_record(end, s)
                 self._last = transfer
                 self._inflight.append(transfer)
         return transfer
 
-    def _issue(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: list[int]) -> None:
-        rt, s = self.runtime, self._stream
-        if plan.api not in BATCH_APIS:
-            self._issue_per_range(plan, src, dst, marks)
-            return
+    def _issue_batches(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
+        rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         sizes = plan.nbytes  # uint64 == size_t on the 64-bit platforms drivers support
         src_p, dst_p, size_p = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
         table = attribute_records(plan.attrs) if plan.passes_attrs else None
@@ -239,10 +286,10 @@ class DmaExecutor(Executor):
                 raise _call_error(rt, plan, c, code, None if local >= hi - lo else lo + local)
             _mark_call(rt, marks, c, s)
 
-    def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: list[int]) -> None:
+    def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
         """Below the batch APIs: one cuMemcpyAsync/hipMemcpyAsync per range, in plan order on the same stream,
         so completion, ordering and error reporting are what the batch path gives."""
-        rt, s = self.runtime, self._stream
+        rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         d_all, s_all, n_all = dst[:plan.num_ranges].tolist(), src[:plan.num_ranges].tolist(), plan.nbytes.tolist()
         copy = rt.copy
         for c in range(plan.num_calls):
@@ -254,7 +301,7 @@ class DmaExecutor(Executor):
             _mark_call(rt, marks, c, s)
 
 
-def _mark_call(rt: Runtime, marks: list[int], call: int, stream: int) -> None:
+def _mark_call(rt: Runtime, marks: tuple[int, ...], call: int, stream: int) -> None:
     """Record the event that says call ``call`` is done (the last call's is the transfer's end event)."""
     if call < len(marks) - 1:
         code = rt.event_record(marks[call], stream)
@@ -272,7 +319,7 @@ def _call_error(rt: Runtime, plan: TransferPlan, call: int, code: int, descripto
     return ExecutorError(plan.api.value, call, descriptor, f"{rt.error_name(code)} ({code}){where}", call)
 
 
-def _finished(t: Transfer) -> bool:
+def _finished(t: DmaTransfer) -> bool:
     """True once ``t`` no longer touches memory: done, or failed (its error is raised to its owner, not here)."""
     try:
         return t.done()
@@ -280,19 +327,12 @@ def _finished(t: Transfer) -> bool:
         return True
 
 
-def _query(rt: Runtime, end: int) -> bool:
-    code = rt.event_query(end)
+def _query(rt: Runtime, event: int) -> bool:
+    code = rt.event_query(event)
     if code == NOT_READY:
         return False
-    rt.check(code, "event query")
+    check(rt, code, "event query")
     return True
-
-
-def _finish(rt: Runtime, start: int, end: int) -> float:
-    rt.check(rt.event_synchronize(end), "event synchronize")
-    code, ms = rt.event_elapsed_ms(start, end)
-    rt.check(code, "event elapsed time")
-    return ms / 1e3
 
 
 def _destroy_events(rt: Runtime, events: tuple[int, ...]) -> None:

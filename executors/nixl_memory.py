@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import BindingError, _describe, as_byte_view
+from .binding import BindingError, Memory, bind, resolve
 
 MEM_TYPES = ("DRAM", "VRAM")
 
@@ -49,18 +49,32 @@ class RemoteBuffer:
             raise BindingError(self.agent, f"addr={self.addr}, nbytes={self.nbytes}, dev={self.dev}",
                                "a remote segment needs addr >= 0, nbytes > 0, dev >= 0")
 
+    def __kvxfer_memory__(self) -> Memory:
+        """The remote segment as a binding: its address and size (in the peer's address space), location unknown."""
+        return Memory(self.addr, self.nbytes, None, self.dev, None, True, self)
+
+
+def segment_of(mem: Memory, name: str) -> Segment:
+    """The NIXL view of resolved local memory: host memory numpy can reach is DRAM, device memory VRAM.
+
+    Raises BindingError for memory NIXL cannot describe here (raw addresses of unknown kind, remote buffers).
+    """
+    if isinstance(mem.owner, RemoteBuffer):
+        raise BindingError(name, mem.owner, "a RemoteBuffer is not local memory")
+    if mem.location is not None and mem.location.value == "device":
+        return Segment(mem.address, mem.nbytes, int(mem.device or 0), "VRAM", mem.writable)
+    if mem.view is None:
+        raise BindingError(name, type(mem.owner).__name__, "expected a numpy array, CPU or CUDA tensor")
+    return Segment(mem.address, mem.nbytes, 0, "DRAM", mem.writable)
+
+
+def _describable(buf: Any, mem: Memory) -> None:
+    segment_of(mem, buf.name)
+
 
 def local_segment(obj: Any, name: str) -> Segment:
-    """The memory behind a binding: host memory (numpy array, CPU tensor) is DRAM, a CUDA tensor VRAM.
-
-    Raises BindingError when the object is not contiguous or not a supported type.
-    """
-    if type(obj).__module__.startswith("torch") and getattr(obj, "is_cuda", False):
-        if not obj.is_contiguous():
-            raise BindingError(name, _describe(obj), "tensor is not contiguous")
-        return Segment(int(obj.data_ptr()), obj.numel() * obj.element_size(), int(obj.device.index or 0), "VRAM")
-    v = as_byte_view(obj, name)
-    return Segment(int(v.ctypes.data), int(v.nbytes), 0, "DRAM", bool(v.flags.writeable))
+    """The memory behind one local binding (numpy array, CPU or CUDA tensor). Raises BindingError."""
+    return segment_of(resolve(obj, name), name)
 
 
 class Registration:
@@ -68,13 +82,24 @@ class Registration:
 
     def __init__(self, agent: Any, segments: dict[str, Segment], handles: list[Any], keep: list[Any]):
         self.agent, self.segments, self._handles, self._keep = agent, segments, handles, keep
+        self.usable = True  # False once a transfer over it outlived its drain: never used or deregistered again
+
+    def covers(self, seg: Segment) -> bool:
+        return any(s.covers(seg) for s in self.segments.values())
+
+    def mark_unusable(self) -> None:
+        """A transfer may still touch this memory: refuse new runs over it and keep it registered (and referenced)."""
+        self.usable = False
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.segments)
 
     def deregister(self) -> None:
-        """Deregister every segment; afterwards the registration covers nothing."""
+        """Deregister every segment; afterwards the registration covers nothing. An unusable registration
+        (a transfer over it may still be in flight) stays registered and its memory referenced."""
+        if not self.usable:
+            return
         while self._handles:
             self.agent.deregister_memory(self._handles.pop())
         self._keep = []
@@ -94,16 +119,12 @@ def register(agent: Any, bindings: Mapping[str, Any], buffers: Iterable[Any] | N
     layout lists and checks every binding is at least that buffer's size. Returns the Registration; raises
     BindingError for a missing, undersized or unsupported binding, before anything is registered.
     """
-    wanted = {b.name: b.nbytes for b in buffers} if buffers is not None else None
-    names = [n for n in bindings if wanted is None or n in wanted]
-    if wanted is not None:
-        missing = sorted(set(wanted) - set(bindings))
-        if missing:
-            raise BindingError(missing[0], "missing", f"the layout names this buffer (bound: {sorted(bindings)})")
-    segments = {n: local_segment(bindings[n], n) for n in names}
-    for n, seg in segments.items():
-        if wanted is not None and seg.nbytes < wanted[n]:
-            raise BindingError(n, f"{seg.nbytes} bytes", f"smaller than the layout's buffer of {wanted[n]} bytes")
+    if buffers is not None:  # the one binding check: every buffer bound, large enough, describable by NIXL
+        bound = bind(tuple(buffers), bindings, check=_describable)
+        segments = {b.name: segment_of(m, b.name) for b, m in zip(bound.buffers, bound.memory) if m is not None}
+    else:
+        segments = {n: local_segment(bindings[n], n) for n in bindings}
+    names = list(segments)
     handles = []
     try:
         for mem in MEM_TYPES:

@@ -95,12 +95,28 @@ class PeerProcess:
             self.proc.kill()
             raise
 
+    def _process_state(self) -> str:
+        """What became of the peer process, in words, for error messages."""
+        code = self.proc.poll()
+        if code is not None:
+            return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "?"
+        if state in ("T", "t"):
+            return f"is stopped (process {self.proc.pid}, state {state}: SIGSTOP or a debugger)"
+        return f"is running (process {self.proc.pid}) but did not answer"
+
     def _ask(self, *msg: Any) -> Any:
+        if self.conn.closed:
+            raise RuntimeError(f"peer {self.agent_name!r} was closed (PeerProcess.close()); start a new one")
         try:
             self.conn.send(msg)
             status, value = _recv(self.conn, self.timeout_s, f"answer to {msg[0]!r}")
-        except (EOFError, OSError) as e:
-            raise RuntimeError(f"peer {self.agent_name!r} exited (code {self.proc.poll()}): {e}") from None
+        except (EOFError, OSError, TimeoutError) as e:
+            raise RuntimeError(f"peer {self.agent_name!r} {self._process_state()}: {e}") from None
         if status != "ok":
             raise RuntimeError(f"peer {self.agent_name!r}: {value}")
         return value

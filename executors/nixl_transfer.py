@@ -31,13 +31,18 @@ def reason(e: BaseException) -> str:
 class Inflight:
     """The transfer handles of one run, by call index. Memory in ``keep`` stays referenced until they finish.
 
-    Any failure (rejected post, a transfer in ERR, a deadline passed) first waits for the other calls to stop
-    touching memory, releases every handle, then raises ExecutorError; the same error is raised again by
-    every later ``poll``/``wait``, so a failed plan never reads as done.
+    Any failure (rejected post, a transfer in ERR, a deadline passed) first gives the other calls at most
+    ``drain_s`` to stop touching memory, releases the handles that stopped, then raises ExecutorError; the
+    same error is raised again by every later ``poll``/``wait``, so a failed plan never reads as done. So
+    ``wait()`` returns or raises within ``timeout_s + drain_s``. Calls still in flight when the drain gives up
+    are never released: their memory stays referenced here and ``registrations`` are marked unusable.
     """
 
-    def __init__(self, agent: Any, t0: float, timeout_s: float, keep: list[Any], notifs: tuple[bytes, ...]):
+    def __init__(self, agent: Any, t0: float, timeout_s: float, keep: list[Any], notifs: tuple[bytes, ...], *,
+                 drain_s: float = 1.0, registrations: list[Any] | None = None):
         self.agent, self.t0, self.timeout_s, self.keep, self.notifs = agent, t0, timeout_s, keep, notifs
+        self.drain_s, self.registrations = drain_s, list(registrations or [])
+        self.stuck: dict[int, Any] = {}  # calls that outlived the drain: handles kept, memory kept
         self.pending: dict[int, Any] = {}
         self.posted = 0
         self.error: ExecutorError | None = None
@@ -104,23 +109,31 @@ class Inflight:
         return self.elapsed
 
     def _fail(self, what: str, call: int, why: str) -> None:
-        """Drain the other calls, release every handle, record and raise the error."""
-        failed = self.pending.pop(call, None)
+        """Drain the other calls (at most ``drain_s``), release what stopped, record and raise the error."""
+        timed_out = "still in progress" in why  # that call may itself still be moving bytes: drain it too
+        failed = None if timed_out else self.pending.pop(call, None)
         others = dict(self.pending)
-        drained = poll_until(lambda: all(self._state(c) != "PROC" for c in others), self.timeout_s)
+        drained = poll_until(lambda: all(self._state(c) != "PROC" for c in others), self.drain_s)
+        stopped = {c: h for c, h in others.items() if drained or self._state(c) != "PROC"}
+        self.stuck = {c: h for c, h in others.items() if c not in stopped}
         leftover = []
-        for h in ([failed] if failed is not None else []) + list(others.values()):
+        for h in ([failed] if failed is not None else []) + list(stopped.values()):
             try:
                 h.release()
             except Exception as e:
                 leftover.append(reason(e))
         self.pending = {}
-        note = f"; {len(others)} other calls " + ("drained" if drained else "still running at the deadline")
+        note = f"; {len(others)} other calls " + ("drained" if not self.stuck else
+                                                  f"given {self.drain_s}s to drain, {len(self.stuck)} still running")
         if leftover:
             note += f"; release failed: {leftover[0]}"
-        else:
+        if self.stuck:  # bytes may still move: keep the memory referenced, never reuse or deregister it
+            for reg in self.registrations:
+                reg.mark_unusable()
+            note += "; their memory stays referenced and its registration is marked unusable"
+        elif not leftover:
             self.keep = []  # nothing in flight references the memory any more
         self.error = ExecutorError(what, call, None, f"{why} ({self.posted} of {len(self.notifs)} calls posted"
-                                   f"{note if others else ''}); destination bytes may be partly written",
+                                   f"{note if others or self.stuck else ''}); destination bytes may be partly written",
                                    issued_chunks=self.posted)
         raise self.error

@@ -1,50 +1,45 @@
-"""CUDA batch executor: each planned call is one cuMemcpyBatchAsync through a ctypes function pointer
-(13.0 ABI without failIdx, or 12.8 ABI with it), or per-range cuMemcpyAsync when the plan targets a driver
-below 12.8.
+"""CUDA batch executor: each planned call is one cuMemcpyBatchAsync (13.0 ABI without failIdx, or 12.8 ABI
+with it), or per-range cuMemcpyAsync when the plan targets a driver below 12.8.
 
-Driver access goes through a small provider resolved in the constructor: ``CudaDriver`` uses cuda-bindings
-for init, version, context, streams and cuGetProcAddress; ``ShimDriver`` loads a host-memory stand-in (a C
-library exporting ``fake_cu*`` entry points, see tests/shims/fake_cuda.c) so the executor runs end to end
-without a GPU. Entry points are resolved once, on the instance; a NULL pointer means "unavailable".
+``CudaRuntime`` uses cuda-bindings for init, version, context, streams, events and the per-range copy. The
+batch entry points are resolved with cuGetProcAddress and called through ctypes: cuda-bindings' wrappers
+build one Python object per pointer, too slow for tens of thousands of descriptors. A NULL entry point
+(older drivers return success with NULL) means "unavailable". Tests pass a host-memory runtime instead.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 from collections.abc import Iterator
-from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
-from pathlib import Path
+from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
 from typing import Any
 
-from kvxfer.planner import CopyApi, Platform
+from kvxfer.planner import Buffer, CopyApi, Platform
 
 from .base import ExecutorError
-from .dma import DmaExecutor, Runtime
+from .binding import Memory, check_location
+from .dma import DmaExecutor, Runtime, driver_result
+from .options import CudaOptions
 
 BATCH_V12080 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t,
                                 POINTER(c_size_t), c_void_p)
 BATCH_V13000 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t, c_void_p)
-MEMCPY_ASYNC = ctypes.CFUNCTYPE(c_int, c_uint64, c_uint64, c_size_t, c_void_p)
-HANDLE_CREATE = ctypes.CFUNCTYPE(c_int, POINTER(c_void_p), c_uint)
-EVENT_RECORD = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p)
-STREAM_WAIT = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_uint)
-ONE_HANDLE = ctypes.CFUNCTYPE(c_int, c_void_p)
-ELAPSED = ctypes.CFUNCTYPE(c_int, POINTER(c_float), c_void_p, c_void_p)
-ERROR_NAME = ctypes.CFUNCTYPE(c_int, c_int, POINTER(c_char_p))
-
+BATCH_ABIS = ((CopyApi.CUDA_BATCH_V2, 13000, BATCH_V13000), (CopyApi.CUDA_BATCH, 12080, BATCH_V12080))
 CU_STREAM_NON_BLOCKING = 1
+INSTALL_HINT = "the CUDA batch executor needs cuda-bindings: pip install 'kvxfer[cuda]'"
 
 
-class CudaDriver:
-    """The real driver through cuda-bindings: cuInit, the device's primary context, streams, cuGetProcAddress."""
+class CudaRuntime:
+    """The CUDA driver on device ``device`` (a Runtime): cuda-bindings for everything but the batch call."""
 
-    host_as_device = False
+    platform = Platform.CUDA
+    _batch: dict[CopyApi, Any]  # ctypes function pointers by ABI, only those the driver has
 
     def __init__(self, device: int = 0):
         try:
             from cuda.bindings import driver as cu
         except ImportError as e:
-            raise ImportError(f"the CUDA batch executor needs cuda-bindings: pip install 'kvxfer[cuda]' ({e})") from None
+            raise ImportError(f"{INSTALL_HINT} ({e})") from None
         self._cu = cu
         try:
             self._ok(cu.cuInit(0), "cuInit")
@@ -53,28 +48,68 @@ class CudaDriver:
         except Exception as e:  # cuda-bindings raises when libcuda.so itself is missing
             raise ExecutorError("cuInit", 0, None, f"no CUDA driver could be loaded ({e})", 0) from None
         self.version = int(self._ok(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
-        self.ordinal = device
+        self.device = device
         self._device = self._ok(cu.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = self._ok(cu.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
-        self._streams: dict[int, Any] = {}
+        self._batch = {}
+        for api, abi, proto in BATCH_ABIS:
+            if self.version >= abi:
+                res = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", abi,
+                                          cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
+                if int(res[0]) == 0 and res[1]:
+                    self._batch[api] = proto(int(res[1]))
 
     def _ok(self, result: Any, call: str) -> Any:
-        err, *rest = result if isinstance(result, tuple) else (result,)
-        if int(err) != 0:
-            _, name = self._cu.cuGetErrorName(err)
-            raise ExecutorError(call, 0, None, f"{name.decode() if name else 'unknown'} ({int(err)})", 0)
-        return rest[0] if len(rest) == 1 else tuple(rest) or None
+        return driver_result(result, call, self._name)
 
-    def get_proc(self, symbol: str, abi_version: int) -> int:
+    def _name(self, err: Any) -> str:
+        _, name = self._cu.cuGetErrorName(err)
+        return name.decode() if name else f"CUresult {int(err)}"
+
+    def error_name(self, code: int) -> str:
+        return self._name(self._cu.CUresult(code))
+
+    def api_available(self, api: CopyApi) -> bool:
+        return api is CopyApi.CUDA_PER_RANGE or api in self._batch
+
+    def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
+              attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
+        fn = self._batch[api]
+        if api is CopyApi.CUDA_BATCH_V2:
+            return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream)
+        return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         cu = self._cu
-        res = cu.cuGetProcAddress(symbol.encode(), abi_version, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
-        return int(res[1]) if int(res[0]) == 0 and res[1] else 0
+        return int(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, cu.CUstream(stream))[0])
 
-    def close(self) -> None:
-        """Release the primary context retained by the constructor (once)."""
-        if self._ctx is not None:
-            self._cu.cuDevicePrimaryCtxRelease(self._device)
-            self._ctx = None
+    def stream_create(self) -> int:
+        return int(self._ok(self._cu.cuStreamCreate(CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+
+    def stream_destroy(self, stream: int) -> int:
+        return int(self._cu.cuStreamDestroy(self._cu.CUstream(stream))[0])
+
+    def event_create(self) -> int:
+        return int(self._ok(self._cu.cuEventCreate(0), "cuEventCreate"))
+
+    def event_destroy(self, event: int) -> int:
+        return int(self._cu.cuEventDestroy(self._cu.CUevent(event))[0])
+
+    def event_record(self, event: int, stream: int) -> int:
+        return int(self._cu.cuEventRecord(self._cu.CUevent(event), self._cu.CUstream(stream))[0])
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        return int(self._cu.cuStreamWaitEvent(self._cu.CUstream(stream), self._cu.CUevent(event), 0)[0])
+
+    def event_query(self, event: int) -> int:
+        return int(self._cu.cuEventQuery(self._cu.CUevent(event))[0])
+
+    def event_synchronize(self, event: int) -> int:
+        return int(self._cu.cuEventSynchronize(self._cu.CUevent(event))[0])
+
+    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        err, ms = self._cu.cuEventElapsedTime(self._cu.CUevent(start), self._cu.CUevent(end))
+        return int(err), float(ms)
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
@@ -85,137 +120,24 @@ class CudaDriver:
         finally:
             self._cu.cuCtxPopCurrent()
 
-    def stream_create(self) -> int:
-        s = self._ok(self._cu.cuStreamCreate(CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        self._streams[int(s)] = s
-        return int(s)
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        check_location(buf, mem)
 
-    def stream_destroy(self, handle: int) -> int:
-        s = self._streams.pop(handle, None)
-        return 0 if s is None else int(self._cu.cuStreamDestroy(s)[0])
-
-
-class ShimDriver:
-    """A host-memory stand-in for the driver: a C library exporting ``fake_cuGetProcAddress``,
-    ``fake_cuDriverGetVersion`` and the fakes they resolve. ``version`` overrides the version it reports."""
-
-    host_as_device = True
-
-    def __init__(self, path: str | Path, version: int | None = None):
-        try:
-            self.lib = ctypes.CDLL(str(path))
-            proc = self.lib.fake_cuGetProcAddress
-        except (OSError, AttributeError) as e:
-            raise ExecutorError("dlopen", 0, None, f"cannot load CUDA shim {str(path)!r}: {e}", 0) from None
-        if version is not None:
-            ctypes.c_long.in_dll(self.lib, "shim_version").value = int(version)
-        proc.argtypes = [c_char_p, POINTER(c_void_p), c_int, c_uint64, c_void_p]
-        self._proc = proc
-        v = c_int()
-        code = self.lib.fake_cuDriverGetVersion(byref(v))
-        if code:
-            raise ExecutorError("cuDriverGetVersion", 0, None, f"error {code}", 0)
-        self.version = v.value
-        create = self.get_proc("cuStreamCreate", 2000)
-        if self.version < 2000 or not create:
-            raise ExecutorError("cuDriverGetVersion", 0, None, f"the shim reports driver version {self.version}: pass "
-                                "version= (or set KVXFER_SHIM_VERSION), e.g. 13000", 0)
-        self._stream_create = HANDLE_CREATE(create)
-
-    def get_proc(self, symbol: str, abi_version: int) -> int:
-        p = c_void_p()
-        return (p.value or 0) if self._proc(symbol.encode(), byref(p), abi_version, 0, None) == 0 else 0
-
-    @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
-        yield  # host memory: no context
-
-    def stream_create(self) -> int:
-        s = c_void_p()
-        code = self._stream_create(byref(s), CU_STREAM_NON_BLOCKING)
-        if code:
-            raise ExecutorError("cuStreamCreate", 0, None, f"error {code}", 0)
-        return s.value or 0
-
-    def stream_destroy(self, handle: int) -> int:
-        return 0
-
-
-class CudaRuntime(Runtime):
-    """The driver entry points the executor calls, resolved once through ``driver.get_proc``."""
-
-    platform = Platform.CUDA
-
-    def __init__(self, driver: CudaDriver | ShimDriver):
-        self.driver = driver
-        self.version = driver.version
-        self.host_as_device = driver.host_as_device
-        self.device = getattr(driver, "ordinal", 0)
-        basic = min(self.version, 12080)  # ABI of the non-batch calls; never above what the driver has
-
-        def need(symbol: str, proto: Any, abi: int = basic) -> Any:
-            p = driver.get_proc(symbol, abi)
-            if not p:
-                raise ExecutorError(symbol, 0, None, f"cuGetProcAddress returned NULL (driver {self.version})", 0)
-            return proto(p)
-
-        self._batch: dict[CopyApi, Any] = {}
-        for api, abi, proto in ((CopyApi.CUDA_BATCH_V2, 13000, BATCH_V13000), (CopyApi.CUDA_BATCH, 12080, BATCH_V12080)):
-            p = driver.get_proc("cuMemcpyBatchAsync", abi) if self.version >= abi else 0
-            if p:
-                self._batch[api] = proto(p)
-        self.copy = need("cuMemcpyAsync", MEMCPY_ASYNC)
-        self._event_create = need("cuEventCreate", HANDLE_CREATE)
-        self.event_destroy = need("cuEventDestroy", ONE_HANDLE)
-        self.event_record = need("cuEventRecord", EVENT_RECORD)
-        self._stream_wait = need("cuStreamWaitEvent", STREAM_WAIT)
-        self.event_query = need("cuEventQuery", ONE_HANDLE)
-        self.event_synchronize = need("cuEventSynchronize", ONE_HANDLE)
-        self._elapsed = need("cuEventElapsedTime", ELAPSED)
-        self._error_name = need("cuGetErrorName", ERROR_NAME, min(self.version, 6000))
-
-    def api_available(self, api: CopyApi) -> bool:
-        return api is CopyApi.CUDA_PER_RANGE or api in self._batch
-
-    def batch(self, api, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream) -> int:
-        fn = self._batch[api]
-        if api is CopyApi.CUDA_BATCH_V2:
-            return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream)
-        return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
-
-    def current(self) -> contextlib.AbstractContextManager[None]:
-        return self.driver.current()
-
-    def stream_create(self) -> int:
-        return self.driver.stream_create()
-
-    def stream_destroy(self, stream: int) -> int:
-        return self.driver.stream_destroy(stream)
-
-    def error_name(self, code: int) -> str:
-        name = c_char_p()
-        return name.value.decode() if self._error_name(code, byref(name)) == 0 and name.value else f"CUresult {code}"
+    def close(self) -> None:
+        """Release the primary context retained by the constructor (once)."""
+        if self._ctx is not None:
+            self._cu.cuDevicePrimaryCtxRelease(self._device)
+            self._ctx = None
 
 
 class CudaBatchExecutor(DmaExecutor):
-    """Runs plans for ``cuda-*`` targets. ``driver``: a CudaDriver (default, device ``device``) or ShimDriver."""
+    """Runs plans for ``cuda-*`` targets on ``runtime`` (default: a CudaRuntime on ``device``, released with
+    the executor)."""
 
-    name = "cuda-batch"
-
-    def __init__(self, driver: CudaDriver | ShimDriver | None = None, *, device: int = 0,
-                 max_descriptors: int | None = None):
-        self._own_driver = driver is None  # a driver made here is closed (context released) with the executor
-        super().__init__(CudaRuntime(driver if driver is not None else CudaDriver(device)),
-                         max_descriptors=max_descriptors)
-
-    def close(self) -> None:
-        super().close()
-        if self._own_driver:
-            self.runtime.driver.close()
-            self._own_driver = False
+    def __init__(self, runtime: Runtime | None = None, *, device: int = 0, max_descriptors: int | None = None):
+        super().__init__(runtime if runtime is not None else CudaRuntime(device), max_descriptors=max_descriptors,
+                         own_runtime=runtime is None)
 
     @classmethod
-    def from_config(cls, config: Any) -> CudaBatchExecutor:
-        o = config.cuda
-        driver = ShimDriver(o.driver_lib, o.driver_version) if o.driver_lib else None
-        return cls(driver, device=o.device, max_descriptors=config.max_descriptors)
+    def from_options(cls, options: CudaOptions) -> CudaBatchExecutor:
+        return cls(device=options.device, max_descriptors=options.max_descriptors)

@@ -1,27 +1,31 @@
-"""HIP batch executor: each planned call is one hipMemcpyBatchAsync through ctypes on libamdhip64, with
-numAttrs and flags exactly as the plan says; per-range hipMemcpyAsync when the plan targets ROCm below 7.1.
+"""HIP batch executor: each planned call is one hipMemcpyBatchAsync, with numAttrs and flags exactly as the
+plan says; per-range hipMemcpyAsync when the plan targets ROCm below 7.1.
 
-hip-python mis-declares hipMemcpyBatchAsync (``sizes`` as a scalar, arrays as outputs), so the library is
-called directly. ``library`` overrides the search (tests load the fake runtime of tests/shims/fake_hip.c).
+``HipRuntime`` uses hip-python for version, device, streams, events and the per-range copy. hip-python
+mis-declares hipMemcpyBatchAsync (``sizes`` as a scalar, arrays as outputs), so that one call goes through
+ctypes on libamdhip64 (``library`` overrides the search). Tests pass a host-memory runtime instead.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 from collections.abc import Iterator
-from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
+from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
 from pathlib import Path
 from typing import Any
 
-from kvxfer.planner import CopyApi, Platform
-from kvxfer.planner.target import HIP_MAX_DESCRIPTORS
+from kvxfer.planner import Buffer, CopyApi, Platform, Target
 
 from .base import ExecutorError
-from .dma import DmaExecutor, Runtime
+from .binding import Memory, check_location
+from .dma import DmaExecutor, Runtime, driver_result
+from .options import HipOptions
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")  # only devel installs ship the first
+HIP_MAX_DESCRIPTORS = Target(platform=Platform.ROCM).default_max_descriptors
 HIP_MEMCPY_DEFAULT = 4
 HIP_STREAM_NON_BLOCKING = 1
+INSTALL_HINT = "the HIP batch executor needs hip-python: pip install 'kvxfer[rocm]'"
 
 
 def load_hip(library: str | Path | None = None) -> ctypes.CDLL:
@@ -37,89 +41,110 @@ def load_hip(library: str | Path | None = None) -> ctypes.CDLL:
     raise ExecutorError("dlopen", 0, None, "could not load the HIP runtime; tried " + "; ".join(reasons), 0)
 
 
-def _declare(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = c_int) -> Any:
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, restype
+def declare_batch(lib: ctypes.CDLL) -> Any:
+    """hipMemcpyBatchAsync with its C signature, or None on ROCm before 7.1 (no such symbol)."""
+    try:
+        fn = lib.hipMemcpyBatchAsync
+    except AttributeError:
+        return None
+    fn.argtypes = [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t, POINTER(c_size_t), c_void_p]
+    fn.restype = c_int
     return fn
 
 
-class HipRuntime(Runtime):
-    """libamdhip64's entry points, declared once. ``host_as_device`` marks a host-memory stand-in."""
+class HipRuntime:
+    """The HIP runtime on device ``device`` (a Runtime): hip-python, plus ctypes for the batch call."""
 
     platform = Platform.ROCM
+    _batch: Any  # ctypes function (declare_batch), None before ROCm 7.1
 
-    def __init__(self, library: str | Path | None = None, *, device: int = 0, host_as_device: bool = False):
-        lib = self.lib = load_hip(library)
-        self.device, self.host_as_device = device, host_as_device
+    def __init__(self, library: str | Path | None = None, *, device: int = 0):
+        self._batch = declare_batch(load_hip(library))
         try:
-            self._set_device = _declare(lib, "hipSetDevice", [c_int])
-            self._get_device = _declare(lib, "hipGetDevice", [POINTER(c_int)])
-            self._error_name = _declare(lib, "hipGetErrorName", [c_int], c_char_p)
-            self._copy = _declare(lib, "hipMemcpyAsync", [c_void_p, c_void_p, c_size_t, c_int, c_void_p])
-            self._stream_create = _declare(lib, "hipStreamCreateWithFlags", [POINTER(c_void_p), c_uint])
-            self.stream_destroy = _declare(lib, "hipStreamDestroy", [c_void_p])
-            self._event_create = _declare(lib, "hipEventCreateWithFlags", [POINTER(c_void_p), c_uint])
-            self.event_destroy = _declare(lib, "hipEventDestroy", [c_void_p])
-            self.event_record = _declare(lib, "hipEventRecord", [c_void_p, c_void_p])
-            self._stream_wait = _declare(lib, "hipStreamWaitEvent", [c_void_p, c_void_p, c_uint])
-            self.event_query = _declare(lib, "hipEventQuery", [c_void_p])
-            self.event_synchronize = _declare(lib, "hipEventSynchronize", [c_void_p])
-            self._elapsed = _declare(lib, "hipEventElapsedTime", [POINTER(c_float), c_void_p, c_void_p])
-            get_version = _declare(lib, "hipRuntimeGetVersion", [POINTER(c_int)])
-        except AttributeError as e:
-            raise ExecutorError("dlsym", 0, None, f"the HIP runtime lacks an entry point kvxfer needs: {e}", 0) from None
-        v = c_int(0)
-        self.version = v.value if get_version(byref(v)) == 0 else 0  # unknown counts as the oldest runtime
-        try:
-            self._batch = _declare(lib, "hipMemcpyBatchAsync", [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p,
-                                                                c_void_p, c_size_t, POINTER(c_size_t), c_void_p])
-        except AttributeError:  # ROCm before 7.1
-            self._batch = None
+            from hip import hip
+        except ImportError as e:
+            raise ImportError(f"{INSTALL_HINT} ({e})") from None
+        self._hip, self.device = hip, device
+        err, version = hip.hipRuntimeGetVersion()
+        self.version = int(version) if int(err) == 0 else 0  # unknown counts as the oldest runtime
+
+    def _ok(self, result: Any, call: str) -> Any:
+        return driver_result(result, call, self.error_name)
+
+    def error_name(self, code: Any) -> str:
+        name = self._hip.hipGetErrorName(code)
+        name = name[0] if isinstance(name, tuple) else name
+        return name.decode() if isinstance(name, bytes) else str(name or f"hipError_t {int(code)}")
 
     def api_available(self, api: CopyApi) -> bool:
         return api is CopyApi.HIP_PER_RANGE or (api is CopyApi.HIP_BATCH and self._batch is not None)
 
-    def batch(self, api, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream) -> int:
+    def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
+              attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
         return self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
 
+    def _code(self, result: Any) -> int:
+        return int(result[0] if isinstance(result, tuple) else result)
+
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
-        return self._copy(dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream)
+        return self._code(self._hip.hipMemcpyAsync(dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream))
+
+    def stream_create(self) -> int:
+        return int(self._ok(self._hip.hipStreamCreateWithFlags(HIP_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags"))
+
+    def stream_destroy(self, stream: int) -> int:
+        return self._code(self._hip.hipStreamDestroy(stream))
+
+    def event_create(self) -> int:
+        return int(self._ok(self._hip.hipEventCreateWithFlags(0), "hipEventCreateWithFlags"))
+
+    def event_destroy(self, event: int) -> int:
+        return self._code(self._hip.hipEventDestroy(event))
+
+    def event_record(self, event: int, stream: int) -> int:
+        return self._code(self._hip.hipEventRecord(event, stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        return self._code(self._hip.hipStreamWaitEvent(stream, event, 0))
+
+    def event_query(self, event: int) -> int:
+        return self._code(self._hip.hipEventQuery(event))
+
+    def event_synchronize(self, event: int) -> int:
+        return self._code(self._hip.hipEventSynchronize(event))
+
+    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        err, ms = self._hip.hipEventElapsedTime(start, end)
+        return int(err), float(ms)
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
         """Select the executor's device for the block, then give the caller back the device it had."""
-        prev = c_int(self.device)
-        known = self._get_device(byref(prev)) == 0
-        self.check(self._set_device(self.device), "hipSetDevice")
+        err, prev = self._hip.hipGetDevice()
+        self._ok(self._hip.hipSetDevice(self.device), "hipSetDevice")
         try:
             yield
         finally:
-            if known and prev.value != self.device:
-                self._set_device(prev.value)
+            if int(err) == 0 and int(prev) != self.device:
+                self._hip.hipSetDevice(int(prev))
 
-    def stream_create(self) -> int:
-        s = c_void_p()
-        self.check(self._stream_create(byref(s), HIP_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags")
-        return s.value or 0
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        check_location(buf, mem)
 
-    def error_name(self, code: int) -> str:
-        name = self._error_name(code)
-        return name.decode() if name else f"hipError_t {code}"
+    def close(self) -> None:
+        """Nothing to release: HIP keeps no per-runtime context here."""
 
 
 class HipBatchExecutor(DmaExecutor):
-    """Runs plans for ``rocm-*`` targets. Refuses calls above ``max_descriptors`` (default 8,192, where ROCm
-    faults; 0 = no limit) before anything is issued."""
+    """Runs plans for ``rocm-*`` targets on ``runtime`` (default: a HipRuntime on ``device``). Refuses calls
+    above ``max_descriptors`` (default 8,192, where ROCm faults; 0 = no limit) before anything is issued."""
 
-    name = "hip-batch"
-
-    def __init__(self, library: str | Path | None = None, *, device: int = 0, host_as_device: bool = False,
+    def __init__(self, runtime: Runtime | None = None, *, device: int = 0, library: str | Path | None = None,
                  max_descriptors: int | None = HIP_MAX_DESCRIPTORS):
-        super().__init__(HipRuntime(library, device=device, host_as_device=host_as_device),
-                         max_descriptors=max_descriptors)
+        super().__init__(runtime if runtime is not None else HipRuntime(library, device=device),
+                         max_descriptors=max_descriptors, own_runtime=runtime is None)
 
     @classmethod
-    def from_config(cls, config: Any) -> HipBatchExecutor:
-        o = config.hip
-        cap = HIP_MAX_DESCRIPTORS if config.max_descriptors is None else config.max_descriptors
-        return cls(o.library, device=o.device, host_as_device=o.host_as_device, max_descriptors=cap)
+    def from_options(cls, options: HipOptions) -> HipBatchExecutor:
+        cap = HIP_MAX_DESCRIPTORS if options.max_descriptors is None else options.max_descriptors
+        return cls(device=options.device, library=options.library, max_descriptors=cap)

@@ -12,61 +12,60 @@ other side can tell which plan and call have landed (``wait_notifs``).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
-from kvxfer.planner import TransferPlan
+from kvxfer.planner import Buffer, TransferPlan
 
-from .base import BindingError, Executor, ExecutorError, Transfer
-from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, local_segment, register
+from .base import Bindings, Executor, ExecutorError, Transfer
+from .binding import BindingError, BoundMemory, Memory
+from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, register, segment_of
 from .nixl_transfer import Inflight, poll_until
+from .options import NixlOptions
+
+__all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "RemoteBuffer"]
 
 INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
 
 
-class NixlOptions(BaseModel):
-    """Options of the ``nixl`` dict in an executor config. Unknown keys are rejected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str | None = Field(default=None, min_length=1)  # agent name; default kvxfer-<random>
-    backends: tuple[str, ...] = ("UCX",)
-    num_threads: int = Field(default=0, ge=0)
-    progress_thread: bool = True  # a pure initiator may turn it off: wait() polls, and the thread spins
-    telemetry: bool = False
-    poll_timeout_s: float = Field(default=60.0, gt=0)  # wait() and wait_notifs() fail after this long
-
-
-def _options_of(config: Any) -> dict[str, Any]:
-    """The nixl options of an ExecutorConfig-like object, a dict shaped like one, or a plain options dict."""
-    if isinstance(config, Mapping):
-        if "kind" not in config and "nixl" not in config:
-            return dict(config)
-        kind, opts = config.get("kind", "nixl"), config.get("nixl")
-    else:
-        kind, opts = getattr(config, "kind", "nixl"), getattr(config, "nixl", None)
-    kind = getattr(kind, "value", kind)
-    if kind != "nixl":
-        raise ValueError(f"config.kind = {kind!r}: NixlExecutor.from_config needs kind 'nixl'")
-    return dict(opts or {})
-
-
-@dataclass
+@dataclass(eq=False, kw_only=True)
 class NixlTransfer(Transfer):
-    """A plan in flight through NIXL: ``op`` READ or WRITE, the remote ``peer``, one notification per call."""
+    """A plan in flight through NIXL: ``op`` READ or WRITE, the remote ``peer``, one notification per call.
+    NIXL calls finish independently; ``stream_wait`` is refused (NIXL transfers are not stream-ordered)."""
 
+    flight: Inflight | None = field(repr=False, default=None)
     op: str = ""
     peer: str = ""
     notifs: tuple[bytes, ...] = ()
 
+    def done(self) -> bool:
+        return self.flight is None or self.flight.poll()
 
-def _not_stream_ordered(stream: Any, call: int) -> None:
-    raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; wait_call({call}) on the host")
+    def wait(self) -> NixlTransfer:
+        if self.flight is not None:
+            t = self.flight.wait()
+            if t is not None:
+                self.elapsed_s = t
+        return self
+
+    def call_done(self, call: int) -> bool:
+        call = self._call(call)
+        return self.flight is None or self.flight.call_done(call)
+
+    def wait_call(self, call: int) -> NixlTransfer:
+        call = self._call(call)
+        if self.flight is not None:
+            self.flight.wait_call(call)
+        return self
+
+    def stream_wait(self, stream: Any, call: int = -1) -> None:
+        raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; wait_call({call}) on the host")
 
 
 @dataclass(frozen=True)
@@ -75,18 +74,19 @@ class _Sides:
     peer: str
     local_mem: str
     remote_mem: str
-    addr: np.ndarray  # per plan buffer: base address (0 where unused)
-    dev: np.ndarray
+    dev: np.ndarray  # per plan buffer: device id (0 where unused)
 
 
 class NixlExecutor(Executor):
     """Runs each call of a plan as one NIXL transfer between this agent and one remote agent.
 
-    Construct with options (NixlOptions fields) or ``from_config``; pass ``agent`` to share an existing
+    Construct with options (NixlOptions fields) or ``from_options``; pass ``agent`` to share an existing
     nixl_agent. Raises ImportError with an install hint when nixl-cu13 is missing.
-    """
 
-    name = "nixl"
+    ``bind(layout, bindings)`` registers the local memory with the agent once (the registration is released
+    by ``bound.close()``); a one-off ``run(plan, bindings)`` needs local memory registered with ``register``.
+    Threads: one executor may be shared; ``run`` holds a lock while it checks and posts a plan.
+    """
 
     def __init__(self, options: NixlOptions | Mapping[str, Any] | None = None, *, agent: Any = None, **kw: Any):
         opts = NixlOptions.model_validate({**dict(options or {}), **kw}) if not isinstance(options, NixlOptions) \
@@ -104,11 +104,11 @@ class NixlExecutor(Executor):
         self._registrations: list[Registration] = []
         self._flights: list[Inflight] = []  # transfers that may still touch registered memory
         self._runs = itertools.count()
+        self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: Any) -> NixlExecutor:
-        """From ``ExecutorConfig(kind="nixl", nixl={...})``, a dict shaped like it, or a plain options dict."""
-        return cls(NixlOptions.model_validate(_options_of(config)))
+    def from_options(cls, options: NixlOptions) -> NixlExecutor:
+        return cls(options)
 
     @property
     def agent_name(self) -> str:
@@ -178,32 +178,37 @@ class NixlExecutor(Executor):
 
     # ---- running -----------------------------------------------------------------------------------------
     def _registered(self, seg: Segment) -> bool:
-        return any(r.covers(seg) for reg in self._registrations for r in reg.segments.values())
+        return any(r.covers(seg) for reg in self._registrations if reg.usable for r in reg.segments.values())
 
-    def _sides(self, plan: TransferPlan, bindings: Mapping[str, Any]) -> tuple[_Sides, list[Any]]:
-        """Check every binding the plan touches and decide READ or WRITE. Raises BindingError."""
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        if not isinstance(mem.owner, RemoteBuffer):
+            segment_of(mem, buf.name)  # local memory NIXL can describe: host (DRAM) or a CUDA tensor (VRAM)
+
+    def _attach(self, bound: BoundMemory) -> None:
+        local = {b.name: m.owner for b, m in zip(bound.buffers, bound.memory)
+                 if m is not None and not isinstance(m.owner, RemoteBuffer)}
+        if local:
+            reg = self.register(local, [b for b in bound.buffers if b.name in local])
+            bound.extra["registration"] = reg
+            bound.on_close(reg.deregister)
+
+    def _sides(self, plan: TransferPlan, bound: BoundMemory) -> _Sides:
+        """Check which side is remote and decide READ or WRITE. Raises BindingError."""
         src = set(plan.buffers_used("src").tolist())
         dst = set(plan.buffers_used("dst").tolist())
-        addr = np.zeros(len(plan.buffers), dtype=np.uint64)
         dev = np.zeros(len(plan.buffers), dtype=np.uint64)
         remote: dict[int, RemoteBuffer] = {}
         local: dict[int, Segment] = {}
         for i in sorted(src | dst):
-            buf = plan.buffers[i]
-            if buf.name not in bindings:
-                raise BindingError(buf.name, "missing", f"the plan reads or writes this buffer (known: {sorted(bindings)})")
-            b = bindings[buf.name]
-            seg = b if isinstance(b, RemoteBuffer) else local_segment(b, buf.name)
-            if seg.nbytes < buf.nbytes:
-                raise BindingError(buf.name, f"{seg.nbytes} bytes", f"smaller than the plan's buffer of {buf.nbytes} bytes")
-            if isinstance(b, RemoteBuffer):
-                remote[i] = b
+            mem = bound.memory[i]
+            if isinstance(mem.owner, RemoteBuffer):
+                remote[i] = mem.owner
+                dev[i] = mem.owner.dev
             else:
-                if i in dst and not seg.writeable:
-                    raise BindingError(buf.name, "read-only memory", "the plan writes to this buffer")
-                local[i] = seg
-            addr[i], dev[i] = seg.addr, seg.dev
-        def name(i):
+                local[i] = seg = segment_of(mem, plan.buffers[i].name)
+                dev[i] = seg.dev
+
+        def name(i: int) -> str:
             return plan.buffers[i].name
         if not remote:
             raise BindingError(name(min(src)), "local memory", "both sides of the plan are local; bind the source or "
@@ -223,7 +228,8 @@ class NixlExecutor(Executor):
         for i, seg in local.items():
             if not self._registered(Segment(seg.addr, plan.buffers[i].nbytes, seg.dev, seg.mem)):
                 raise BindingError(name(i), f"{seg.mem} at {seg.addr:#x}, {plan.buffers[i].nbytes} bytes",
-                                   f"not registered with agent {self.agent_name!r} (use register())")
+                                   f"not registered with agent {self.agent_name!r} (use register() or bind()), or "
+                                   "its registration is unusable (a transfer over it never finished)")
         peers = sorted({r.agent for r in remote.values()})
         if len(peers) > 1:
             raise BindingError(plan.buffers[min(remote)].name, f"agents {peers}",
@@ -235,38 +241,43 @@ class NixlExecutor(Executor):
         for what, m in zip(("local", "remote"), mems):
             if len(m) > 1:
                 raise BindingError(what, sorted(m), "one side of a NIXL descriptor list has one memory type")
-        sides = _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), addr, dev)
-        return sides, [bindings[plan.buffers[i].name] for i in local]
+        return _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), dev)
 
-    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> NixlTransfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None) -> NixlTransfer:
         """Post every call of ``plan`` as one NIXL transfer; returns at once with a NixlTransfer.
 
-        Raises BindingError (before anything is posted) for a missing, undersized, unregistered or
-        wrongly-sided binding or an unknown agent, and ExecutorError naming the call when NIXL rejects a
-        transfer (calls posted before it are drained first). ``done()``/``wait()`` raise ExecutorError when a
-        transfer ends in ERR or outlives ``poll_timeout_s``; a failed transfer is never reported done.
+        Raises BindingError or PlanError (before anything is posted) for a malformed plan, a range outside
+        its bound buffer, a missing, undersized, unregistered or wrongly-sided binding or an unknown agent,
+        and ExecutorError naming the call when NIXL rejects a transfer (calls posted before it are drained
+        first). ``done()``/``wait()`` raise ExecutorError when a transfer ends in ERR or outlives
+        ``poll_timeout_s``; a failed transfer is never reported done.
         """
         if stream is not None:
             raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; synchronize before run()")
         t0 = time.perf_counter()
+        bound = self.memory_for(plan, memory)
+        src_addr, dst_addr = bound.lower(plan)  # every range inside its bound buffer, local and remote
         if plan.num_ranges == 0:
             return NixlTransfer(nbytes=0, ranges=0, calls=0, elapsed_s=time.perf_counter() - t0)
-        s, keep = self._sides(plan, bindings)
-        loc_buf, loc_off, rem_buf, rem_off = ((plan.dst_buf, plan.dst_offset, plan.src_buf, plan.src_offset)
-                                              if s.op == "READ" else
-                                              (plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset))
-        local = np.stack([s.addr[loc_buf] + loc_off, plan.nbytes, s.dev[loc_buf]], axis=1)
-        remote = np.stack([s.addr[rem_buf] + rem_off, plan.nbytes, s.dev[rem_buf]], axis=1)
-        tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
-        notifs = tuple(f"{tag}:{c};".encode() for c in range(plan.num_calls))  # ';' ends the tag: 1 never matches 10
-        flight = Inflight(self.agent, t0, self.options.poll_timeout_s, keep, notifs)
-        self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
-        for c, sl in enumerate(plan.calls()):
-            flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
-                s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
-                self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
-                f"{s.op} to {s.peer!r}")
-        return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                            _poll=flight.poll, _wait=flight.wait, _call_poll=flight.call_done,
-                            _call_wait=flight.wait_call, _stream_wait=_not_stream_ordered,
+        with self._lock:
+            s = self._sides(plan, bound)
+            reading = s.op == "READ"
+            loc_buf, loc_addr, rem_buf, rem_addr = ((plan.dst_buf, dst_addr, plan.src_buf, src_addr) if reading else
+                                                    (plan.src_buf, src_addr, plan.dst_buf, dst_addr))
+            local = np.stack([loc_addr, plan.nbytes, s.dev[loc_buf]], axis=1)
+            remote = np.stack([rem_addr, plan.nbytes, s.dev[rem_buf]], axis=1)
+            tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
+            notifs = tuple(f"{tag}:{c};".encode() for c in range(plan.num_calls))  # ';' ends the tag: 1 never matches 10
+            used = plan.buffers_used("dst" if reading else "src").tolist()
+            registrations = [r for r in self._registrations
+                             if any(r.covers(segment_of(bound.memory[i], plan.buffers[i].name)) for i in used)]
+            flight = Inflight(self.agent, t0, self.options.poll_timeout_s, bound.owners(), notifs,
+                              drain_s=self.options.drain_timeout_s, registrations=registrations)
+            self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
+            for c, sl in enumerate(plan.calls()):
+                flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
+                    s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
+                    self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
+                    f"{s.op} to {s.peer!r}")
+        return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, flight=flight,
                             op=s.op, peer=s.peer, notifs=notifs)

@@ -5,32 +5,28 @@ address and size of a launch allows (one launch per element width present; usual
 unmasked and tails masked. Loads (h2d) read pinned host memory through unified addressing; on a GPU, host
 buffers that are not pinned are refused. With TRITON_INTERPRET=1 set before triton is imported, the kernel
 runs on the CPU on host memory (about 5-8 MB/s: for correctness checks only).
+
+Threads: one executor may be shared; ``run`` holds a lock while it launches (the copy stream's order is
+one chain, and the interpreter is not reentrant).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Location, Platform, Target, TransferPlan, cuda_version, hip_version
+from kvxfer.planner import Buffer, Location, Platform, Target, TransferPlan, cuda_version, hip_version
 
-from .base import (
-    BindingError,
-    Bound,
-    Buffer,
-    Executor,
-    ExecutorError,
-    TargetMismatchError,
-    Transfer,
-    bind_addresses,
-    check_location,
-    completed,
-)
+from .base import Bindings, Executor, ExecutorError, TargetMismatchError, Transfer, completed
+from .binding import BindingError, BoundMemory, Memory, check_location
+from .options import TritonOptions
 
 ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
+TABLE_KEYS = ("src", "dst", "nbytes", "tile_range", "tile_start")
 
 
 def interpreter_active() -> bool:
@@ -71,6 +67,37 @@ def _torch_target(torch: Any) -> Target:
     return Target(platform=Platform.CUDA, runtime_version=cuda_version(major, minor))
 
 
+@dataclass(eq=False, kw_only=True)
+class TritonTransfer(Transfer):
+    """Kernels launched on the executor's stream: torch events ``start``/``end``, ``marks[i]`` done with call i;
+    ``keep`` holds the bound memory and the uploaded tile table until the kernels finish."""
+
+    start: Any = field(repr=False)
+    end: Any = field(repr=False)
+    marks: tuple[Any, ...] = field(repr=False)
+    keep: tuple[Any, ...] = field(repr=False, default=())
+    torch: Any = field(repr=False, default=None)
+
+    def done(self) -> bool:
+        return bool(self.end.query())
+
+    def wait(self) -> TritonTransfer:
+        self.end.synchronize()
+        self.elapsed_s = self.start.elapsed_time(self.end) / 1e3
+        return self
+
+    def call_done(self, call: int) -> bool:
+        return bool(self.marks[self._call(call)].query())
+
+    def wait_call(self, call: int) -> TritonTransfer:
+        self.marks[self._call(call)].synchronize()
+        return self
+
+    def stream_wait(self, stream: Any, call: int = -1) -> None:
+        cuda = self.torch.cuda
+        (stream if isinstance(stream, cuda.Stream) else cuda.ExternalStream(int(stream))).wait_event(self.marks[self._call(call)])
+
+
 class TritonExecutor(Executor):
     """Copies with a Triton kernel on ``device`` (or on the CPU under TRITON_INTERPRET=1).
 
@@ -78,8 +105,6 @@ class TritonExecutor(Executor):
     and the previous transfer. Plans of any platform version run (the kernel uses no copy API), but the
     platform must match the GPU's.
     """
-
-    name = "triton"
 
     def __init__(self, *, device: int = 0, tile_bytes: int = 8192, num_programs: int | None = None):
         if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
@@ -95,6 +120,7 @@ class TritonExecutor(Executor):
         self._elem = {w: getattr(tl, name) for w, name in ELEMENTS}
         self.interpret = interpreter_active()
         self._last_end = None
+        self._lock = threading.Lock()
         if self.interpret:
             self._device, self._target, self.num_programs = torch.device("cpu"), Target(), num_programs or 4
             return
@@ -107,39 +133,44 @@ class TritonExecutor(Executor):
         self.num_programs = num_programs or 4 * torch.cuda.get_device_properties(self._device).multi_processor_count
 
     @classmethod
-    def from_config(cls, config: Any) -> TritonExecutor:
-        o = config.triton
-        return cls(device=o.device, tile_bytes=o.tile_bytes, num_programs=o.num_programs)
+    def from_options(cls, options: TritonOptions) -> TritonExecutor:
+        return cls(device=options.device, tile_bytes=options.tile_bytes, num_programs=options.num_programs)
 
     @property
     def target(self) -> Target:
         return self._target
 
-    def _check_memory(self, buf: Buffer, bound: Bound) -> None:
-        check_location(buf, bound, host_as_device=self.interpret)
-        if self.interpret or buf.location is not Location.HOST:
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        if self.interpret:  # the interpreter runs on host memory: every buffer is host memory there
+            if mem.location is not None and mem.location is not Location.HOST:
+                raise BindingError(buf.name, f"{mem.location.value} memory", "the Triton interpreter copies host memory")
             return
-        pinned = bound.pinned if bound.pinned is not None else _driver_says_pinned(bound.address)
+        check_location(buf, mem)
+        if buf.location is not Location.HOST:
+            return
+        pinned = mem.pinned if mem.pinned is not None else _driver_says_pinned(mem.address)
         if not pinned:
             raise BindingError(buf.name, "pageable host memory" if pinned is False else "host memory of unknown kind",
                                "the Triton kernel reads host memory through unified addressing, which needs pinned "
                                "memory (pin it, or use the cuda-batch executor)")
 
-    def run(self, plan: TransferPlan, bindings: Mapping[str, Any], stream: Any = None) -> Transfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None) -> Transfer:
         """Launch the copies; complete on return under the interpreter, asynchronous on a GPU.
-        Raises TargetMismatchError (other platform) or BindingError before anything runs."""
+        Raises TargetMismatchError (other platform), BindingError or PlanError before anything runs."""
         t0 = time.perf_counter()
         if not self.interpret and plan.target.platform is not self._target.platform:
             raise TargetMismatchError(plan.target, self._target, None)
-        addrs = bind_addresses(plan, bindings, self._check_memory)
+        bound = self.memory_for(plan, memory)
+        src, dst = bound.lower(plan)
         # the plan's calls are kept: launches of call i all precede those of call i+1, so completion can be
         # reported per call (per layer with regions_per_call)
-        per_call = [launch_tables(addrs.src[c], addrs.dst[c], plan.nbytes[c], self.tile_bytes) for c in plan.calls()]
-        if self.interpret:
-            for g in (g for groups in per_call for g in groups):
-                self._launch(g, {k: self._torch.from_numpy(g[k]) for k in ("src", "dst", "nbytes", "tile_range", "tile_start")})
-            return completed(plan, t0)
-        return self._run_on_gpu(plan, per_call, addrs, stream)
+        per_call = [launch_tables(src[c], dst[c], plan.nbytes[c], self.tile_bytes) for c in plan.calls()]
+        with self._lock:
+            if self.interpret:
+                for g in (g for groups in per_call for g in groups):
+                    self._launch(g, {k: self._torch.from_numpy(g[k]) for k in TABLE_KEYS})
+                return completed(plan, t0)
+            return self._run_on_gpu(plan, per_call, bound, stream)
 
     def _launch(self, g: dict[str, Any], t: dict[str, Any]) -> None:
         num_tiles = len(g["tile_range"])
@@ -148,7 +179,8 @@ class TritonExecutor(Executor):
                            ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
                            ALIGN16=g["align16"])
 
-    def _run_on_gpu(self, plan: TransferPlan, per_call: list[list[dict[str, Any]]], addrs: Any, stream: Any) -> Transfer:
+    def _run_on_gpu(self, plan: TransferPlan, per_call: list[list[dict[str, Any]]], bound: BoundMemory,
+                    stream: Any) -> TritonTransfer:
         torch = self._torch
         compute = (torch.cuda.current_stream(self._device) if stream is None else
                    stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(int(stream)))
@@ -158,17 +190,18 @@ class TritonExecutor(Executor):
             cs.wait_event(self._last_end)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         marks = [torch.cuda.Event() for _ in range(max(len(per_call) - 1, 0))] + [end]  # marks[i]: call i done
-        keys = ("src", "dst", "nbytes", "tile_range", "tile_start")
         groups = [g for gs in per_call for g in gs]
-        packed = np.concatenate([g[k] for g in groups for k in keys]) if groups else np.zeros(0, np.int64)
+        packed = np.concatenate([g[k] for g in groups for k in TABLE_KEYS]) if groups else np.zeros(0, np.int64)
         with torch.cuda.stream(cs):
+            # the tile table goes up from pinned memory, asynchronously and before ``start``: it is not copy time
+            host = torch.from_numpy(packed).pin_memory()
+            table = host.to(self._device, non_blocking=True)
             start.record(cs)
-            table = torch.from_numpy(packed).to(self._device)  # ordered on cs before the kernels read it
             at = 0
             for call, gs in enumerate(per_call):
                 for g in gs:
                     views = {}
-                    for k in keys:
+                    for k in TABLE_KEYS:
                         views[k] = table[at:at + len(g[k])]
                         at += len(g[k])
                     self._launch(g, views)
@@ -176,15 +209,8 @@ class TritonExecutor(Executor):
                     marks[call].record(cs)
             end.record(cs)
         self._last_end = end
-        t = Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                     _keep=([b.owner for b in addrs.bound if b is not None], table if groups else None))
-        t._poll = end.query
-        t._wait = lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
-        t._call_poll = lambda i: marks[i].query()
-        t._call_wait = lambda i: marks[i].synchronize()
-        t._stream_wait = lambda s, i: (s if isinstance(s, torch.cuda.Stream) else torch.cuda.ExternalStream(int(s))
-                                       ).wait_event(marks[i])
-        return t
+        return TritonTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, start=start,
+                              end=end, marks=tuple(marks), keep=(*bound.owners(), host, table), torch=torch)
 
 
 def _driver_says_pinned(address: int) -> bool | None:

@@ -7,13 +7,11 @@ caching host allocator, which rounds each pinned allocation up to a power of two
 """
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .base import resolve_memory
+from .binding import resolve
 
 MAX_CHUNK_BYTES = 64 << 30
 
@@ -40,16 +38,23 @@ def cuda_registrar(flags: int = 0) -> Registrar:
                      lambda c: rt.cudaGetErrorName(rt.cudaError_t(c))[1].decode())
 
 
-def hip_registrar(library: str | Path | None = None, flags: int = 0) -> Registrar:
-    """hipHostRegister through ctypes on libamdhip64 (``library`` overrides the search, e.g. a test shim)."""
-    from .ops_hip import load_hip
-    lib = load_hip(library)
-    reg, unreg, name = lib.hipHostRegister, lib.hipHostUnregister, lib.hipGetErrorName
-    reg.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    unreg.argtypes, name.argtypes = [ctypes.c_void_p], [ctypes.c_int]
-    name.restype = ctypes.c_char_p
-    return Registrar("hipHostRegister", lambda a, n: reg(a, n, flags), lambda a: unreg(a),
-                     lambda c: (name(c) or b"unknown").decode())
+def hip_registrar(flags: int = 0) -> Registrar:
+    """hipHostRegister through hip-python (``flags``: hipHostRegister* bits)."""
+    try:
+        from hip import hip
+    except ImportError as e:
+        raise ImportError(f"pinning on ROCm needs hip-python: pip install 'kvxfer[rocm]' ({e})") from None
+
+    def code(result: Any) -> int:
+        return int(result[0] if isinstance(result, tuple) else result)
+
+    def name(c: int) -> str:
+        n = hip.hipGetErrorName(c)
+        n = n[0] if isinstance(n, tuple) else n
+        return n.decode() if isinstance(n, bytes) else str(n)
+
+    return Registrar("hipHostRegister", lambda a, n: code(hip.hipHostRegister(a, n, flags)),
+                     lambda a: code(hip.hipHostUnregister(a)), name)
 
 
 def chunk_bounds(nbytes: int, row_bytes: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -101,7 +106,7 @@ def pin_host_memory(memory: Any, row_bytes: int, registrar: Registrar | None = N
     PinnedRegion with ``pinned=False`` and the driver's error as ``reason`` is returned (not raised): the
     caller decides whether pageable memory is acceptable.
     """
-    bound = resolve_memory(memory, "memory")
+    bound = resolve(memory, "memory")
     registrar = registrar if registrar is not None else cuda_registrar()
     region = PinnedRegion(bound.address, bound.nbytes, False, [], None, registrar, bound.owner)
     for i, (off, size) in enumerate(chunk_bounds(bound.nbytes, row_bytes, max_chunk_bytes)):

@@ -33,16 +33,39 @@ def test_numpy_verify_and_explain(case_file, capsys):
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the shims")
-def test_batch_executors_on_shims(case_file, capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVXFER_SHIM_VERSION", "0")  # restored after the test; the command sets it
+def test_batch_executors_on_shims(case_file, tmp_path):
+    """The run command's body with batch executors built on the C shims (injected, no CLI flag reaches them)."""
+    import ctypes
+
+    from kvxfer.cli.cmd_run import run_case
+    from kvxfer.executors import CudaBatchExecutor, HipBatchExecutor, TargetMismatchError
+    from kvxfer.executors.config import ExecutorConfig, ExecutorKind
+
+    from .shims.runtime import ShimCudaRuntime, ShimHipRuntime
+
     cuda, hip = build("fake_cuda", tmp_path), build("fake_hip", tmp_path)
-    code, out, _ = _run([case_file, "-e", "cuda-batch", "--shim", str(cuda), "--shim-version", "12080", "--verify"], capsys)
-    assert code == 0 and "verify: OK" in out
-    code, _, err = _run([case_file, "-e", "cuda-batch", "--shim", str(cuda), "--shim-version", "13000"], capsys)
-    assert code == 2 and "plan target cuda-12.8 does not fit the runtime found, cuda-13.0" in err
-    code, out, _ = _run([case_file, "-e", "hip-batch", "--shim", str(hip), "--shim-version", "71600000", "--replan",
-                         "--max-descriptors", "4", "--verify"], capsys)
-    assert code == 0 and "d2h rocm-7.16" in out and "6 ranges, 2 calls" in out and "verify: OK" in out
+    lines: list[str] = []
+
+    def echo(msg, err=False):
+        lines.append(msg)
+
+    cfg = ExecutorConfig(kind="cuda-batch")
+    assert run_case(case_file, CudaBatchExecutor(ShimCudaRuntime(cuda, 12080)), cfg, verify=True, echo=echo, on_gpu=False)
+    assert lines[-1].startswith("verify: OK")
+    with pytest.raises(TargetMismatchError, match="plan target cuda-12.8 does not fit the runtime found, cuda-13.0"):
+        run_case(case_file, CudaBatchExecutor(ShimCudaRuntime(cuda, 13000)), cfg, echo=echo, on_gpu=False)
+    ctypes.c_long.in_dll(ctypes.CDLL(str(hip)), "shim_version").value = 71600000
+    cfg = ExecutorConfig(kind=ExecutorKind.HIP_BATCH, replan=True, max_descriptors=4)
+    lines.clear()
+    assert run_case(case_file, HipBatchExecutor(ShimHipRuntime(hip), max_descriptors=4), cfg, verify=True, echo=echo,
+                    on_gpu=False)
+    out = "\n".join(lines)
+    assert "d2h rocm-7.16" in out and "6 ranges, 2 calls" in out and "verify: OK" in out
+
+
+def test_shim_flags_are_gone(case_file, capsys):
+    code, _, err = _run([case_file, "-e", "cuda-batch", "--shim", "x.so"], capsys)
+    assert code == 2 and "No such option" in err
 
 
 def test_driver_failures_are_one_line(case_file, capsys, tmp_path, monkeypatch):

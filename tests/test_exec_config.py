@@ -8,7 +8,6 @@ import pytest
 
 from kvxfer.executors import ExecutorError, NumpyExecutor, RawMemory
 from kvxfer.executors.config import (
-    EXECUTORS,
     AutoExecutor,
     ConfigError,
     ExecutorConfig,
@@ -17,6 +16,7 @@ from kvxfer.executors.config import (
     executor_class,
     get_executor,
 )
+from kvxfer.executors.registry import BACKENDS
 from kvxfer.planner import BlockMapping, Location, Platform, Target, plan_transfer, presets
 
 from .shims.build import build, compiler
@@ -59,12 +59,18 @@ def test_sources_and_precedence(tmp_path):
 
 
 def test_name_table_is_lazy_and_complete():
-    assert set(EXECUTORS) == set(ExecutorKind) - {ExecutorKind.AUTO}
-    assert EXECUTORS[ExecutorKind.NIXL] == "kvxfer.executors.ops_nixl:NixlExecutor"
+    assert set(BACKENDS) == set(ExecutorKind) - {ExecutorKind.AUTO}
+    assert (BACKENDS[ExecutorKind.NIXL].module, BACKENDS[ExecutorKind.NIXL].cls) == ("ops_nixl", "NixlExecutor")
+    import kvxfer.executors as ex
+    assert all(b.cls in ex.__all__ for b in BACKENDS.values())  # the package's lazy names come from the table
+    assert ExecutorConfig(max_descriptors=4096).options_for("hip-batch").max_descriptors == 4096
+    assert ExecutorConfig(nixl={"poll_timeout_s": 3}).options_for("nixl").poll_timeout_s == 3
     assert executor_class("numpy") is NumpyExecutor
     assert isinstance(get_executor({"kind": "numpy"}), NumpyExecutor)
     with pytest.raises(ConfigError, match="kind = 'auto': no executor class"):
         executor_class("auto")
+    with pytest.raises(ConfigError, match="cuda.driver_lib = '/x.so': extra inputs are not permitted"):
+        ExecutorConfig(cuda={"driver_lib": "/x.so"})  # test doubles are not configuration
 
 
 def _pinned(layout):
@@ -116,8 +122,12 @@ def test_auto_executor_runs_on_cpu_and_explains():
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the driver shim")
 def test_auto_with_a_cuda_shim_uses_cuda_batch_and_its_target(tmp_path):
+    from kvxfer.executors import CudaBatchExecutor
+
+    from .shims.runtime import ShimCudaRuntime
     lib = build("fake_cuda", tmp_path)
-    ex = get_executor(ExecutorConfig(cuda={"driver_lib": str(lib), "driver_version": 12080}))
+    shim = CudaBatchExecutor(ShimCudaRuntime(lib, 12080))
+    ex = AutoExecutor(ExecutorConfig(), Platform.CUDA, executors={ExecutorKind.CUDA_BATCH: shim})
     assert isinstance(ex, AutoExecutor) and ex.platform is Platform.CUDA and ex.target.label == "cuda-12.8"
     layout = presets.kv_layout(2, 32, 64 * 1024)
     plan = plan_transfer(layout, presets.mapping("runs8", 8, 32, "d2h"), ex.target)
@@ -142,3 +152,18 @@ def test_get_executor_applies_the_same_precedence(tmp_path, monkeypatch):
     with pytest.raises(ExecutorError, match="no-such-libamdhip64"):
         get_executor({"kind": "numpy"})
     assert isinstance(get_executor(ExecutorConfig(kind="numpy")), NumpyExecutor)  # ...not a model given as is
+
+
+def test_auto_binds_once_for_the_executor_it_chooses():
+    ex = AutoExecutor(ExecutorConfig(), Platform.CPU)
+    layout = presets.kv_layout(2, 32, 128)
+    bufs = host_buffers(layout, seed=2)
+    bound = ex.bind(layout, bufs)
+    for direction in ("d2h", "h2d"):
+        plan = plan_transfer(layout, presets.mapping("runs8", 8, 32, direction))
+        want = expected(plan, bufs)
+        ex.run(plan, bound).wait()
+        assert_same(bufs, want)
+    assert ex.last_choice[0] is ExecutorKind.NUMPY and ExecutorKind.NUMPY in bound.extra  # bound once for numpy
+    bound.close()
+    assert bound.extra[ExecutorKind.NUMPY].closed

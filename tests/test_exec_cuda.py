@@ -7,13 +7,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, TargetMismatchError
+from kvxfer.executors import ExecutorError, NumpyExecutor, TargetMismatchError
 from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
-from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
 from .shims.cases import assert_same, expected, gpu_buffers, gpu_round_trip, host_buffers
+from .shims.runtime import ShimCudaRuntime
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the driver shim")
 
@@ -29,11 +30,10 @@ def shim_path(tmp_path_factory):
 def make(shim_path):
     """make(version) -> (executor, shim state), state reset."""
     def _make(version: int = V13, **kw):
-        driver = ShimDriver(shim_path, version)
-        state = ShimState(driver.lib)
+        state = ShimState(ctypes.CDLL(str(shim_path)))
         state.reset()
         state.set(null_batch=0)
-        return CudaBatchExecutor(driver, **kw), state
+        return CudaBatchExecutor(ShimCudaRuntime(shim_path, version), **kw), state
     return _make
 
 
@@ -101,11 +101,11 @@ def test_stream_order_compute_then_previous_transfer(make):
     first = ex.run(plan, bufs, stream=77)
     second = ex.run(plan, bufs, stream=77)
     second.wait()
-    ev_end_first = first._keep[1][2]
+    ev_end_first = first.end
     log = [op for op in st.log if op[0] not in ("sync", "stream")]
     s = ex._stream
-    ready1, start1, end1 = first._keep[1]
-    ready2, start2, end2 = second._keep[1]
+    (start1, end1), (start2, end2) = (first.start, first.end), (second.start, second.end)
+    ready1, ready2 = start1 - 1, start2 - 1  # events are made ready, start, end, marks...
     assert log == [("record", ready1, 77), ("wait", s, ready1), ("record", start1, s), ("batch", s, plan.num_ranges),
                    ("record", end1, s),
                    ("record", ready2, 77), ("wait", s, ready2), ("wait", s, ev_end_first), ("record", start2, s),
@@ -122,7 +122,7 @@ def test_per_call_completion_for_layer_wise_plans(make, version):
     bufs = host_buffers(layout)
     want = expected(plan, bufs)
     t = ex.run(plan, bufs)
-    ready, start, end, mark0, mark1 = t._keep[1]
+    end, (mark0, mark1) = t.end, t.marks[:2]
     s = ex._stream
     issue = "batch" if version == V13 else "copy"
     marks = {mark0: "mark0", mark1: "mark1", end: "end"}
@@ -159,7 +159,7 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
     assert e.value.descriptor == (9 if descriptor else None)
     assert ("descriptor 9 is index 1 of the call" in msg) == descriptor
     # the failed transfer still gets an end event, and the next transfer waits for it
-    failed_end = ex._last._keep[1][2]
+    failed_end = ex._last.end
     assert ("record", failed_end, ex._stream) in st.log
     st.reset()
     ex.run(plan, bufs).wait()
@@ -169,7 +169,7 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
 def test_null_entry_point_is_unavailable_not_a_crash(make):
     ex, st = make(V13)
     st.set(null_batch=1)
-    ex2 = CudaBatchExecutor(ex.runtime.driver)  # resolves again, now NULL
+    ex2 = CudaBatchExecutor(ShimCudaRuntime(ex.runtime.lib._name, V13))  # resolves again, now NULL
     layout, plan = _plan(V13)
     with pytest.raises(ExecutorError, match="NULL: unavailable") as e:
         ex2.run(plan, host_buffers(layout))
@@ -193,12 +193,6 @@ def test_target_mismatch_names_both_and_replan(make):
     assert_same(bufs, want)
     with pytest.raises(TargetMismatchError):
         ex.run_case(case, bufs, replan=False)
-
-
-def test_shim_without_a_version_is_refused(shim_path, monkeypatch):
-    monkeypatch.delenv("KVXFER_SHIM_VERSION", raising=False)
-    with pytest.raises(ExecutorError, match="reports driver version 0"):
-        ShimDriver(shim_path, 0)
 
 
 def test_cap_refused_before_issue(make):
@@ -264,8 +258,7 @@ def test_prototype_check_rejects_a_wrong_abi(tmp_path):
 
 @pytest.mark.gpu
 def test_round_trip_on_gpu():
-    from kvxfer.executors.ops_cuda import CudaDriver
-    ex = CudaBatchExecutor(CudaDriver(0))
+    ex = CudaBatchExecutor(device=0)
     layout = presets.kv_layout(4, 128, 4096)
     mem = gpu_buffers(layout)
     for direction, pattern in (("d2h", "runs8"), ("h2d", "descending")):
@@ -287,3 +280,58 @@ def test_bound_memory_lives_until_the_copies_finish(make):
     ex.run(plan, host_buffers(layout))  # the first transfer is seen finished and let go
     gc.collect()
     assert owner() is None and len(ex._inflight) == 1
+
+
+def test_two_devices_and_a_call_cut_mid_run_pass_every_attribute_run(make):
+    """Regions on devices 0 and 1; max_descriptors=4 cuts call 0 after device 1's first range, so call 0 carries
+    two attribute runs and call 1 one. Expected values are written out from the CUDA headers' enums."""
+    from kvxfer.planner import Buffer, Layout, Placement, Region
+    layout = Layout(buffers=(Buffer(name="gpu0", nbytes=2048, location="device", device=0),
+                             Buffer(name="gpu1", nbytes=2048, location="device", device=1),
+                             Buffer(name="cpu", nbytes=4096, location="host")),
+                    regions=(Region(name="k0", page_bytes=256, device=Placement(buffer="gpu0"), host=Placement(buffer="cpu")),
+                             Region(name="k1", page_bytes=256, device=Placement(buffer="gpu1"),
+                                    host=Placement(buffer="cpu", byte_offset=2048))))
+    plan = plan_transfer(layout, {"direction": "h2d", "src_ids": [0, 2, 4], "dst_ids": [1, 3, 5]},
+                         Target(platform="cuda", runtime_version=V13), PlanOptions(max_descriptors=4))
+    ex, st = make(V13)
+    bufs = host_buffers(layout, seed=3)
+    want = expected(plan, bufs)
+    ex.run(plan, bufs).wait()
+    assert_same(bufs, want)
+    assert st.counts == [4, 2]
+    assert st.num_attrs == [2, 1]  # call 0: device 0's three ranges, then device 1's first
+    recs, idx = st.attrs(ATTR_DTYPE)
+    assert idx.tolist() == [0, 3, 0]  # attrsIdxs are local to each call
+    ANY, HOST, DEVICE = 3, 2, 1  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEM_LOCATION_TYPE_HOST / _DEVICE
+    assert recs.tolist() == [(ANY, (HOST, 0), (DEVICE, 0), 0), (ANY, (HOST, 0), (DEVICE, 1), 0),
+                             (ANY, (HOST, 0), (DEVICE, 1), 0)]
+    # each descriptor's destination hint, from the records and attrsIdxs the driver received
+    per_descriptor = []
+    for call, (count, first) in enumerate(zip(st.counts, (0, 2))):
+        starts = idx[first:first + st.num_attrs[call]].tolist() + [count]
+        hints = recs[first:first + st.num_attrs[call]]["dstLocHint"]["id"].tolist()
+        per_descriptor += [hints[j] for j in range(len(hints)) for _ in range(starts[j], starts[j + 1])]
+    assert per_descriptor == [0, 0, 0, 1, 1, 1]
+
+
+def test_bind_once_then_run_many_plans(make):
+    from kvxfer.executors import BindingError
+    ex, st = make(V13)
+    layout = presets.kv_layout(3, 64, 512)
+    bufs = host_buffers(layout, seed=4)
+    bound = ex.bind(layout, bufs)
+    for pattern in ("runs8", "fragmented", "descending"):
+        for direction in ("h2d", "d2h"):
+            plan = plan_transfer(layout, presets.mapping(pattern, 24, 64, direction, seed=2),
+                                 Target(platform="cuda", runtime_version=V13))
+            want = expected(plan, bufs)
+            ex.run(plan, bound).wait()
+            assert_same(bufs, want)
+    other = presets.kv_layout(3, 32, 512)
+    with pytest.raises(BindingError, match=r"bindings\['cpu'\].*the bound buffer table has"):
+        ex.run(plan_transfer(other, presets.mapping("runs8", 8, 32), Target(platform="cuda", runtime_version=V13)), bound)
+    issued = len(st.counts)
+    with pytest.raises(BindingError, match="bound by another executor kind"):
+        ex.run(plan, NumpyExecutor().bind(layout, bufs))
+    assert len(st.counts) == issued

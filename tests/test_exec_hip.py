@@ -13,6 +13,7 @@ from kvxfer.planner import PlanError, PlanOptions, Target, hip_version, plan_tra
 
 from .shims.build import ShimState, build, compiler
 from .shims.cases import assert_same, expected, gpu_buffers, gpu_round_trip, host_buffers
+from .shims.runtime import ShimHipRuntime
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the HIP shim")
 
@@ -30,7 +31,7 @@ def make(lib_path):
     def _make(version: int, max_descriptors: int | None = 8192, **controls):
         state.reset()
         state.set(version=version, **controls)
-        return HipBatchExecutor(lib_path, host_as_device=True, max_descriptors=max_descriptors), state
+        return HipBatchExecutor(ShimHipRuntime(lib_path), max_descriptors=max_descriptors), state
     return _make
 
 

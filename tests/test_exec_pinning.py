@@ -7,9 +7,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, hip_registrar, pin_host_memory
+from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, pin_host_memory
 
 from .shims.build import ShimState, build, compiler
+from .shims.runtime import shim_registrar
 
 
 def test_chunk_bounds_end_on_rows():
@@ -58,12 +59,12 @@ def test_with_hip_shim(tmp_path):
     st = ShimState(ctypes.CDLL(str(lib)))
     st.reset()
     mem = np.zeros(4096, dtype=np.uint8)
-    region = pin_host_memory(mem, 512, hip_registrar(lib), max_chunk_bytes=1024)
+    region = pin_host_memory(mem, 512, shim_registrar(lib), max_chunk_bytes=1024)
     assert region.pinned and st.registered == 4
     region.close()
     assert st.registered == 0
     st.reset()
     st.set(register_fail_at=1, register_fail_code=712)
-    region = pin_host_memory(mem, 512, hip_registrar(lib), max_chunk_bytes=1024)
+    region = pin_host_memory(mem, 512, shim_registrar(lib), max_chunk_bytes=1024)
     assert not region.pinned and "hipErrorHostMemoryAlreadyRegistered (712)" in region.reason
     assert st.registered == 0 and [op for op, _, _ in st.log] == ["register", "register", "unregister"]

@@ -234,3 +234,23 @@ def test_vram_bindings_load_from_dram_peer(peer):
         _assert_same({**{n: v.cpu().numpy() for n, v in vram.items()}, "cpu": p.read("cpu")}, want)
     finally:
         reg.deregister()
+
+
+def test_a_stopped_or_closed_peer_says_so():
+    import signal
+    ex = NixlExecutor(name="asker", progress_thread=False, **TIMEOUT)
+    peer = PeerProcess(ex, {"cpu": 64}, timeout_s=20.0)
+    peer.timeout_s = 1.0
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match=r"is stopped \(process \d+, state T"):
+            peer.read("cpu")
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    peer.timeout_s = 20.0
+    peer.proc.kill()
+    peer.proc.wait()
+    peer.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        peer.read("cpu")
+    ex.close()

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError
+from kvxfer.executors import BindingError, ExecutorError
 from kvxfer.executors.nixl_memory import RemoteBuffer
 from kvxfer.executors.ops_nixl import NixlExecutor, NixlOptions
 from kvxfer.planner import PlanOptions, plan_transfer, presets
@@ -142,18 +141,15 @@ def test_empty_plan_is_done_at_once():
     assert t.done() and t.calls == 0
 
 
-def test_from_config_shapes(monkeypatch):
+def test_built_from_typed_options(monkeypatch):
+    from kvxfer.executors.config import ExecutorConfig, build_executor
     seen = []
     monkeypatch.setattr(NixlExecutor, "__init__", lambda self, options=None, **kw: seen.append(options))
-    NixlExecutor.from_config(SimpleNamespace(kind="nixl", nixl={"name": "x", "backends": ["UCX"]}))
-    NixlExecutor.from_config({"kind": "nixl", "nixl": {"poll_timeout_s": 3}})
-    NixlExecutor.from_config({"num_threads": 2})
-    NixlExecutor.from_config(SimpleNamespace(nixl=None))
-    assert seen == [NixlOptions(name="x"), NixlOptions(poll_timeout_s=3), NixlOptions(num_threads=2), NixlOptions()]
-    with pytest.raises(ValueError, match="needs kind 'nixl'"):
-        NixlExecutor.from_config({"kind": "cuda", "nixl": {}})
-    with pytest.raises(ValueError, match="bogus"):
-        NixlExecutor.from_config({"bogus": 1})
+    build_executor("nixl", ExecutorConfig(kind="nixl", nixl={"name": "x", "backends": ["UCX"]}))
+    NixlExecutor.from_options(NixlOptions(poll_timeout_s=3))
+    assert seen == [NixlOptions(name="x"), NixlOptions(poll_timeout_s=3)]
+    with pytest.raises(ValueError, match="nixl.bogus = 1: extra inputs are not permitted"):
+        ExecutorConfig(nixl={"bogus": 1})
 
 
 def test_missing_nixl_gives_install_hint(monkeypatch):
@@ -198,3 +194,51 @@ def test_close_waits_for_transfers_before_deregistering():
     kinds = [e[0] for e in agent.log]
     assert kinds.index("deregister") > max(i for i, k in enumerate(kinds) if k == "release")
     assert all(h.released for h in agent.handles)
+
+
+def test_wait_is_bounded_by_timeout_plus_drain_and_stuck_memory_stays_registered():
+    import time
+    agent = ScriptedAgent(states={0: ["PROC"], 1: ["PROC"], 2: ["PROC"]})  # never finishes (a stopped peer)
+    ex, bindings, plan = _setup(agent, poll_timeout_s=0.2, drain_timeout_s=0.1)
+    reg = ex._registrations[0]
+    t = ex.run(plan, bindings)
+    t0 = time.perf_counter()
+    with pytest.raises(ExecutorError, match=r"still in progress after 0.2s.*given 0.1s to drain, 3 still running.*"
+                                            r"memory stays referenced and its registration is marked unusable"):
+        t.wait()
+    assert time.perf_counter() - t0 < 0.2 + 0.1 + 0.25  # the timeout, one bounded drain, scheduling slack
+    assert not any(h.released for h in agent.handles)  # never released under a transfer in flight
+    assert t.flight.keep and not reg.usable
+    with pytest.raises(BindingError, match="registration is unusable"):
+        ex.run(plan, bindings)  # the memory is not reused
+    ex.close()
+    assert not [e for e in agent.log if e[0] == "deregister"]  # nor deregistered under it
+
+
+def test_remote_range_past_its_buffer_is_refused_before_posting():
+    from kvxfer.planner import PlanError
+
+    from .shims.conformance import hand_made
+    agent = ScriptedAgent()
+    ex, bindings, plan = _setup(agent)
+    small = dict(bindings, cpu=RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes))
+    bad = hand_made(plan, src_offset=lambda a: a.__setitem__(-1, LAYOUT.buffers[0].nbytes - 8))
+    with pytest.raises(PlanError, match=r"src_offset\[\d+\] = \d+: range of 256 bytes runs past buffer 'cpu'"):
+        ex.run(bad, small)
+    assert agent.handles == []
+
+
+def test_bind_registers_once_and_close_deregisters():
+    agent = ScriptedAgent()
+    ex = NixlExecutor(agent=agent)
+    dev = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers if b.name != "cpu"}
+    bound = ex.bind(LAYOUT, {**dev, "cpu": RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes)})
+    assert [e[0] for e in agent.log] == []  # register_memory is not logged; nothing deregistered yet
+    plan = plan_transfer(LAYOUT, presets.mapping("fragmented", 6, 16, "h2d"), options=PlanOptions(max_descriptors=4))
+    for _ in range(3):
+        ex.run(plan, bound).wait()
+    assert len([e for e in agent.log if e[0] == "READ"]) == 3 * plan.num_calls
+    bound.close()
+    assert [e for e in agent.log if e[0] == "deregister"] == [("deregister", "DRAM")]
+    with pytest.raises(BindingError, match="was closed"):
+        ex.run(plan, bound)

@@ -49,11 +49,8 @@ long shim_log[SHIM_MAX_LOG][3];
 long shim_nregister = 0;
 long shim_registered = 0;         /* currently registered ranges */
 
-/* The version to report: shim_version, or $KVXFER_SHIM_VERSION while shim_version is 0 (for the CLI). */
-static long shim_reported_version(void) {
-    const char *env = getenv("KVXFER_SHIM_VERSION");
-    return shim_version == 0 && env ? strtol(env, NULL, 10) : shim_version;
-}
+/* The version to report (tests set shim_version through ctypes before building a runtime). */
+static long shim_reported_version(void) { return shim_version; }
 
 static long shim_nstreams = 0;
 static long shim_nevents = 0;

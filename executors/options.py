@@ -1,0 +1,97 @@
+"""Typed options of each backend (frozen pydantic models; unknown keys are refused), and ConfigError.
+
+Nothing here imports a driver: config files and the CLI validate options without loading a backend.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvxfer.planner import PlanError
+
+
+class ConfigError(PlanError):
+    """Bad executor configuration; names the field and value (a PlanError so validation reports it as is)."""
+
+
+def _config_error(err: ValidationError) -> ConfigError:
+    """pydantic's first error as a ConfigError whose field is the dotted path to the bad value."""
+    first = err.errors(include_url=False)[0]
+    path = ".".join(str(p) for p in first["loc"])
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):  # raised by a validator, or by a nested model naming its own field
+        field = path if not cause.field or path.endswith(cause.field) else ".".join(p for p in (path, cause.field) if p)
+        return ConfigError(field, cause.value, cause.reason)
+    msg = first["msg"]
+    return ConfigError(path or "config", first.get("input"), msg[0].lower() + msg[1:])
+
+
+class Options(BaseModel):
+    """Frozen, extra-forbidding options whose validation errors are ConfigErrors naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _config_error(e) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kw: Any) -> Any:  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kw)
+        except ValidationError as e:
+            raise _config_error(e) from None
+
+
+class NumpyOptions(Options):
+    """numpy: no options."""
+
+
+class CudaOptions(Options):
+    """cuda-batch: device ordinal; ``max_descriptors`` per call (None = no limit)."""
+
+    device: int = Field(default=0, ge=0)
+    max_descriptors: int | None = Field(default=None, ge=0)
+
+
+class HipOptions(Options):
+    """hip-batch: device ordinal; ``library`` overrides the libamdhip64 search (a non-standard install);
+    ``max_descriptors`` per call (None = 8,192, where ROCm faults; 0 = no limit)."""
+
+    device: int = Field(default=0, ge=0)
+    library: str | None = None
+    max_descriptors: int | None = Field(default=None, ge=0)
+
+
+class TritonOptions(Options):
+    """triton: ``small_range_bytes`` is auto's threshold (a load goes to the kernel when at least half of its
+    bytes move in ranges no larger); ``tile_bytes`` is the bytes one program copies per
+    step (power of two); ``num_programs`` caps the grid (None = 4 per SM, or the tile count if smaller)."""
+
+    device: int = Field(default=0, ge=0)
+    small_range_bytes: int = Field(default=28 * 1024, ge=0)
+    tile_bytes: int = Field(default=8192, ge=16, le=1 << 16)
+    num_programs: int | None = Field(default=None, gt=0)
+
+    @field_validator("tile_bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ConfigError("tile_bytes", v, "must be a power of two")
+        return v
+
+
+class NixlOptions(Options):
+    """nixl: agent ``name`` (default kvxfer-<random>), backends, threads. ``poll_timeout_s`` bounds wait() and
+    wait_notifs(); after a failure or timeout, the other calls get at most ``drain_timeout_s`` more to stop."""
+
+    name: str | None = Field(default=None, min_length=1)
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = Field(default=0, ge=0)
+    progress_thread: bool = True  # a pure initiator may turn it off: wait() polls, and the thread spins
+    telemetry: bool = False
+    poll_timeout_s: float = Field(default=60.0, gt=0)
+    drain_timeout_s: float = Field(default=1.0, ge=0)

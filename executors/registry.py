@@ -1,0 +1,62 @@
+"""The one table of backends: kind, module, class and options model. Config, ``auto``, the CLI and the lazy
+imports of ``kvxfer.executors`` all read it; a backend module is imported only when its class is asked for.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, TritonOptions
+
+
+class ExecutorKind(StrEnum):
+    AUTO = "auto"
+    CUDA_BATCH = "cuda-batch"
+    HIP_BATCH = "hip-batch"
+    TRITON = "triton"
+    NUMPY = "numpy"
+    NIXL = "nixl"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: its kind, ``module:Class``, its options model and the config section that holds them."""
+
+    kind: ExecutorKind
+    module: str
+    cls: str
+    options: type[Options]
+    section: str
+
+    def load(self) -> type[Any]:
+        """Import and return the executor class; ImportError names the backend (with the module's install hint)."""
+        try:
+            return getattr(importlib.import_module(f"kvxfer.executors.{self.module}"), self.cls)
+        except ImportError as e:
+            raise ImportError(f"executor {self.kind.value!r} ({self.module}:{self.cls}) is not available: {e}") from e
+
+
+BACKENDS: dict[ExecutorKind, Backend] = {b.kind: b for b in (
+    Backend(ExecutorKind.CUDA_BATCH, "ops_cuda", "CudaBatchExecutor", CudaOptions, "cuda"),
+    Backend(ExecutorKind.HIP_BATCH, "ops_hip", "HipBatchExecutor", HipOptions, "hip"),
+    Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton"),
+    Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy"),
+    Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl"),
+)}
+
+
+def backend(kind: ExecutorKind | str) -> Backend:
+    """The backend registered for ``kind``; ConfigError for auto or an unknown kind."""
+    try:
+        return BACKENDS[ExecutorKind(kind)]
+    except (ValueError, KeyError):
+        raise ConfigError("kind", str(getattr(kind, "value", kind)),
+                          f"no executor class (known: {', '.join(k.value for k in BACKENDS)})") from None
+
+
+def kind_of(executor: Any) -> ExecutorKind | None:
+    """The kind whose class ``executor`` is an instance of (None for auto and unregistered classes)."""
+    name = type(executor).__name__
+    return next((b.kind for b in BACKENDS.values() if b.cls == name), None)
