@@ -20,59 +20,13 @@ from kvxfer.planner import (
     plan_transfer,
 )
 from kvxfer.planner.spec import Fragment
-
-
-# ---- an independent oracle: the CONTEXT.md enumeration written out with plain loops -------------------------
-def oracle_copies(layout: Layout, m: BlockMapping, num_writers: int = 1, writer_index: int = 0):
-    src_side, dst_side = ("host", "device") if m.direction.value == "h2d" else ("device", "host")
-    sizes = list(m.group_sizes) if m.group_sizes is not None else [len(m.src_ids)]
-    starts = list(m.group_starts) if m.group_starts is not None else [0] * len(sizes)
-    ids = {"src": m.src_ids.tolist(), "dst": m.dst_ids.tolist()}
-    used = {"src": 0, "dst": 0}
-    out = []
-    for g, (count, start) in enumerate(zip(sizes, starts)):
-        regs = [r for r in layout.regions if r.group == g]
-        pages = {}
-        for key, side in (("src", src_side), ("dst", dst_side)):
-            k = getattr(regs[0], side).blocks_per_chunk
-            skip = start % k
-            flat = []
-            i = used[key]
-            while count and len(flat) < skip + count:
-                flat += [ids[key][i] * k + j for j in range(k)]
-                i += 1
-            used[key] = i
-            pages[key] = flat[skip:skip + count]
-        for reg in regs:
-            for sp, dp in zip(pages["src"], pages["dst"]):
-                if m.direction.value == "d2h" and dp % num_writers != writer_index:
-                    continue
-                offs = {}
-                for key, side, p in (("src", src_side, sp), ("dst", dst_side, dp)):
-                    pl = getattr(reg, side)
-                    page = reg.side_page(side)
-                    stride = pl.stride_bytes or page * pl.blocks_per_chunk
-                    offs[key] = (pl.buffer, pl.byte_offset + (p // pl.blocks_per_chunk) * stride + (p % pl.blocks_per_chunk) * page)
-                frags = reg.fragments or (Fragment(local_offset=0, local_stride=0, canonical_offset=0, canonical_stride=0,
-                                                   fragment_bytes=reg.page_bytes),)
-                for f in frags:
-                    for i in range(f.count):
-                        local, canon = f.local_offset + i * f.local_stride, f.canonical_offset + i * f.canonical_stride
-                        so, do = (canon, local) if m.direction.value == "h2d" else (local, canon)
-                        out.append((offs["src"][0], offs["src"][1] + so, offs["dst"][0], offs["dst"][1] + do, f.fragment_bytes))
-    return out
+from kvxfer.testing import assert_plan_matches, expected_copies, min_ranges
 
 
 def run_and_compare(layout, mapping, options=PlanOptions(), seed=0):
-    from .reference import apply_copies, filled_buffers, min_ranges
     plan = plan_transfer(layout, mapping, options=options)
-    copies = oracle_copies(layout, mapping, options.num_writers, options.writer_index)
-    bufs = filled_buffers(layout, seed)
-    want = {k: v.copy() for k, v in bufs.items()}
-    apply_copies(copies, want)
-    NumpyExecutor().run(plan, bufs)
-    for k in bufs:
-        np.testing.assert_array_equal(bufs[k], want[k], err_msg=k)
+    assert_plan_matches(plan, layout, mapping, options, seed)
+    copies = expected_copies(layout, mapping, options)
     return plan, copies, min_ranges(copies)
 
 
