@@ -181,7 +181,7 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
         for _ in range(draw(st.integers(1, 3))):
             page = draw(st.sampled_from([4, 8, 12]))
             frags, host_page = draw(fragment_table(page))
-            pads = {side: draw(st.sampled_from([0, 0, 4])) for side in ("device", "host")}
+            pads = {side: draw(st.sampled_from([0, 0, 0, 4])) for side in ("device", "host")}
             specs.append((g, page, frags, host_page, k["device"][g] * page + pads["device"],
                           k["host"][g] * host_page + pads["host"]))
     places: dict[str, list[Placement]] = {"device": [], "host": []}
@@ -195,7 +195,7 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
                 off = 0
             places[side].append(Placement(buffer=name, byte_offset=off, stride_bytes=spec[col],
                                           blocks_per_chunk=k[side][spec[0]]))
-            off += nchunks[side] * spec[col] + (draw(st.sampled_from([0, 0, 3])) if mode == "back-to-back" else 0)
+            off += nchunks[side] * spec[col] + (draw(st.sampled_from([0, 0, 0, 3])) if mode == "back-to-back" else 0)
             if mode == "separate":
                 buffers.append(Buffer(name=name, nbytes=off, location=Location(side)))
         ends[side] = off
@@ -216,6 +216,7 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
                               device=places["device"][r], host=places["host"][r], **extra))
     direction = draw(st.sampled_from(["h2d", "d2h"]))
     sizes, starts, ids = [], [], {"device": [], "host": []}
+    wrap = mode == "back-to-back" and draw(st.booleans())  # last chunk then chunk 0: ranges cross regions
     for g in range(ngroups):
         count, start = draw(st.integers(0, 7)), draw(st.integers(0, 9))
         sizes.append(count)
@@ -223,6 +224,10 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
         for side in ("device", "host"):
             kk, n = k[side][g], nchunks[side]
             need = -(-(start % kk + count) // kk) if count else 0
+            if wrap and 0 < need <= n:
+                tail = draw(st.integers(1, need))
+                ids[side] += [(n - tail + i) % n for i in range(need)]
+                continue
             unique = need <= n and draw(st.sampled_from([True, True, True, False]))
             ids[side] += draw(st.lists(st.integers(0, n - 1), min_size=need, max_size=need, unique=unique))
     extra_layout = {}
@@ -355,6 +360,16 @@ def test_general_path_refuses_reading_bytes_it_writes():
     assert not independent(expected_copies(layout, m))
     with pytest.raises(ValueError, match=r"overlap source bytes"):
         plan_transfer(layout, m)
+
+
+def test_general_path_merges_across_region_boundaries():
+    """Two regions back to back on both sides, host chunks of 2 pages: one range covers both regions."""
+    regions = [Region(name=f"r{i}", page_bytes=8, device=Placement(buffer="d", byte_offset=32 * i),
+                      host=Placement(buffer="h", byte_offset=32 * i, blocks_per_chunk=2)) for i in range(2)]
+    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")], regions=regions)
+    m = BlockMapping(direction="h2d", src_ids=[1, 0], dst_ids=[2, 3, 0, 1], group_sizes=[4])
+    plan = check_case(layout, m)
+    assert plan is not None and plan.num_ranges == 1 and plan.nbytes.tolist() == [64]
 
 
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
