@@ -75,14 +75,12 @@ def _group_count(layout: Layout) -> int:
 
 def _side_k(layout: Layout, regions: Sequence[Region], side: str, group: int) -> int:
     """Blocks per chunk on ``side`` for one group: its regions must agree. A group with no regions takes the
-    value every region of the layout agrees on (one chunk size per engine, as in vLLM), else 1."""
-    pool = regions or layout.regions
-    ks = {getattr(r, side).blocks_per_chunk for r in pool}
-    if len(ks) == 1:
-        return ks.pop()
-    if not regions:
-        return 1
-    raise OracleError(f"group {group} {side}.blocks_per_chunk: regions disagree ({sorted(ks)})")
+    value every region of the layout agrees on (one chunk size per engine, as in vLLM); 1 without regions."""
+    ks = {getattr(r, side).blocks_per_chunk for r in regions or layout.regions}
+    if len(ks) > 1:
+        whose = "its regions" if regions else "it has no regions and the layout's regions"
+        raise OracleError(f"group {group} {side}.blocks_per_chunk: {whose} disagree ({sorted(ks)})")
+    return ks.pop() if ks else 1
 
 
 def _group_pages(ids: list[int], used: int, count: int, start: int, k: int, field: str, group: int) -> tuple[list[int], int]:

@@ -234,11 +234,12 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
     if HAS_DECLARED_GROUPS and draw(st.sampled_from([False, False, True])):  # a group with no regions
         extra_layout = {"num_groups": ngroups + 1}
         ks = {side: {p.blocks_per_chunk for p in places[side]} for side in ("device", "host")}
-        count = draw(st.integers(0, 3)) if ks == {"device": {1}, "host": {1}} else 0
+        count = draw(st.integers(0, 5)) if all(len(v) == 1 for v in ks.values()) else 0  # else its ids are undefined
         sizes.append(count)
         starts.append(0)
         for side in ("device", "host"):
-            ids[side] += draw(st.lists(st.integers(0, nchunks[side] - 1), min_size=count, max_size=count))
+            need = -(-count // min(ks[side]))
+            ids[side] += draw(st.lists(st.integers(0, nchunks[side] - 1), min_size=need, max_size=need))
     layout = Layout(buffers=buffers, regions=regions, **extra_layout)
     src, dst = (ids["host"], ids["device"]) if direction == "h2d" else (ids["device"], ids["host"])
     mapping = BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
