@@ -98,7 +98,8 @@ def _page_offset(region: Region, side: str, page: np.ndarray) -> np.ndarray:
     size = region.page_bytes if side == "device" else (region.host_page_bytes or region.page_bytes)
     k = p.blocks_per_chunk
     stride = p.stride_bytes if p.stride_bytes is not None else size * k
-    return p.byte_offset + (page // k) * stride + (page % k) * size
+    offset: np.ndarray = p.byte_offset + (page // k) * stride + (page % k) * size
+    return offset
 
 
 def _pieces(region: Region) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

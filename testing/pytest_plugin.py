@@ -25,10 +25,10 @@ import pytest
 
 ENV_UPDATE = "KVXFER_UPDATE_GOLDEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_UPDATED = pytest.StashKey[list]()
-_USED = pytest.StashKey[set]()
+_UPDATED = pytest.StashKey[list[str]]()
+_USED = pytest.StashKey[set[Path]]()
 _DESELECTED = pytest.StashKey[int]()
-_UNUSED = pytest.StashKey[list]()
+_UNUSED = pytest.StashKey[list[Path]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -143,12 +143,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     updated = config.stash.get(_UPDATED, [])
     if updated:
         terminalreporter.write_sep("-", f"kvxfer: {len(updated)} golden file(s) written")
-        for p in updated:
-            terminalreporter.write_line(f"  {p}")
+        for written in updated:
+            terminalreporter.write_line(f"  {written}")
     unused = config.stash.get(_UNUSED, [])
     if unused:
         pruned = config.getoption("--prune-golden")
         what = "deleted" if pruned else "unused (delete them with --prune-golden)"
         terminalreporter.write_sep("-", f"kvxfer: {len(unused)} golden file(s) {what}")
-        for p in unused:
-            terminalreporter.write_line(f"  {p}")
+        for path in unused:
+            terminalreporter.write_line(f"  {path}")
