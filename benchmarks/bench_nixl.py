@@ -5,7 +5,7 @@ one merged plan run the same load from a remote tier (h2d: READ of the remote ho
 store (d2h: WRITE). Reported: descriptors, median and min time from run() to completion (the two plans
 alternate in every repetition), median time for run() to return (building and posting the descriptor
 lists), merged/per-block ratios, and the marginal cost of one more descriptor (from the mins). Bytes are checked once
-per plan against the NumPy executor when both sides together hold under CHECK_LIMIT bytes (the full
+per plan against the test oracle (kvxfer.testing) when both sides together hold under CHECK_LIMIT bytes (the full
 restore shape holds 2 x 1.9 GiB; its bytes are checked at reduced size by --quick and by the tests).
 
     python benchmarks/bench_nixl.py [--reps 7] [--direction h2d] [--out out/bench_nixl.json] [--quick]
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvxfer.executors import NumpyExecutor
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV, PeerProcess
 from kvxfer.executors.ops_nixl import NixlExecutor
 from kvxfer.planner import PlanOptions, plan_transfer, presets
+from kvxfer.testing import random_buffers, run_reference
 
 KIB = 1024
 SHAPES = {  # name -> (regions, blocks moved, blocks per region, page bytes)
@@ -59,16 +59,15 @@ def _time(ex: NixlExecutor, plans: dict, bindings, reps: int) -> dict[str, dict[
             for k in plans}
 
 
-def _check(ex, plan, local, remote, read_remote) -> None:
-    """One run compared with per-block copies by the NumPy executor; raises on any differing byte."""
-    rng = np.random.default_rng(plan.num_ranges)
-    for a in local.values():
-        a[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
-    before = {**{k: v.copy() for k, v in local.items()}, **read_remote()}
+def _check(ex, plan, layout, mapping, local, remote, read_remote) -> None:
+    """One run compared with the test oracle's per-piece copies (kvxfer.testing); raises on any differing byte."""
+    fresh = random_buffers(layout, plan.num_ranges)
+    for k, a in local.items():
+        a[:] = fresh[k]
+    want = run_reference(layout, mapping, {**local, **read_remote()})
     ex.run(plan, {**local, **remote}).wait()
-    NumpyExecutor().run(plan, before)
     got = {**local, **read_remote()}
-    bad = [k for k in before if not np.array_equal(before[k], got[k])]
+    bad = [k for k in want if not np.array_equal(want[k], got[k])]
     if bad:
         raise SystemExit(f"bytes differ after {plan!r} in {bad[:3]}")
 
@@ -104,7 +103,7 @@ def bench(mode: str, shapes: dict, direction: str, reps: int, progress_thread: b
                 plans = {"per_block": per_block, "merged": merged}
                 if checked:
                     for plan in plans.values():
-                        _check(ex, plan, dev, remote, read_remote)
+                        _check(ex, plan, layout, mapping, dev, remote, read_remote)
                 res = _time(ex, plans, {**dev, **remote}, reps)
                 a, b = res["per_block"], res["merged"]
                 rows.append({"mode": mode, "shape": shape, "pattern": pattern, "direction": direction,

@@ -98,18 +98,19 @@ def _memory(torch, plan, fill=True):
 
 
 def round_trips(torch, executors, target):
-    from kvxfer.executors import NumpyExecutor
+    """Each executor's run of merged plans against the test oracle's per-piece copies (kvxfer.testing)."""
+    from kvxfer.testing import run_reference
     layout = presets.kv_layout(8, 128, PAGE, shared_device=False)
     results = {}
     for name, ex in executors.items():
         for pattern in PATTERNS + ("descending", "interleaved"):
             ok = True
             for direction in ("d2h", "h2d"):
-                plan = plan_transfer(layout, presets.mapping(pattern, 48, 128, direction), target)
+                mapping = presets.mapping(pattern, 48, 128, direction)
+                plan = plan_transfer(layout, mapping, target)
                 mem = _memory(torch, plan)
                 torch.cuda.synchronize()
-                want = {k: v.cpu().numpy().copy() for k, v in mem.items()}
-                NumpyExecutor().run(plan, want)
+                want = run_reference(layout, mapping, {k: v.cpu().numpy() for k, v in mem.items()})
                 ex.run(plan, mem).wait()
                 ok &= all(np.array_equal(mem[k].cpu().numpy(), want[k]) for k in want)
             results[f"{name} {pattern}"] = ok

@@ -18,20 +18,13 @@ from kvxfer.planner import (
     plan_transfer,
     presets,
 )
+from kvxfer.testing import random_buffers, run_reference
 
 TARGETS = {
     "rocm-7.2": Target(platform="rocm", runtime_version=hip_version(7, 2, 53211)),
     "rocm-7.16": Target(platform="rocm", runtime_version=hip_version(7, 16)),
     "cuda-13.0": Target(platform="cuda", runtime_version=cuda_version(13, 0)),
 }
-
-
-def per_block_reference(layout: Layout, mapping: BlockMapping, bufs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Expected buffers after one copy per block per region, computed without the planner's merging."""
-    want = {k: v.copy() for k, v in bufs.items()}
-    unmerged = plan_transfer(layout, mapping, options=PlanOptions(coalesce=False))
-    NumpyExecutor().run(unmerged, want)
-    return want
 
 
 def describe_attrs(plan: TransferPlan) -> str:
@@ -45,12 +38,11 @@ def run_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed
     """Plan every pattern for every target, execute on host memory, verify bytes; returns table rows."""
     pool = 2 * blocks
     layout = presets.kv_layout(regions, pool, page_bytes)
-    rng = np.random.default_rng(seed)
-    base = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in layout.buffers}
+    base = random_buffers(layout, seed)
     rows = []
     for pattern in presets.PATTERNS:
         mapping = presets.mapping(pattern, blocks, pool, seed=seed)
-        want = per_block_reference(layout, mapping, base)
+        want = run_reference(layout, mapping, base)  # per-piece copies from the spec, not from the planner
         for tname, target in TARGETS.items():
             t0 = time.perf_counter()
             plan = plan_transfer(layout, mapping, target)
@@ -86,14 +78,12 @@ def layout_cases(page_bytes: int, regions: int, blocks: int) -> list[tuple[str, 
 
 
 def run_layout_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed: int = 0) -> list[dict[str, Any]]:
-    """Plan each layout feature, run it, and compare with the unmerged plan of the same request."""
+    """Plan each layout feature, run it, and compare every byte with the test oracle's per-piece copies."""
     rows = []
     target = TARGETS["cuda-13.0"]
     for name, layout, mapping, options in layout_cases(page_bytes, regions, blocks):
-        rng = np.random.default_rng(seed)
-        base = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in layout.buffers}
-        want = {k: v.copy() for k, v in base.items()}
-        NumpyExecutor().run(plan_transfer(layout, mapping, target, options.model_copy(update={"coalesce": False})), want)
+        base = random_buffers(layout, seed)
+        want = run_reference(layout, mapping, base, options)
         t0 = time.perf_counter()
         plan = plan_transfer(layout, mapping, target, options)
         t_plan = time.perf_counter() - t0

@@ -1,17 +1,17 @@
 """Shared test setup: hypothesis profiles and device-test skipping."""
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from .budget import EXAMPLES, PROFILE
 
 try:
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("dev", max_examples=200, deadline=None)
-    settings.register_profile("ci", max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    settings.register_profile("long", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+    for _name, _count in EXAMPLES.items():
+        settings.register_profile(_name, max_examples=_count, deadline=None,
+                                  suppress_health_check=[] if _name == "dev" else [HealthCheck.too_slow])
+    settings.load_profile(PROFILE)
 except ImportError:  # hypothesis is in the dev extra
     pass
 

@@ -17,6 +17,7 @@ from kvxfer.planner import (
     presets,
 )
 from kvxfer.planner.diff import diff_plans, equivalent, normalize
+from kvxfer.testing import random_buffers
 
 
 def rocm(major, minor, patch=0):
@@ -159,8 +160,7 @@ def test_overlapping_destinations_have_no_normal_form():
 
 
 def _run(plan: TransferPlan, seed: int = 7) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in plan.buffers}
+    bufs = random_buffers(plan, seed)
     NumpyExecutor().run(plan, bufs)
     return bufs
 

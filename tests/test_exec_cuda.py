@@ -191,7 +191,7 @@ def test_target_mismatch_names_both_and_replan(make):
     want = expected(case.model_copy(update={"target": ex.target}).plan(), bufs)
     ex.run_case(case, bufs).wait()
     assert_same(bufs, want)
-    with pytest.raises(TargetMismatchError):
+    with pytest.raises(TargetMismatchError, match=r"plan target cuda-12.8 does not fit the runtime found, cuda-13.0"):
         ex.run_case(case, bufs, replan=False)
 
 

@@ -21,14 +21,14 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
-from .reference import apply_copies, expected_copies, filled_buffers, min_ranges
+from kvxfer.testing import apply_copies, expected_copies, min_ranges, random_buffers
 from .test_layouts import fragment_tables
 
 
 def run_against_oracle(layout: Layout, mapping: BlockMapping, options: PlanOptions = PlanOptions()):
     plan = plan_transfer(layout, mapping, options=options)
     copies = expected_copies(layout, mapping, options)
-    bufs = filled_buffers(layout, seed=len(copies))
+    bufs = random_buffers(layout, seed=len(copies))
     want = {k: v.copy() for k, v in bufs.items()}
     apply_copies(copies, want)
     NumpyExecutor().run(plan, bufs)

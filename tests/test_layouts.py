@@ -20,23 +20,13 @@ from kvxfer.planner import (
     plan_transfer,
 )
 from kvxfer.planner.spec import Fragment
-
-
-def oracle_copies(layout: Layout, m: BlockMapping, num_writers: int = 1, writer_index: int = 0):
-    from .reference import expected_copies
-    return expected_copies(layout, m, PlanOptions(num_writers=num_writers, writer_index=writer_index))
+from kvxfer.testing import assert_plan_matches, expected_copies, min_ranges
 
 
 def run_and_compare(layout, mapping, options=PlanOptions(), seed=0):
-    from .reference import apply_copies, filled_buffers, min_ranges
     plan = plan_transfer(layout, mapping, options=options)
-    copies = oracle_copies(layout, mapping, options.num_writers, options.writer_index)
-    bufs = filled_buffers(layout, seed)
-    want = {k: v.copy() for k, v in bufs.items()}
-    apply_copies(copies, want)
-    NumpyExecutor().run(plan, bufs)
-    for k in bufs:
-        np.testing.assert_array_equal(bufs[k], want[k], err_msg=k)
+    assert_plan_matches(plan, layout, mapping, options, seed)
+    copies = expected_copies(layout, mapping, options)
     return plan, copies, min_ranges(copies)
 
 

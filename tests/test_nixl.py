@@ -9,11 +9,12 @@ import os
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, ExecutorError, NumpyExecutor
+from kvxfer.executors import BindingError, ExecutorError
 from kvxfer.executors.nixl_memory import RemoteBuffer
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV, PeerProcess
 from kvxfer.executors.ops_nixl import NixlExecutor
 from kvxfer.planner import PlanOptions, plan_transfer, presets
+from kvxfer.testing import random_buffers, run_reference
 
 for _k, _v in LOOPBACK_ENV.items():  # loopback only; set before nixl loads UCX (kvxfer imports it lazily)
     os.environ.setdefault(_k, _v)
@@ -27,17 +28,15 @@ TIMEOUT = {"poll_timeout_s": 20.0}
 
 
 def _fill(arrays: dict[str, np.ndarray], seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for a in arrays.values():
-        a[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    fresh = random_buffers(LAYOUT, seed)
+    for name, a in arrays.items():
+        a[:] = fresh[name]
 
 
 def _expected(plan_args: tuple, before: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per-block copies by the reference executor, on copies of the memory before the transfer."""
+    """Per-piece copies by the test oracle (kvxfer.testing), on copies of the memory before the transfer."""
     layout, mapping = plan_args
-    ref = {k: v.copy() for k, v in before.items()}
-    NumpyExecutor().run(plan_transfer(layout, mapping, options=PlanOptions(coalesce=False)), ref)
-    return ref
+    return run_reference(layout, mapping, before)
 
 
 def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:

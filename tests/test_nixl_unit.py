@@ -92,7 +92,7 @@ def test_err_state_raises_and_never_reads_done():
     t = ex.run(plan, bindings)
     with pytest.raises(ExecutorError, match=r"check_xfer_state failed at chunk 1.*ended in ERR"):
         t.wait()
-    with pytest.raises(ExecutorError):
+    with pytest.raises(ExecutorError, match=r"check_xfer_state failed at chunk 1.*ended in ERR"):
         t.done()  # the failure sticks
     assert t.elapsed_s is None and all(h.released for h in agent.handles)
 

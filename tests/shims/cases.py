@@ -5,12 +5,12 @@ import numpy as np
 
 from kvxfer.executors import NumpyExecutor
 from kvxfer.planner import Layout, TransferPlan
+from kvxfer.testing import random_buffers
 
 
 def host_buffers(layout: Layout, seed: int = 0) -> dict[str, np.ndarray]:
     """One random uint8 array per buffer of ``layout`` (random bytes double as sentinels)."""
-    rng = np.random.default_rng(seed)
-    return {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in layout.buffers}
+    return random_buffers(layout, seed)
 
 
 def expected(plan: TransferPlan, bufs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,202 @@
+"""The import graph of the installed packages: no cycles but the one documented lazy edge, no private names.
+
+Every module under the folders that pyproject.toml maps to ``kvxfer.*`` packages is parsed with ``ast``
+(nothing is imported). An edge A -> B means that running A (at import time or inside one of its functions)
+imports B. Imports under ``if TYPE_CHECKING:`` never run and are left out. Importing a submodule also runs
+its package's ``__init__``, except when the importer lives inside that package (it is running already).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+# The one documented lazy edge: plan.explain() and friends import the rendering module inside the method,
+# and the rendering module imports the plan module at its top.
+LAZY_EDGES = {("kvxfer.planner.plan", "kvxfer.planner.render")}
+# The test oracle may use the planner's values, never its planning code.
+ORACLE_FORBIDDEN = {"plan_transfer", "planning", "plain_path", "general_path", "coalesce", "layouts", "columns"}
+
+
+def package_dirs() -> dict[str, Path]:
+    """{package name: folder}, read from pyproject.toml's setuptools package-dir mapping."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: ROOT / folder for name, folder in cfg["package-dir"].items()}
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """{module name: (file, is_package)} for every .py file of every mapped package."""
+    out = {}
+    for pkg, folder in package_dirs().items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("").parts
+            if rel[-1] == "__init__":
+                out[".".join((pkg, *rel[:-1]))] = (path, True)
+            else:
+                out[".".join((pkg, *rel))] = (path, False)
+    return out
+
+
+MODULES = modules()
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(tree: ast.AST):
+    """ast.walk that skips the bodies of ``if TYPE_CHECKING:`` (their else branches still run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if _type_checking_only(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(module: str, is_pkg: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+class Imports:
+    """One module's internal import edges, its imports of private names, and the names it imports."""
+
+    def __init__(self, name: str):
+        path, is_pkg = MODULES[name]
+        self.name, self.edges, self.private, self.names = name, set(), [], []
+        tree = ast.parse(path.read_text(), str(path))
+        bound: dict[str, str] = {}  # local name -> internal module it is bound to
+        for node in _walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    self._edge(a.name, submodule=True)
+                    if a.asname and a.name in MODULES:
+                        bound[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(name, is_pkg, node.level, node.module)
+                for a in node.names:
+                    full = f"{src}.{a.name}"
+                    self.names.append((src, a.name))
+                    if full in MODULES:
+                        self._edge(full, submodule=True)
+                        bound[a.asname or a.name] = full
+                        continue
+                    self._edge(src, submodule=False)
+                    if a.name.startswith("_") and not a.name.startswith("__") and src in MODULES:
+                        self.private.append(f"line {node.lineno}: from {src} import {a.name}")
+        for node in _walk(tree):  # module.attr where the module is internal and attr is private
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                self.private.append(f"line {node.lineno}: {bound[node.value.id]}.{node.attr}")
+
+    def _edge(self, target: str, submodule: bool) -> None:
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):
+            mod = ".".join(parts[:i])
+            if mod not in MODULES or mod == self.name:
+                continue
+            last = i == len(parts)
+            # parents of a submodule import run first, unless the importer is inside them (already running)
+            if (not last or submodule) and self.name.startswith(mod + "."):
+                continue
+            self.edges.add(mod)
+
+
+IMPORTS = {m: Imports(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_mapped_packages_are_found():
+    assert {"kvxfer.planner", "kvxfer.executors", "kvxfer.testing"} <= set(MODULES)
+    assert "kvxfer.testing.oracle" in MODULES
+
+
+def test_no_import_cycles_but_the_documented_lazy_edge():
+    graph = {m: {t for t in imp.edges if (m, t) not in LAZY_EDGES} for m, imp in IMPORTS.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = [f"{m}: {p}" for m, imp in IMPORTS.items() for p in imp.private]
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    ("kvxfer.planner", ("kvxfer.executors", "kvxfer.cli", "kvxfer.testing", "kvxfer.offload")),
+    ("kvxfer.executors", ("kvxfer.cli", "kvxfer.testing", "kvxfer.offload")),
+])
+def test_layers_import_only_the_layers_below(layer, forbidden):
+    bad = [f"{m} -> {t}" for m, imp in IMPORTS.items() if m == layer or m.startswith(layer + ".")
+           for t in imp.edges if t.startswith(forbidden)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_oracle_imports_no_planning_code():
+    """kvxfer.testing may import the planner's values (Layout, BlockMapping, ...), never plan_transfer or
+    a planning module, so a planner bug cannot hide in the expected result."""
+    bad = []
+    for m, imp in IMPORTS.items():
+        if not m.startswith("kvxfer.testing"):
+            continue
+        for src, name in imp.names:
+            if src.startswith("kvxfer.planner") and ({name, src.rsplit(".", 1)[-1]} & ORACLE_FORBIDDEN):
+                bad.append(f"{m}: from {src} import {name}")
+    assert not bad, "\n".join(bad)
