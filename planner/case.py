@@ -5,8 +5,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import files
 from ._model import Spec
 from .coalesce import plan_transfer
+from .errors import PlanError
 from .plan import TransferPlan
 from .spec import BlockMapping, Layout
 from .target import PlanOptions, Target
@@ -39,7 +41,12 @@ class Case(Spec):
 
     @classmethod
     def load(cls, path: str | Path) -> Case:
-        return cls.coerce(path, "case")
+        """Read a case file (JSON). Raises PlanFileError naming the file and every problem found."""
+        d = files.read_json(path, "case file")
+        try:
+            return cls.model_validate(d)
+        except PlanError as e:
+            raise files.PlanFileError.wrap(e, str(path)) from None
 
     @classmethod
     def json_schema(cls) -> dict[str, Any]:

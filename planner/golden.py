@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import files
 from .case import Case
 from .diff import PlanDiff, diff_plans
 from .errors import PlanError
@@ -25,7 +26,7 @@ _WIDTH = 120  # containers whose one-line form is longer are broken, one element
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-class GoldenError(PlanError):
+class GoldenError(files.PlanFileError):
     """A golden file cannot be read: not JSON, not a golden file, or a schema this kvxfer cannot migrate."""
 
 
@@ -78,59 +79,62 @@ def migrate(d: dict[str, Any], source: str = "golden file") -> dict[str, Any]:
     """Bring a golden dict to GOLDEN_SCHEMA through MIGRATIONS. Raises GoldenError naming the version."""
     version = d.get("kvxfer_golden")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise GoldenError("kvxfer_golden", version, f"{source} is not a kvxfer golden file (no schema version)")
+        raise GoldenError("kvxfer_golden", version, "not a kvxfer golden file (no schema version)", source=source)
     if version > GOLDEN_SCHEMA:
-        raise GoldenError("kvxfer_golden", version, f"{source} was written by a newer kvxfer "
-                          f"(this one reads golden schema {GOLDEN_SCHEMA}); upgrade kvxfer")
+        raise GoldenError("kvxfer_golden", version, f"written by a newer kvxfer (this one reads golden schema "
+                          f"{GOLDEN_SCHEMA}); upgrade kvxfer", source=source)
     while version < GOLDEN_SCHEMA:
         step = MIGRATIONS.get(version)
         if step is None:
-            raise GoldenError("kvxfer_golden", version, f"{source} uses golden schema {version}, which this kvxfer "
-                              f"cannot migrate to {GOLDEN_SCHEMA}; regenerate it (kvxfer golden update DIR, "
-                              f"or pytest --update-golden)")
+            raise GoldenError("kvxfer_golden", version, f"golden schema {version}, which this kvxfer cannot "
+                              f"migrate to {GOLDEN_SCHEMA}; regenerate it (kvxfer golden update DIR, "
+                              f"or pytest --update-golden)", source=source)
         d = step(d)
         version = d.get("kvxfer_golden", version + 1)
     return d
 
 
 def from_dict(d: dict[str, Any], source: str = "golden file") -> Golden:
-    """Read a golden dict (any migratable schema). Raises GoldenError / PlanError naming what is wrong."""
+    """Read a golden dict (any migratable schema). Raises GoldenError naming the file, field and value."""
     d = migrate(d, source)
+    case = _case(d, source)
+    p = d.get("plan")
+    if not isinstance(p, dict):
+        raise GoldenError("plan", type(p).__name__, "expected the stored plan as an object", source=source)
+    p = dict(p)
     try:
-        case = Case.model_validate(d["case"])
-        p = dict(d["plan"])
-        rows = np.asarray(p.pop("ranges"), dtype=np.uint64).reshape(-1, len(COLUMNS))
-        names = p.pop("range_columns")
-        if list(names) != list(COLUMNS):
-            raise GoldenError("plan.range_columns", names, f"expected {list(COLUMNS)}")
-        p["columns"] = {name: rows[:, i] for i, name in enumerate(COLUMNS)}
+        p["columns"] = files.golden_columns(p.pop("ranges", None), p.pop("range_columns", None), None)
+        p.pop("summary", None)
         # the stored fingerprint is for readers; a newer planner may hash new header fields differently
         p.pop("fingerprint", None)
         plan = TransferPlan.from_dict(p)
-    except KeyError as e:
-        raise GoldenError(str(e.args[0]), None, f"missing from {source}") from None
     except PlanError as e:
-        if isinstance(e, GoldenError):
-            raise
-        raise GoldenError(f"plan.{e.field}", e.value, f"{source}: {e.reason}") from None
+        raise GoldenError(e.field if e.field.startswith("plan.") else f"plan.{e.field}", e.value, e.reason, e.index,
+                          source) from None
     return Golden(case, plan)
 
 
-def _parse(text: str, source: str) -> dict[str, Any]:
+def _case(d: dict[str, Any], source: str) -> Case:
+    if "case" not in d:
+        raise GoldenError("case", None, "missing from the golden file", source=source)
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GoldenError("json", f"line {e.lineno}", f"{source} is not valid JSON ({e.msg})") from None
-    if not isinstance(d, dict):
-        raise GoldenError("kvxfer_golden", type(d).__name__, f"{source} is not a kvxfer golden file")
-    return d
+        return Case.model_validate(d["case"])
+    except PlanError as e:
+        raise GoldenError.wrap(e, source) from None
+
+
+def _parse(text: str | bytes, source: str) -> dict[str, Any]:
+    try:
+        return files.parse_json(text, source)
+    except files.PlanFileError as e:
+        raise GoldenError.wrap(e, None) from None
 
 
 def _read(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise GoldenError("path", str(path), "no such golden file")
-    return _parse(path.read_text(), str(path))
+    try:
+        return files.read_json(path, "golden file")
+    except files.PlanFileError as e:
+        raise GoldenError.wrap(e, None) from None
 
 
 def loads(text: str, source: str = "golden file") -> Golden:
@@ -144,10 +148,7 @@ def load(path: str | Path) -> Golden:
 
 def load_case(path: str | Path) -> Case:
     """Only the case of a golden file (readable even when the stored plan's schema is not)."""
-    d = migrate(_read(path), str(path))
-    if "case" not in d:
-        raise GoldenError("case", None, f"missing from {path}")
-    return Case.model_validate(d["case"])
+    return _case(migrate(_read(path), str(path)), str(path))
 
 
 def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool:
