@@ -35,7 +35,7 @@ def register(app) -> None:
     import typer
 
     @app.command("run")
-    def _cmd(case_path: Path = typer.Argument(..., help="case file (JSON: layout, mapping, target, options)"),
+    def _cmd(case_path: Path = typer.Argument(..., help="case file, plan file (.json/.npz) or golden file"),
              executor: str | None = typer.Option(
                  None, "--executor", "-e", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
              config: Path | None = typer.Option(None, "--config", help="executor config file (TOML or JSON)"),
@@ -53,6 +53,8 @@ def register(app) -> None:
         from kvxfer.executors.config import AutoExecutor, ExecutorConfig, ExecutorKind, get_executor
         from kvxfer.planner import Case, PlanOptions, Platform
 
+        from ._inputs import read_input
+
         overrides: dict[str, Any] = dict(kind=executor, max_descriptors=max_descriptors, replan=replan)
         if shim is not None:
             if shim_version is not None:
@@ -69,12 +71,18 @@ def register(app) -> None:
             raise typer.BadParameter("a NIXL plan needs a remote peer; run it from Python (NixlExecutor with "
                                      "kvxfer.executors.nixl_peer), or try python -m kvxfer.executors.nixl_peer",
                                      param_hint="--executor")
-        case = Case.load(case_path)
+        case, stored = read_input(case_path)
+        if case is None and (replan or max_descriptors is not None):
+            raise typer.BadParameter(f"{case_path} is a plan file, which runs as stored; pass its case or golden "
+                                     "file to plan again", param_hint="--replan/--max-descriptors")
         ex = get_executor(cfg)
-        target = ex.target if cfg.replan else case.target
-        options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
-            case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
-        plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
+        if case is None:
+            plan = stored
+        else:
+            target = ex.target if cfg.replan else case.target
+            options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
+                case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
+            plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
         # host memory for numpy, for shims, and for auto on a machine without a GPU runtime
         cpu_only = isinstance(ex, AutoExecutor) and ex.platform is Platform.CPU
         mem = _allocate(plan, not (cfg.kind is ExecutorKind.NUMPY or shim is not None or cpu_only), seed)

@@ -154,6 +154,9 @@ def load_case(path: str | Path) -> Case:
 def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool:
     """Write the golden file for ``case`` (and ``plan``); returns False when the file already had this text."""
     path = Path(path)
+    if path.is_symlink():
+        raise GoldenError("path", str(path), "is a symbolic link; golden files are written in place, never "
+                          "through a link")
     text = dumps(case, plan)
     if path.is_file() and path.read_text() == text:
         return False
@@ -213,6 +216,26 @@ def check_file(path: str | Path) -> GoldenCheck:
     return check(path, case)
 
 
+def folder_files(folder: str | Path) -> tuple[list[Path], list[GoldenCheck]]:
+    """The golden files (``*.json``) directly in ``folder``, and a failed check for each entry that is not
+    read: a link that leads outside the folder (never followed), a dangling link, or something not a file.
+    Raises GoldenError when ``folder`` is not a folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise GoldenError("DIR", str(folder), "no such folder")
+    root = folder.resolve()
+    files, refused = [], []
+    for path in sorted(folder.glob("*.json")):
+        target = path.resolve()
+        if path.is_symlink() and not target.is_relative_to(root):
+            refused.append(GoldenCheck(path, "outside", f"{path} links outside {folder} (to {target}); not followed"))
+        elif not path.is_file():
+            refused.append(GoldenCheck(path, "unreadable", f"{path} is not a file (a dangling link or a folder)"))
+        else:
+            files.append(path)
+    return files, refused
+
+
 def update_file(path: str | Path) -> bool:
     """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed.
     Raises GoldenError when the file (its case) cannot be read."""
@@ -220,4 +243,4 @@ def update_file(path: str | Path) -> bool:
 
 
 __all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "check", "check_file", "dumps",
-           "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "save", "update_file"]
+           "folder_files", "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "save", "update_file"]
