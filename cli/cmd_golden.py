@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(r.message.split("\n", 1)[1])
         total = len(files) + len(refused)
         rewritable = sum(r.status in ("differs", "case-changed") for r in failures)
-        typer.echo(f"{total} golden file(s): {total - len(failures)} ok, {len(failures)} failing"
+        typer.echo(f"{total} golden files: {total - len(failures)} ok, {len(failures)} failing"
                    + (f" (kvxfer golden update {folder} rewrites {rewritable})" if rewritable else ""))
         if failures:
             raise typer.Exit(1)

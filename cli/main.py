@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
 
 COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench")
 MAX_ERRORS = 10  # problems listed one per line before the rest are counted
@@ -54,7 +53,7 @@ def error_lines(err: BaseException) -> list[str]:
     if len(details) <= 1:
         return [clip(f"kvxfer: error: {err}")]
     head = f"kvxfer: error: {source}: {len(details)} problems" if source else f"kvxfer: error: {len(details)} problems"
-    lines = [clip(head)] + [clip(f"  {d}") for d in details[:MAX_ERRORS]]
+    lines = [clip(head)] + ["  " + clip(d) for d in details[:MAX_ERRORS]]
     if len(details) > MAX_ERRORS:
         lines.append(f"  ... and {len(details) - MAX_ERRORS} more")
     return lines
@@ -63,22 +62,12 @@ def error_lines(err: BaseException) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI. Bad input prints one line per problem (no traceback) and exits 2; a failed driver or
     transfer prints one line and exits 1."""
-    import click
-
     app = build_app()
-    code: Any = 0
-    try:
-        code = app(args=argv, standalone_mode=False, prog_name="kvxfer")
-    except click.exceptions.ClickException as e:  # usage errors: bad option, missing argument
-        e.show()
-        code = e.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        print("kvxfer: interrupted", file=sys.stderr)
-        code = 130
-    except (ValueError, OSError, ImportError, LookupError, TypeError) as e:  # bad input, unreadable files, extras
+    try:  # typer itself reports usage errors (exit 2) and --help/--version (exit 0) by SystemExit
+        app(args=argv, standalone_mode=True, prog_name="kvxfer")
+    except (ValueError, OSError, ImportError, LookupError, TypeError, EOFError) as e:  # bad input, files, extras
         print("\n".join(error_lines(e)), file=sys.stderr)
-        code = 2
+        raise SystemExit(2) from None
     except (RuntimeError, TimeoutError) as e:  # ExecutorError: no driver, a failed call, a transfer that hung
         print(clip(f"kvxfer: {type(e).__name__}: {e}"), file=sys.stderr)
-        code = 1
-    raise SystemExit(code if isinstance(code, int) else 0)
+        raise SystemExit(1) from None

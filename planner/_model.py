@@ -49,6 +49,7 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
     errors = err.errors(include_url=False)
     unknown = {_loc(tuple(e["loc"]))[0] for e in errors if e["type"] == "extra_forbidden"}
     made: list[PlanError] = []
+    lines: list[str] = []
     for e in errors:
         loc = tuple(e["loc"])
         path, _ = _loc(loc)
@@ -59,23 +60,28 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
                 last = path.rsplit(".", 1)[-1]
                 field = path + cause.field[len(last):] if cause.field.split(".")[0] == last else f"{path}.{cause.field}"
             made.append(type(cause)(field, _short(cause.value), cause.reason, cause.index))
+            nested = getattr(cause, "details", ())  # a nested model's own errors, already one line each
+            lines += [f"{path}.{d}" if path else d for d in nested] if len(nested) > 1 else [str(made[-1])]
             continue
         known = list(getattr(_model_at(model, loc[:-1]), "model_fields", {}))
         if e["type"] == "extra_forbidden":
             made.append(error_cls(path, _short(e.get("input")), f"unknown key {loc[-1]!r}{suggest(loc[-1], known)}"))
+            lines.append(str(made[-1]))
         elif e["type"] == "missing":
             parent = path.rsplit(".", 1)[0] if "." in path else ""
             siblings = [u.rsplit(".", 1)[-1] for u in unknown if (u.rsplit(".", 1)[0] if "." in u else "") == parent]
             if not any(suggest(s, [loc[-1]]) for s in siblings):  # else reported as the typo'd key
                 made.append(error_cls(path, None, "required key missing"))
+                lines.append(str(made[-1]))
         else:
             msg = e["msg"]
             made.append(error_cls(path or error_cls.__name__, _short(e.get("input")), msg[0].lower() + msg[1:]))
+            lines.append(str(made[-1]))
     first = made[0]
-    first.details = tuple(str(m) for m in made)  # type: ignore[attr-defined]
-    if len(made) > 1:
-        first.args = (f"{first.args[0]} (and {len(made) - 1} more: {'; '.join(first.details[1:3])}"
-                      f"{'; ...' if len(made) > 3 else ''})",)
+    first.details = tuple(lines)  # type: ignore[attr-defined]
+    if len(lines) > 1:
+        first.args = (f"{first.args[0]} (and {len(lines) - 1} more: {'; '.join(lines[1:3])}"
+                      f"{'; ...' if len(lines) > 3 else ''})",)
     return first
 
 
