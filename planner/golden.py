@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import files
 from .case import Case
 from .diff import PlanDiff, diff_plans

@@ -274,7 +274,8 @@ def _as_ids(value: Any, field: str) -> np.ndarray:
             i = next((i for i, v in enumerate(arr) if not isinstance(v, (int, np.integer)) or isinstance(v, bool)
                       or not 0 <= v <= np.iinfo(np.int64).max), 0)
             v = arr[i]
-            why = "block id does not fit int64" if isinstance(v, int) and not isinstance(v, bool) else "block ids must be integers"
+            fits = not isinstance(v, int) or isinstance(v, bool)
+            why = "block ids must be integers" if fits else "block id does not fit int64"
             raise MappingError(field, v if isinstance(v, (int, float, str, type(None))) else type(v).__name__, why, i)
         if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf" and arr.size:
             idx = 0 if arr.ndim else None
