@@ -1,13 +1,14 @@
 """Shared base for the frozen pydantic values, and edge coercion (model, dict or JSON path)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import PlanError
-from .files import _short, parse_json, suggest
+from .files import shorten, parse_json, suggest
 
 M = TypeVar("M", bound="Spec")
 
@@ -59,13 +60,13 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
             if path and cause.field:  # field validators already name their field, which ends the path
                 last = path.rsplit(".", 1)[-1]
                 field = path + cause.field[len(last):] if cause.field.split(".")[0] == last else f"{path}.{cause.field}"
-            made.append(type(cause)(field, _short(cause.value), cause.reason, cause.index))
+            made.append(type(cause)(field, shorten(cause.value), cause.reason, cause.index))
             nested = getattr(cause, "details", ())  # a nested model's own errors, already one line each
             lines += [f"{path}.{d}" if path else d for d in nested] if len(nested) > 1 else [str(made[-1])]
             continue
         known = list(getattr(_model_at(model, loc[:-1]), "model_fields", {}))
         if e["type"] == "extra_forbidden":
-            made.append(error_cls(path, _short(e.get("input")), f"unknown key {loc[-1]!r}{suggest(loc[-1], known)}"))
+            made.append(error_cls(path, shorten(e.get("input")), f"unknown key {loc[-1]!r}{suggest(loc[-1], known)}"))
             lines.append(str(made[-1]))
         elif e["type"] == "missing":
             parent = path.rsplit(".", 1)[0] if "." in path else ""
@@ -75,7 +76,7 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
                 lines.append(str(made[-1]))
         else:
             msg = e["msg"]
-            made.append(error_cls(path or error_cls.__name__, _short(e.get("input")), msg[0].lower() + msg[1:]))
+            made.append(error_cls(path or error_cls.__name__, shorten(e.get("input")), msg[0].lower() + msg[1:]))
             lines.append(str(made[-1]))
     first = made[0]
     first.details = tuple(lines)  # type: ignore[attr-defined]
@@ -85,14 +86,17 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
     return first
 
 
-def _int_fields(cls: type) -> frozenset[str]:
-    """Names of the fields that take an integer but not a bool (pydantic would read True as 1)."""
-    names = set()
+@functools.cache
+def _kind_fields(cls: type) -> tuple[frozenset[str], frozenset[str]]:
+    """(names of the fields that take an integer but not a bool, names of the fields that take only a bool)."""
+    ints, bools = set(), set()
     for name, field in cls.model_fields.items():  # type: ignore[attr-defined]
         kinds = _types(field.annotation)
         if int in kinds and bool not in kinds:
-            names.add(field.alias or name)
-    return frozenset(names)
+            ints.add(field.alias or name)
+        elif kinds == [bool]:
+            bools.add(field.alias or name)
+    return frozenset(ints), frozenset(bools)
 
 
 class Spec(BaseModel):
@@ -100,14 +104,21 @@ class Spec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
     _error: ClassVar[type[PlanError]] = PlanError
+    _lenient: ClassVar[frozenset[str]] = frozenset()  # integer fields with their own parser (accepting strings)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
+    def _strict_kinds(cls, data: Any) -> Any:
+        """Refuse what pydantic would coerce silently: True as 1, 2.0 or "64" as an integer, "yes" as a bool."""
         if isinstance(data, dict):
-            for name in _int_fields(cls) & data.keys():
-                if isinstance(data[name], bool):
-                    raise cls._error(name, data[name], "expected an integer, got a bool")
+            ints, bools = _kind_fields(cls)
+            for name in (ints - cls._lenient) & data.keys():
+                v = data[name]
+                if isinstance(v, (bool, float, str, bytes)):
+                    raise cls._error(name, v, f"expected an integer, got {type(v).__name__}")
+            for name in bools & data.keys():
+                if not isinstance(data[name], bool):
+                    raise cls._error(name, data[name], f"expected true or false, got {type(data[name]).__name__}")
         return data
 
     def __init__(self, **data: Any) -> None:

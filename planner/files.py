@@ -40,7 +40,7 @@ class PlanFileError(PlanError):
 
     def __init__(self, field: str, value: Any, reason: str, index: int | None = None, source: str | None = None,
                  details: tuple[str, ...] = ()):
-        super().__init__(field, _short(value), reason, index)
+        super().__init__(field, shorten(value), reason, index)
         self.source, self.details = source, tuple(details)
         if source:
             self.args = (f"{source}: {self.args[0]}",)
@@ -54,7 +54,7 @@ class PlanFileError(PlanError):
         return cls(err.field, err.value, err.reason, err.index, source, details)
 
 
-def _short(value: Any) -> Any:
+def shorten(value: Any) -> Any:
     """Values longer than a line are cut, so a message never dumps a whole object."""
     if isinstance(value, (str, int, float, bool, type(None))) and len(repr(value)) <= _SHOWN:
         return value

@@ -97,6 +97,7 @@ class Target(Spec):
     """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown)."""
 
     _error: ClassVar = TargetError
+    _lenient: ClassVar = frozenset({"runtime_version"})  # "13.0" strings: parse_runtime_version
     platform: Platform = Platform.CPU
     runtime_version: int = Field(default=0, ge=0)
 
