@@ -8,7 +8,7 @@ from typing import Any, ClassVar, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import PlanError
-from .files import shorten, parse_json, suggest
+from .files import parse_json, shorten, suggest
 
 M = TypeVar("M", bound="Spec")
 

@@ -43,6 +43,9 @@ class Case(Spec):
     def load(cls, path: str | Path) -> Case:
         """Read a case file (JSON). Raises PlanFileError naming the file and every problem found."""
         d = files.read_json(path, "case file")
+        if "kvxfer_golden" in d:
+            raise files.PlanFileError("kvxfer_golden", d["kvxfer_golden"], "this is a golden file, not a case file; "
+                                      "read its case with kvxfer.planner.golden.load_case", source=str(path))
         try:
             return cls.model_validate(d)
         except PlanError as e:

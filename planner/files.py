@@ -51,7 +51,9 @@ class PlanFileError(PlanError):
         if isinstance(err, PlanFileError) and (err.source or not source):
             return err
         details = tuple(getattr(err, "details", ()) or ())
-        return cls(err.field, err.value, err.reason, err.index, source, details)
+        out = cls(err.field, err.value, err.reason, err.index, source, details)
+        out.args = (f"{source}: {err.args[0]}" if source else err.args[0],)  # keeps "(and N more: ...)"
+        return out
 
 
 def shorten(value: Any) -> Any:
@@ -86,7 +88,7 @@ def read_bytes(path: str | Path, what: str = "file") -> bytes:
 def parse_json(text: str | bytes, source: str | None) -> dict[str, Any]:
     """A JSON object from ``text``; a top-level list, string or number is refused."""
     try:
-        d = json.loads(text)
+        d = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except UnicodeDecodeError as e:
         raise PlanFileError("json", f"byte {e.start}", "not UTF-8 text", source=source) from None
     except json.JSONDecodeError as e:

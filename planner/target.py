@@ -60,7 +60,9 @@ def parse_runtime_version(platform: str, value: object) -> int:
         return hip_version(major, minor) if rocm else cuda_version(major, minor)
     if isinstance(value, float):
         raise TargetError("runtime_version", value, f"floats are ambiguous (7.1 or 7.10?); {encoding}")
-    if not isinstance(value, int) or isinstance(value, bool):
+    if isinstance(value, bool):
+        raise TargetError("runtime_version", value, "expected an integer or \"major.minor\", got bool")
+    if not isinstance(value, int):
         return value  # type: ignore[return-value]  # pydantic reports the type
     if value == 0 or platform == Platform.CPU.value or value < 0:
         return value
