@@ -13,7 +13,7 @@ from .main import clip
 
 
 def _first_line(message: str) -> str:
-    return clip(message.splitlines()[0] if message else "", 160)
+    return clip(message.splitlines()[0] if message else "", 240)
 
 
 def register(app: typer.Typer) -> None:
@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
                 wrote = golden.update_file(path)
             except PlanError as e:  # one broken file does not stop the others
                 failed += 1
-                typer.echo(f"{'unreadable':12}  {path.name}: {clip(str(e), 160)}")
+                typer.echo(f"{'unreadable':12}  {path.name}: {clip(str(e), 240)}")
                 continue
             changed += wrote
             if wrote:

@@ -10,7 +10,7 @@ import sys
 
 COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench")
 MAX_ERRORS = 10  # problems listed one per line before the rest are counted
-MAX_LINE = 200  # characters of one message line; a message never dumps a whole object
+MAX_LINE = 300  # characters of one message line; a message never dumps a whole object
 
 
 def _version(value: bool) -> None:
@@ -62,12 +62,31 @@ def error_lines(err: BaseException) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI. Bad input prints one line per problem (no traceback) and exits 2; a failed driver or
     transfer prints one line and exits 1."""
+    import typer
+
     app = build_app()
-    try:  # typer itself reports usage errors (exit 2) and --help/--version (exit 0) by SystemExit
-        app(args=argv, standalone_mode=True, prog_name="kvxfer")
+    code: object = 0
+    try:
+        code = app(args=argv, standalone_mode=False, prog_name="kvxfer")
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:
+        print("kvxfer: interrupted", file=sys.stderr)
+        code = 130
     except (ValueError, OSError, ImportError, LookupError, TypeError, EOFError) as e:  # bad input, files, extras
         print("\n".join(error_lines(e)), file=sys.stderr)
-        raise SystemExit(2) from None
+        code = 2
     except (RuntimeError, TimeoutError) as e:  # ExecutorError: no driver, a failed call, a transfer that hung
         print(clip(f"kvxfer: {type(e).__name__}: {e}"), file=sys.stderr)
-        raise SystemExit(1) from None
+        code = 1
+    except Exception as e:
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code") and hasattr(e, "show")):
+            raise
+        code = e.exit_code
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as typer would print it
+            e.show()
+        else:  # typer's usage errors (a bad option value, a missing argument): one line, like ours
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            print(clip(f"kvxfer: error: {e.format_message()}{hint}"), file=sys.stderr)
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -29,7 +29,7 @@ _HEADER_TYPES: dict[str, tuple[type, ...]] = {
     "direction": (str,), "target": (dict,), "options": (dict,), "api": (str,), "passes_attrs": (bool,),
     "buffers": (list,), "regions": (list,), "attrs": (list,), "requested_copies": (int,),
 }
-_SHOWN = 60  # characters of a bad value shown in a message
+_SHOWN = 40  # characters of a bad value shown in a message
 
 
 class PlanFileError(PlanError):

@@ -226,9 +226,9 @@ def folder_files(folder: str | Path) -> tuple[list[Path], list[GoldenCheck]]:
     for path in sorted(folder.glob("*.json")):
         target = path.resolve()
         if path.is_symlink() and not target.is_relative_to(root):
-            refused.append(GoldenCheck(path, "outside", f"{path} links outside {folder} (to {target}); not followed"))
+            refused.append(GoldenCheck(path, "outside", f"not followed: a link out of the folder (to {target})"))
         elif not path.is_file():
-            refused.append(GoldenCheck(path, "unreadable", f"{path} is not a file (a dangling link or a folder)"))
+            refused.append(GoldenCheck(path, "unreadable", "not a file (a dangling link or a folder)"))
         else:
             files.append(path)
     return files, refused
