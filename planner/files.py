@@ -165,10 +165,14 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
     lo, hi = 0, int(np.iinfo(dtype).max)
     if arr.dtype.kind == "O":
         flat = arr.ravel()
+        for i, v in enumerate(flat):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+                raise PlanFileError(field, v, f"expected an integer, got {_type_name(v)}",
+                                    i if ndim == 1 else i // arr.shape[1], source)
         out_of = [i for i, v in enumerate(flat) if not lo <= v <= hi]
     else:
-        bad = (arr < lo) | (arr > hi) if arr.dtype.kind == "i" or int(arr.max()) > hi else np.zeros(arr.shape, bool)
-        out_of = np.flatnonzero(bad.ravel()).tolist()[:1]
+        outside = (arr < lo) | (arr > hi) if arr.dtype.kind == "i" or int(arr.max()) > hi else np.zeros(arr.shape, bool)
+        out_of = np.flatnonzero(outside.ravel()).tolist()[:1]
     if out_of:
         i = out_of[0]
         raise PlanFileError(field, int(arr.ravel()[i]), f"out of range for {dtype.name} (must be {lo}..{hi})",
@@ -283,7 +287,7 @@ def validate(model: Any, value: Any, field: str, source: str | None, index: int 
                             tuple(f"{where}.{line}" for line in getattr(e, "details", ()))) from None
 
 
-def suggest(key: str, known: Any) -> str:
+def suggest(key: object, known: Any) -> str:
     """`` (did you mean 'x'?)`` for the closest known name, or ''."""
     import difflib
     close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
