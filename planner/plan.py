@@ -299,6 +299,9 @@ class TransferPlan:
         if f["schema_version"] != SCHEMA_VERSION:
             raise files.PlanFileError("schema_version", f["schema_version"],
                                       f"this kvxfer reads plan schema {SCHEMA_VERSION}", source=source)
+        for key, enum in (("direction", Direction), ("api", CopyApi)):
+            if f[key] not in [m.value for m in enum]:
+                raise files.PlanFileError(key, f[key], f"expected one of {[m.value for m in enum]}", source=source)
         try:
             plan = cls(
                 direction=Direction(f["direction"]), target=files.validate(Target, f["target"], "target", source),
@@ -310,8 +313,6 @@ class TransferPlan:
                 call_offsets=f["call_offsets"], columns=f["columns"]).check()
         except PlanError as e:
             raise files.PlanFileError.wrap(e, source) from None
-        except ValueError as e:  # an enum value that is not one of its members
-            raise files.PlanFileError("direction/api", str(e), "unknown value", source=source) from None
         want = f["fingerprint"]
         if want is not None and want != plan.fingerprint:
             raise files.PlanFileError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})",

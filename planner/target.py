@@ -96,7 +96,11 @@ class AccessOrder(StrEnum):
 
 
 class Target(Spec):
-    """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown)."""
+    """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown).
+
+    ``runtime_version`` also accepts ``"major.minor"`` ("13.0", "7.16"); integers that cannot be an encoded
+    version (``13`` for CUDA 13.0) raise TargetError showing the encoding. See parse_runtime_version.
+    """
 
     _error: ClassVar = TargetError
     _lenient: ClassVar = frozenset({"runtime_version"})  # "13.0" strings: parse_runtime_version

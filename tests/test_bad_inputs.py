@@ -239,6 +239,8 @@ CATALOGUE: list[Bad] = [
     Bad("passes_attrs as a number", plan_file(lambda d: d.update(passes_attrs=1)), PlanFileError, "expected bool"),
     Bad("buffer size as a bool", plan_file(lambda d: d["buffers"][0].update(nbytes=True)), PlanFileError,
         "buffers[0].nbytes"),
+    Bad("unknown copy api", plan_file(lambda d: d.update(api="cudaMemcpy")), PlanFileError, "expected one of"),
+    Bad("unknown direction in a plan", plan_file(lambda d: d.update(direction="up")), PlanFileError, "direction"),
     Bad("newer plan schema", plan_file(lambda d: d.update(schema_version=2)), PlanFileError, "plan schema 1"),
     Bad("fingerprint of other content", plan_file(lambda d: d.update(fingerprint="0" * 64)), PlanFileError,
         "does not match"),
