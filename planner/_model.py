@@ -104,17 +104,18 @@ class Spec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
     _error: ClassVar[type[PlanError]] = PlanError
-    _lenient: ClassVar[frozenset[str]] = frozenset()  # integer fields with their own parser (accepting strings)
+    _lenient: ClassVar[frozenset[str]] = frozenset()  # integer fields with their own parser (of floats too)
 
     @model_validator(mode="before")
     @classmethod
     def _strict_kinds(cls, data: Any) -> Any:
-        """Refuse what pydantic would coerce silently: True as 1, 2.0 or "64" as an integer, "yes" as a bool."""
+        """Refuse what pydantic would coerce silently: True or 2.0 as an integer, "yes" or 1 as a bool. (Digit
+        strings stay accepted for integers: configuration read from the environment arrives as text.)"""
         if isinstance(data, dict):
             ints, bools = _kind_fields(cls)
             for name in (ints - cls._lenient) & data.keys():
                 v = data[name]
-                if isinstance(v, (bool, float, str, bytes)):
+                if isinstance(v, (bool, float)):
                     raise cls._error(name, v, f"expected an integer, got {type(v).__name__}")
             for name in bools & data.keys():
                 if not isinstance(data[name], bool):

@@ -103,7 +103,7 @@ class Target(Spec):
     """
 
     _error: ClassVar = TargetError
-    _lenient: ClassVar = frozenset({"runtime_version"})  # "13.0" strings: parse_runtime_version
+    _lenient: ClassVar = frozenset({"runtime_version"})  # its floats and bools get parse_runtime_version's hint
     platform: Platform = Platform.CPU
     runtime_version: int = Field(default=0, ge=0)
 

@@ -173,7 +173,7 @@ CATALOGUE: list[Bad] = [
     Bad("buffer of negative bytes", layout_with("buffers.0.nbytes", -64), LayoutError, "buffers[0].nbytes"),
     Bad("buffer size given as a bool", layout_with("buffers.0.nbytes", True), LayoutError, "got bool"),
     Bad("buffer size given as a float", layout_with("buffers.0.nbytes", 2048.0), LayoutError, "got float"),
-    Bad("buffer size given as a string", layout_with("buffers.0.nbytes", "2048"), LayoutError, "got str"),
+    Bad("buffer size given as a word", layout_with("buffers.0.nbytes", "2 KiB"), LayoutError, "buffers[0].nbytes"),
     Bad("buffer size past int64", layout_with("buffers.0.nbytes", 2**63), LayoutError, "buffers[0].nbytes"),
     Bad("buffer without a name", layout_with("buffers.0.name", ""), LayoutError, "buffers[0].name"),
     Bad("page size given as a bool", layout_with("regions.0.page_bytes", True), LayoutError, "got bool"),
