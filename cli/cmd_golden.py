@@ -22,10 +22,19 @@ def register(app: typer.Typer) -> None:
 
     @group.command("check")
     def check_cmd(folder: Path = typer.Argument(..., help="folder of golden files"),
-                  verbose: bool = typer.Option(False, "--verbose", "-v", help="print each failure's diff")) -> None:
-        """Print each failing golden file and a summary; exit 0 when every case still plans to its stored plan."""
-        from kvxfer.planner import golden
+                  verbose: bool = typer.Option(False, "--verbose", "-v", help="print each failure's diff"),
+                  prune: bool = typer.Option(False, "--prune", help="delete the golden files the last whole test run "
+                                             "did not use (its record: DIR/.kvxfer-golden-used)")) -> None:
+        """Print each failing golden file and a summary; exit 0 when every case still plans to its stored plan.
+        Golden files the last whole test run did not use are listed (and deleted with --prune)."""
+        from kvxfer.planner import PlanError, golden
 
+        unused = golden.unused_files(folder) if folder.is_dir() else []
+        if prune and unused is None:
+            raise PlanError("--prune", str(folder / golden.USED_RECORD), "no record of which golden files the tests "
+                            "use; a whole-suite pytest run writes it (pytest --prune-golden prunes directly)")
+        for p in golden.prune(unused or ()) if prune else unused or ():
+            typer.echo(f"{'deleted' if prune else 'unused':12}  {p.name}")
         files, refused = golden.folder_files(folder)
         failures = refused + [r for r in map(golden.check_file, files) if not r.ok]
         for r in sorted(failures, key=lambda r: r.path.name):
@@ -35,7 +44,8 @@ def register(app: typer.Typer) -> None:
         total = len(files) + len(refused)
         rewritable = sum(r.status in ("differs", "case-changed") for r in failures)
         typer.echo(f"{total} golden files: {total - len(failures)} ok, {len(failures)} failing"
-                   + (f" (kvxfer golden update {folder} rewrites {rewritable})" if rewritable else ""))
+                   + (f" (kvxfer golden update {folder} rewrites {rewritable})" if rewritable else "")
+                   + (f"; {len(unused)} unused (--prune deletes them)" if unused and not prune else ""))
         if failures:
             raise typer.Exit(1)
 

@@ -7,7 +7,7 @@ never read the environment; the pytest plugin and the CLI decide when to update.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,11 +234,42 @@ def folder_files(folder: str | Path) -> tuple[list[Path], list[GoldenCheck]]:
     return files, refused
 
 
+USED_RECORD = ".kvxfer-golden-used"  # in a golden folder: the names a whole test run used, one per line
+
+
+def write_used(folder: str | Path, names: Iterable[str]) -> Path:
+    """Record which golden files (names in ``folder``) a whole test run used, for ``unused_files``."""
+    path = Path(folder) / USED_RECORD
+    path.write_text("".join(f"{n}\n" for n in sorted(set(names))))
+    return path
+
+
+def unused_files(folder: str | Path) -> list[Path] | None:
+    """Golden files in ``folder`` that the recorded test run did not use (links included, never followed);
+    None when there is no record (a test run with the kvxfer pytest plugin writes it)."""
+    folder = Path(folder)
+    record = folder / USED_RECORD
+    if not record.is_file() or record.is_symlink():
+        return None
+    used = set(record.read_text().split())
+    return [p for p in sorted(folder.glob("*.json")) if p.name not in used]
+
+
+def prune(paths: Iterable[Path]) -> list[Path]:
+    """Delete ``paths`` (a link is removed itself, never its target); returns what was deleted."""
+    gone = []
+    for p in paths:
+        p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
 def update_file(path: str | Path) -> bool:
     """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed.
     Raises GoldenError when the file (its case) cannot be read."""
     return save(path, load_case(path))
 
 
-__all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "check", "check_file", "dumps",
-           "folder_files", "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "save", "update_file"]
+__all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "USED_RECORD", "check", "check_file", "dumps",
+           "folder_files", "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "prune", "save",
+           "unused_files", "update_file", "write_used"]

@@ -206,3 +206,18 @@ def test_diff_helpers_are_exported():
 
     g = golden.load(SAMPLE)
     assert not diff_plans(g.plan, Case.model_validate(g.case.to_dict()).plan()) and equivalent(g.plan, g.plan)
+
+
+def test_golden_check_reports_and_prunes_unused_files(capsys, folder, tmp_path):
+    code, _, err = main(capsys, "golden", "check", folder, "--prune")
+    assert code == 2 and "no record" in err and len(list(folder.glob("*.json"))) == 2
+    keep = tmp_path / "keep.json"
+    keep.write_text("{}")
+    (folder / "old-link.json").symlink_to(keep)
+    golden.write_used(folder, ["cuda-13.0-runs8-h2d.json"])
+    code, out, _ = main(capsys, "golden", "check", folder)
+    assert "unused        hip-7.16-runs8-h2d.json" in out and "unused        old-link.json" in out
+    assert "2 unused (--prune deletes them)" in out and (folder / "hip-7.16-runs8-h2d.json").exists()
+    code, out, _ = main(capsys, "golden", "check", folder, "--prune")
+    assert code == 0 and "deleted       hip-7.16-runs8-h2d.json" in out
+    assert sorted(p.name for p in folder.glob("*.json")) == ["cuda-13.0-runs8-h2d.json"] and keep.exists()
