@@ -271,12 +271,13 @@ def _as_ids(value: Any, field: str) -> np.ndarray:
         except (TypeError, ValueError, OverflowError) as e:
             raise MappingError(field, type(value).__name__, f"not an array of integers ({e})") from None
         if arr.dtype.kind == "O" and arr.ndim == 1:  # Python ints beyond int64, None, objects
-            i = next((i for i, v in enumerate(arr) if not isinstance(v, (int, np.integer)) or isinstance(v, bool)
-                      or not 0 <= v <= np.iinfo(np.int64).max), 0)
-            v = arr[i]
-            fits = not isinstance(v, int) or isinstance(v, bool)
-            why = "block ids must be integers" if fits else "block id does not fit int64"
-            raise MappingError(field, v if isinstance(v, (int, float, str, type(None))) else type(v).__name__, why, i)
+            for i, v in enumerate(arr.tolist()):
+                shown = v if isinstance(v, (int, float, str, type(None))) else type(v).__name__
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise MappingError(field, shown, "block ids must be integers", i)
+                if not 0 <= v <= np.iinfo(np.int64).max:
+                    raise MappingError(field, v, "block ids must be non-negative" if v < 0 else "block id does not fit int64", i)
+            arr = arr.astype(np.int64)
         if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf" and arr.size:
             idx = 0 if arr.ndim else None
             first = arr.flat[0] if arr.size else value
