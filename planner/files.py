@@ -145,14 +145,22 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, (list, tuple)):
-        bad = _first_non_int(value, ndim)
-        if bad is not None:
-            i, v = bad
-            raise PlanFileError(field, v, f"expected an integer, got {_type_name(v)}", i, source)
-        try:
-            arr = np.array(value, dtype=object) if value else np.zeros((0,) * ndim, dtype=np.int64)
-        except ValueError as e:
-            raise PlanFileError(field, "ragged", f"rows of unequal length ({e})", source=source) from None
+        if ndim == 1 and set(map(type, value)) <= {int}:  # the common case, checked without a Python loop
+            try:
+                arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+            except OverflowError:
+                arr = np.zeros(0, dtype=np.float64)
+            if arr.dtype.kind not in "iu":  # ints past int64 (numpy makes floats or objects): named below
+                arr = np.array(value, dtype=object)
+        else:
+            bad = _first_non_int(value, ndim)
+            if bad is not None:
+                i, v = bad
+                raise PlanFileError(field, v, f"expected an integer, got {_type_name(v)}", i, source)
+            try:
+                arr = np.array(value, dtype=object) if value else np.zeros((0,) * ndim, dtype=np.int64)
+            except ValueError as e:
+                raise PlanFileError(field, "ragged", f"rows of unequal length ({e})", source=source) from None
     else:
         raise PlanFileError(field, _type_name(value), "expected a list of integers", source=source)
     if arr.ndim != ndim:

@@ -230,6 +230,8 @@ CATALOGUE: list[Bad] = [
     Bad("attribute index past uint16", plan_file(col("attr", 0, 70000)), PlanFileError, "uint16"),
     Bad("buffer index past int32", plan_file(col("dst_buf", 0, 2**31)), PlanFileError, "int32"),
     Bad("range size 2**64", plan_file(col("nbytes", 0, 2**64)), PlanFileError, "uint64"),
+    Bad("offsets negative and past int64", plan_file(lambda d: d["columns"].update(src_offset=[-1, 2**63])),
+        PlanFileError, "src_offset[0] = -1"),
     Bad("null offset", plan_file(col("src_offset", 0, None)), PlanFileError, "got null"),
     Bad("offset past its buffer", plan_file(col("dst_offset", 0, 10**6)), PlanFileError, "runs past buffer"),
     Bad("attribute index past the table", plan_file(col("attr", 0, 5)), PlanFileError, "attr[0] = 5"),
