@@ -36,6 +36,8 @@ def register(app: typer.Typer) -> None:
         for p in golden.prune(unused or ()) if prune else unused or ():
             typer.echo(f"{'deleted' if prune else 'unused':12}  {p.name}")
         files, refused = golden.folder_files(folder)
+        if not files and not refused:
+            raise PlanError("DIR", str(folder), "holds no golden files (*.json)")
         failures = refused + [r for r in map(golden.check_file, files) if not r.ok]
         for r in sorted(failures, key=lambda r: r.path.name):
             typer.echo(f"{r.status:12}  {r.path.name}: {_first_line(r.message)}")

@@ -221,3 +221,9 @@ def test_golden_check_reports_and_prunes_unused_files(capsys, folder, tmp_path):
     code, out, _ = main(capsys, "golden", "check", folder, "--prune")
     assert code == 0 and "deleted       hip-7.16-runs8-h2d.json" in out
     assert sorted(p.name for p in folder.glob("*.json")) == ["cuda-13.0-runs8-h2d.json"] and keep.exists()
+
+
+def test_golden_check_on_an_empty_or_missing_folder_is_bad_input(capsys, tmp_path):
+    assert main(capsys, "golden", "check", tmp_path)[0] == 2
+    code, _, err = main(capsys, "golden", "update", tmp_path / "absent")
+    assert code == 2 and "no such folder" in err
