@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import platform
+import time
 from pathlib import Path
 
 import typer
@@ -12,9 +14,21 @@ def register(app: typer.Typer) -> None:
     def bench(out: Path = typer.Option(Path("bench-results.json"), help="where to write the JSON results"),
               quick: bool = typer.Option(False, help="fewer 16,128-block patterns")) -> None:
         """Plan time vs naive per-block descriptors, planning memory, NumPy executor vs memcpy."""
-        from kvxfer.cli.bench import format_tables, run_all
+        import numpy as np
 
-        res = run_all(full=not quick)
-        print(format_tables(res))
+        from kvxfer.cli import bench as b
+
+        steps = (("plan", "planner vs naive descriptors", lambda: b.bench_plan(not quick)),
+                 ("layouts", "layout model vs naive pieces", b.bench_layouts),
+                 ("memory", "planning memory", b.bench_memory),
+                 ("executor", "NumPy executor vs memcpy", b.bench_executor))
+        res = {"date": time.strftime("%Y-%m-%d"), "numpy": np.__version__,
+               "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
+        for i, (key, what, run) in enumerate(steps, 1):  # progress on stderr, so stdout stays the tables
+            typer.echo(f"[{i}/{len(steps)}] {what} ...", err=True)
+            t0 = time.perf_counter()
+            res[key] = run()
+            typer.echo(f"[{i}/{len(steps)}] {what}: done in {time.perf_counter() - t0:.1f} s", err=True)
+        typer.echo(b.format_tables(res))
         out.write_text(json.dumps(res, indent=1))
-        print(f"\nwrote {out}")
+        typer.echo(f"\nwrote {out}")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from ._inputs import max_rows as parse_rows
 from ._inputs import read_plan
 
 
@@ -14,7 +15,8 @@ def register(app: typer.Typer) -> None:
         a: Path = typer.Argument(..., help="case, plan or golden file"),
         b: Path = typer.Argument(..., help="case, plan or golden file"),
         full: bool = typer.Option(False, "--full", help="show every changed range"),
-        max_rows: int = typer.Option(40, "--max-rows", help="changed ranges shown before eliding the middle"),
+        max_rows: str = typer.Option("40", "--max-rows",
+                                     help="changed ranges shown before eliding the middle ('all' or 0: every range)"),
         html: Path | None = typer.Option(None, "--html", help="also write the HTML view to this file"),
         equivalent: bool = typer.Option(False, "--equivalent",
                                         help="exit 0 when the plans move the same bytes, even if they differ"),
@@ -25,14 +27,15 @@ def register(app: typer.Typer) -> None:
 
         from kvxfer.planner.diff import diff_plans
 
+        rows = None if full else parse_rows(max_rows)
         d = diff_plans(read_plan(a)[1], read_plan(b)[1])
         if html is not None:
-            html.write_text(f"<!doctype html>\n<meta charset=\"utf-8\">\n{d.to_html(None if full else max_rows)}\n")
+            html.write_text(f"<!doctype html>\n<meta charset=\"utf-8\">\n{d.to_html(rows)}\n")
         if not d:
             typer.echo(f"identical: {d.a!r}")
             return
         console = Console(highlight=False, soft_wrap=True)
         styles = {"-": "red", "+": "green"}
-        for line in d.text(None if full else max_rows).splitlines():
+        for line in d.text(rows).splitlines():
             console.print(Text(line, style=styles.get(line[:1], "") if line[:3] not in ("---", "+++") else "bold"))
         raise typer.Exit(0 if equivalent and d.equivalent else 1)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from ._inputs import max_rows as parse_rows
 from ._inputs import read_plan
 
 
@@ -17,11 +18,16 @@ def register(app: typer.Typer) -> None:
         explain: bool = typer.Option(False, "--explain", help="print the fixed-width explain() text"),
         stats: bool = typer.Option(False, "--stats", help="print statistics as JSON"),
         full: bool = typer.Option(False, "--full", help="show every range (no elision)"),
-        max_rows: int = typer.Option(20, "--max-rows", help="ranges shown before eliding the middle"),
+        max_rows: str = typer.Option("20", "--max-rows", help="ranges shown before eliding the middle ('all' or 0: every range)"),
         html: Path | None = typer.Option(None, "--html", help="write the HTML view to this file"),
-        png: Path | None = typer.Option(None, "--png", help="write the transfer map (needs kvxfer[viz])"),
+        png: Path | None = typer.Option(None, "--png", help="write the transfer map (needs kvxfer\\[viz])"),
     ) -> None:
-        """Plan CASE and print a summary (or --explain, --json, --stats); --html/--png write files."""
+        """Plan CASE and print a summary (or one of --explain, --json, --stats); --html/--png write files."""
+        chosen = [name for name, on in (("--json", as_json), ("--explain", explain), ("--stats", stats)) if on]
+        if len(chosen) > 1:
+            raise typer.BadParameter(f"{' and '.join(chosen)} each print the whole output; choose one "
+                                     "(--explain and --json both? run the command twice)", param_hint=chosen[1])
+        rows_limit = parse_rows(max_rows)
         from rich.console import Console
 
         from kvxfer.planner.render import stats as plan_stats
@@ -29,7 +35,7 @@ def register(app: typer.Typer) -> None:
 
         c, plan = read_plan(case)
         layout = c.layout if c is not None else None
-        rows = None if full else max_rows
+        rows = None if full else rows_limit
         if as_json:
             typer.echo(plan.to_json(indent=1))
         elif explain:

@@ -37,7 +37,7 @@ def register(app) -> None:
     import typer
 
     @app.command("run")
-    def _cmd(case_path: Path = typer.Argument(..., help="case file (JSON: layout, mapping, target, options)"),
+    def _cmd(case_path: Path = typer.Argument(..., help="case file, plan file (.json/.npz) or golden file"),
              executor: str | None = typer.Option(
                  None, "--executor", "-e", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
              config: Path | None = typer.Option(None, "--config", help="executor config file (TOML or JSON)"),
@@ -50,12 +50,18 @@ def register(app) -> None:
         """Plan CASE, run it, report bytes, calls and time; with --verify exit 1 on any differing byte."""
         from kvxfer.executors.config import ExecutorConfig, ExecutorKind, get_executor
 
+        from ._inputs import read_input
+
         overrides: dict[str, Any] = dict(kind=executor, max_descriptors=max_descriptors, replan=replan)
         cfg = ExecutorConfig.load(config, **overrides)
         if cfg.kind is ExecutorKind.NIXL:
             raise typer.BadParameter("a NIXL plan needs a remote peer; run it from Python (NixlExecutor with "
                                      "kvxfer.executors.nixl_peer), or try python -m kvxfer.executors.nixl_peer",
                                      param_hint="--executor")
+        case, _ = read_input(case_path)
+        if case is None and (replan or max_descriptors is not None):
+            raise typer.BadParameter(f"{case_path} is a plan file, which runs as stored; pass its case or golden "
+                                     "file to plan again", param_hint="--replan/--max-descriptors")
         ex = get_executor(cfg)
         try:
             ok = run_case(case_path, ex, cfg, verify=verify, explain_executor=explain_executor, seed=seed, echo=typer.echo)
@@ -77,11 +83,16 @@ def run_case(case_path: Path, ex: Any, cfg: Any, *, verify: bool = False, explai
 
     echo = echo or _print
 
-    case = Case.load(case_path)
-    target = ex.target if cfg.replan else case.target
-    options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
-        case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
-    plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
+    from ._inputs import read_input
+
+    case, stored = read_input(case_path)
+    if case is None:  # a plan file runs as stored
+        plan = stored
+    else:
+        target = ex.target if cfg.replan else case.target
+        options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
+            case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
+        plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
     if on_gpu is None:  # host memory for numpy, and for auto on a machine without a GPU runtime
         on_gpu = not (cfg.kind is ExecutorKind.NUMPY or (isinstance(ex, AutoExecutor) and ex.platform is Platform.CPU))
     mem = _allocate(plan, on_gpu, seed)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,13 @@ def describe_attrs(plan: TransferPlan) -> str:
     return f"{len(plan.attrs) if plan.passes_attrs else 0}x {a.src_access_order.value} {a.flags:#x}"
 
 
-def run_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed: int = 0) -> list[dict[str, Any]]:
-    """Plan every pattern for every target, execute on host memory, verify bytes; returns table rows."""
+Row = dict[str, Any]
+
+
+def run_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed: int = 0,
+             on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    """Plan every pattern for every target, execute on host memory, verify bytes; returns table rows and
+    hands each to ``on_row`` as soon as it is verified."""
     pool = 2 * blocks
     layout = presets.kv_layout(regions, pool, page_bytes)
     base = random_buffers(layout, seed)
@@ -54,6 +60,8 @@ def run_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed
                          "ranges": plan.num_ranges, "calls": plan.num_calls, "call_sizes": plan.call_sizes.tolist(),
                          "attrs": describe_attrs(plan), "api": plan.api.value, "plan_ms": t_plan * 1e3,
                          "bytes": plan.total_bytes, "verified": ok})
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
@@ -77,7 +85,8 @@ def layout_cases(page_bytes: int, regions: int, blocks: int) -> list[tuple[str, 
     ]
 
 
-def run_layout_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed: int = 0) -> list[dict[str, Any]]:
+def run_layout_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 256, seed: int = 0,
+                    on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """Plan each layout feature, run it, and compare every byte with the test oracle's per-piece copies."""
     rows = []
     target = TARGETS["cuda-13.0"]
@@ -91,4 +100,6 @@ def run_layout_demo(page_bytes: int = 1024, regions: int = 118, blocks: int = 25
         rows.append({"layout": name, "requested": plan.requested_copies, "ranges": plan.num_ranges,
                      "calls": plan.num_calls, "bytes": plan.total_bytes, "plan_ms": t_plan * 1e3,
                      "verified": all(np.array_equal(base[k], want[k]) for k in base)})
+        if on_row is not None:
+            on_row(rows[-1])
     return rows

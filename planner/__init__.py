@@ -1,6 +1,8 @@
 """kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only."""
 from .case import Case
+from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
+from .files import PlanFileError
 from .layout import Layout
 from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
 from .planning import plan_transfer
@@ -10,6 +12,6 @@ from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_ve
 __all__ = [
     "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Fragment", "Layout",
     "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanOptions", "Platform",
-    "Region", "SCHEMA_VERSION", "Target", "TargetError", "TransferPlan", "cuda_version", "hip_version",
-    "plan_transfer",
+    "Region", "SCHEMA_VERSION", "PlanFileError", "Target", "TargetError", "TransferPlan", "cuda_version", "diff_plans",
+    "equivalent", "hip_version", "plan_transfer",
 ]

@@ -5,7 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import files
 from ._model import Spec
+from .errors import PlanError
 from .layout import Layout
 from .plan import TransferPlan
 from .planning import plan_transfer
@@ -40,22 +42,30 @@ class Case(Spec):
 
     @classmethod
     def load(cls, path: str | Path) -> Case:
-        return cls.coerce(path, "case")
+        """Read a case file (JSON). Raises PlanFileError naming the file and every problem found."""
+        d = files.read_json(path, "case file")
+        if "kvxfer_golden" in d:
+            raise files.PlanFileError("kvxfer_golden", d["kvxfer_golden"], "this is a golden file, not a case file; "
+                                      "read its case with kvxfer.planner.golden.load_case", source=str(path))
+        try:
+            return cls.model_validate(d)
+        except PlanError as e:
+            raise files.PlanFileError.wrap(e, str(path)) from None
 
     @classmethod
     def json_schema(cls) -> dict[str, Any]:
-        """JSON Schema of the case file (block ids are integer arrays)."""
-        schema = {
-            "title": "kvxfer case", "type": "object", "additionalProperties": False,
-            "required": ["layout", "mapping"],
-            "properties": {
-                "layout": Layout.model_json_schema(),
-                "mapping": {"type": "object", "additionalProperties": False, "required": ["direction", "src_ids", "dst_ids"],
-                            "properties": {"direction": {"enum": ["h2d", "d2h"]},
-                                           "src_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                                           "dst_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
-                "target": Target.model_json_schema(),
-                "options": PlanOptions.model_json_schema(),
-            },
-        }
+        """JSON Schema (draft 2020-12) of the case file, generated from the models so new fields appear by
+        themselves. Block ids are arrays of non-negative integers; ``runtime_version`` is the encoded integer
+        or a ``"major.minor"`` string."""
+        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **cls.model_json_schema()}
+        schema["title"] = "kvxfer case"
+        defs = schema["$defs"]
+        ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+        for name in ("src_ids", "dst_ids"):
+            defs["BlockMapping"]["properties"][name] = {**ids, "title": name}
+        version = defs["Target"]["properties"]["runtime_version"]
+        defs["Target"]["properties"]["runtime_version"] = {
+            "anyOf": [{k: v for k, v in version.items() if k not in ("default", "title")},
+                      {"type": "string", "pattern": r"^[0-9]+\.[0-9]+$"}],
+            "default": version.get("default", 0), "title": version.get("title", "Runtime Version")}
         return schema

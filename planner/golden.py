@@ -7,13 +7,12 @@ never read the environment; the pytest plugin and the CLI decide when to update.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from . import files
 from .case import Case
 from .diff import PlanDiff, diff_plans
 from .errors import PlanError
@@ -25,7 +24,7 @@ _WIDTH = 120  # containers whose one-line form is longer are broken, one element
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-class GoldenError(PlanError):
+class GoldenError(files.PlanFileError):
     """A golden file cannot be read: not JSON, not a golden file, or a schema this kvxfer cannot migrate."""
 
 
@@ -78,59 +77,62 @@ def migrate(d: dict[str, Any], source: str = "golden file") -> dict[str, Any]:
     """Bring a golden dict to GOLDEN_SCHEMA through MIGRATIONS. Raises GoldenError naming the version."""
     version = d.get("kvxfer_golden")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise GoldenError("kvxfer_golden", version, f"{source} is not a kvxfer golden file (no schema version)")
+        raise GoldenError("kvxfer_golden", version, "not a kvxfer golden file (no schema version)", source=source)
     if version > GOLDEN_SCHEMA:
-        raise GoldenError("kvxfer_golden", version, f"{source} was written by a newer kvxfer "
-                          f"(this one reads golden schema {GOLDEN_SCHEMA}); upgrade kvxfer")
+        raise GoldenError("kvxfer_golden", version, f"written by a newer kvxfer (this one reads golden schema "
+                          f"{GOLDEN_SCHEMA}); upgrade kvxfer", source=source)
     while version < GOLDEN_SCHEMA:
         step = MIGRATIONS.get(version)
         if step is None:
-            raise GoldenError("kvxfer_golden", version, f"{source} uses golden schema {version}, which this kvxfer "
-                              f"cannot migrate to {GOLDEN_SCHEMA}; regenerate it (kvxfer golden update DIR, "
-                              f"or pytest --update-golden)")
+            raise GoldenError("kvxfer_golden", version, f"golden schema {version}, which this kvxfer cannot "
+                              f"migrate to {GOLDEN_SCHEMA}; regenerate it (kvxfer golden update DIR, "
+                              f"or pytest --update-golden)", source=source)
         d = step(d)
         version = d.get("kvxfer_golden", version + 1)
     return d
 
 
 def from_dict(d: dict[str, Any], source: str = "golden file") -> Golden:
-    """Read a golden dict (any migratable schema). Raises GoldenError / PlanError naming what is wrong."""
+    """Read a golden dict (any migratable schema). Raises GoldenError naming the file, field and value."""
     d = migrate(d, source)
+    case = _case(d, source)
+    p = d.get("plan")
+    if not isinstance(p, dict):
+        raise GoldenError("plan", type(p).__name__, "expected the stored plan as an object", source=source)
+    p = dict(p)
     try:
-        case = Case.model_validate(d["case"])
-        p = dict(d["plan"])
-        rows = np.asarray(p.pop("ranges"), dtype=np.uint64).reshape(-1, len(COLUMNS))
-        names = p.pop("range_columns")
-        if list(names) != list(COLUMNS):
-            raise GoldenError("plan.range_columns", names, f"expected {list(COLUMNS)}")
-        p["columns"] = {name: rows[:, i] for i, name in enumerate(COLUMNS)}
+        p["columns"] = files.golden_columns(p.pop("ranges", None), p.pop("range_columns", None), None)
+        p.pop("summary", None)
         # the stored fingerprint is for readers; a newer planner may hash new header fields differently
         p.pop("fingerprint", None)
         plan = TransferPlan.from_dict(p)
-    except KeyError as e:
-        raise GoldenError(str(e.args[0]), None, f"missing from {source}") from None
     except PlanError as e:
-        if isinstance(e, GoldenError):
-            raise
-        raise GoldenError(f"plan.{e.field}", e.value, f"{source}: {e.reason}") from None
+        raise GoldenError(e.field if e.field.startswith("plan.") else f"plan.{e.field}", e.value, e.reason, e.index,
+                          source) from None
     return Golden(case, plan)
 
 
-def _parse(text: str, source: str) -> dict[str, Any]:
+def _case(d: dict[str, Any], source: str) -> Case:
+    if "case" not in d:
+        raise GoldenError("case", None, "missing from the golden file", source=source)
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GoldenError("json", f"line {e.lineno}", f"{source} is not valid JSON ({e.msg})") from None
-    if not isinstance(d, dict):
-        raise GoldenError("kvxfer_golden", type(d).__name__, f"{source} is not a kvxfer golden file")
-    return d
+        return Case.model_validate(d["case"])
+    except PlanError as e:
+        raise GoldenError.wrap(e, source) from None
+
+
+def _parse(text: str | bytes, source: str) -> dict[str, Any]:
+    try:
+        return files.parse_json(text, source)
+    except files.PlanFileError as e:
+        raise GoldenError.wrap(e, None) from None
 
 
 def _read(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise GoldenError("path", str(path), "no such golden file")
-    return _parse(path.read_text(), str(path))
+    try:
+        return files.read_json(path, "golden file")
+    except files.PlanFileError as e:
+        raise GoldenError.wrap(e, None) from None
 
 
 def loads(text: str, source: str = "golden file") -> Golden:
@@ -144,15 +146,15 @@ def load(path: str | Path) -> Golden:
 
 def load_case(path: str | Path) -> Case:
     """Only the case of a golden file (readable even when the stored plan's schema is not)."""
-    d = migrate(_read(path), str(path))
-    if "case" not in d:
-        raise GoldenError("case", None, f"missing from {path}")
-    return Case.model_validate(d["case"])
+    return _case(migrate(_read(path), str(path)), str(path))
 
 
 def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool:
     """Write the golden file for ``case`` (and ``plan``); returns False when the file already had this text."""
     path = Path(path)
+    if path.is_symlink():
+        raise GoldenError("path", str(path), "is a symbolic link; golden files are written in place, never "
+                          "through a link")
     text = dumps(case, plan)
     if path.is_file() and path.read_text() == text:
         return False
@@ -212,11 +214,62 @@ def check_file(path: str | Path) -> GoldenCheck:
     return check(path, case)
 
 
+def folder_files(folder: str | Path) -> tuple[list[Path], list[GoldenCheck]]:
+    """The golden files (``*.json``) directly in ``folder``, and a failed check for each entry that is not
+    read: a link that leads outside the folder (never followed), a dangling link, or something not a file.
+    Raises GoldenError when ``folder`` is not a folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise GoldenError("DIR", str(folder), "no such folder")
+    root = folder.resolve()
+    files, refused = [], []
+    for path in sorted(folder.glob("*.json")):
+        target = path.resolve()
+        if path.is_symlink() and not target.is_relative_to(root):
+            refused.append(GoldenCheck(path, "outside", f"not followed: a link out of the folder (to {target})"))
+        elif not path.is_file():
+            refused.append(GoldenCheck(path, "unreadable", "not a file (a dangling link or a folder)"))
+        else:
+            files.append(path)
+    return files, refused
+
+
+USED_RECORD = ".kvxfer-golden-used"  # in a golden folder: the names a whole test run used, one per line
+
+
+def write_used(folder: str | Path, names: Iterable[str]) -> Path:
+    """Record which golden files (names in ``folder``) a whole test run used, for ``unused_files``."""
+    path = Path(folder) / USED_RECORD
+    path.write_text("".join(f"{n}\n" for n in sorted(set(names))))
+    return path
+
+
+def unused_files(folder: str | Path) -> list[Path] | None:
+    """Golden files in ``folder`` that the recorded test run did not use (links included, never followed);
+    None when there is no record (a test run with the kvxfer pytest plugin writes it)."""
+    folder = Path(folder)
+    record = folder / USED_RECORD
+    if not record.is_file() or record.is_symlink():
+        return None
+    used = set(record.read_text().split())
+    return [p for p in sorted(folder.glob("*.json")) if p.name not in used]
+
+
+def prune(paths: Iterable[Path]) -> list[Path]:
+    """Delete ``paths`` (a link is removed itself, never its target); returns what was deleted."""
+    gone = []
+    for p in paths:
+        p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
 def update_file(path: str | Path) -> bool:
     """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed.
     Raises GoldenError when the file (its case) cannot be read."""
     return save(path, load_case(path))
 
 
-__all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "check", "check_file", "dumps",
-           "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "save", "update_file"]
+__all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "USED_RECORD", "check", "check_file", "dumps",
+           "folder_files", "from_dict", "golden_dict", "load", "load_case", "loads", "migrate", "prune", "save",
+           "unused_files", "update_file", "write_used"]

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
+from pydantic import Field
 
+from . import files
 from ._model import Spec
 from .errors import PlanError
 from .runs import Column, Runs, runs_of
@@ -17,18 +19,14 @@ from .spec import Buffer, Direction, Location
 from .target import AccessOrder, CopyApi, PlanOptions, Target
 
 SCHEMA_VERSION = 1
-COLUMNS: dict[str, np.dtype] = {
-    "src_buf": np.dtype("<i4"), "src_offset": np.dtype("<u8"),
-    "dst_buf": np.dtype("<i4"), "dst_offset": np.dtype("<u8"),
-    "nbytes": np.dtype("<u8"), "region": np.dtype("<i4"), "attr": np.dtype("<u2"),
-}
+COLUMNS: dict[str, np.dtype] = files.PLAN_COLUMNS
 
 
 class LocationHint(Spec):
     """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
 
     location: Location
-    id: int = 0
+    id: int = Field(default=0, ge=0, lt=2**31)
 
     @property
     def code(self) -> int:
@@ -41,7 +39,7 @@ class CopyAttributes(Spec):
     src_access_order: AccessOrder
     src_location: LocationHint
     dst_location: LocationHint
-    flags: int = 0
+    flags: int = Field(default=0, ge=0, lt=2**32)  # C unsigned int
 
     def short(self) -> str:
         def loc(h: LocationHint) -> str:
@@ -149,6 +147,8 @@ class TransferPlan:
                 col.values.flags.writeable = col.lengths.flags.writeable = False
             else:
                 col = np.ascontiguousarray(col, dtype=dtype)
+                if col.ndim != 1:
+                    raise PlanError(name, f"shape {col.shape}", "columns are one-dimensional")
                 col.flags.writeable = False
             if n is not None and len(col) != n:
                 raise PlanError(name, len(col), f"column length differs from {n}")
@@ -329,32 +329,37 @@ class TransferPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TransferPlan:
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise PlanError("schema_version", version, f"this kvxfer reads plan schema {SCHEMA_VERSION}")
+    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> TransferPlan:
+        """A plan from ``to_dict()`` output, strictly checked (kvxfer.planner.files); ``source`` names the file
+        in errors. Raises PlanFileError (a PlanError) naming the field, index and value."""
+        f = files.plan_fields(d, source)
+        if f["schema_version"] != SCHEMA_VERSION:
+            raise files.PlanFileError("schema_version", f["schema_version"],
+                                      f"this kvxfer reads plan schema {SCHEMA_VERSION}", source=source)
+        for key, enum in (("direction", Direction), ("api", CopyApi)):
+            if f[key] not in [m.value for m in enum]:
+                raise files.PlanFileError(key, f[key], f"expected one of {[m.value for m in enum]}", source=source)
         try:
             plan = cls(
-                direction=Direction(d["direction"]), target=Target.model_validate(d["target"]),
-                options=PlanOptions.model_validate(d["options"]),
-                buffers=tuple(Buffer.model_validate(b) for b in d["buffers"]), regions=tuple(d["regions"]),
-                region_page_bytes=tuple(d.get("region_page_bytes") or ()),
-                attrs=tuple(CopyAttributes.model_validate(a) for a in d["attrs"]),
-                requested_copies=d["requested_copies"], passes_attrs=d["passes_attrs"], api=CopyApi(d["api"]),
-                call_offsets=np.asarray(d["call_offsets"], dtype=np.int64), aliases=d.get("aliases"),
-                region_writers=d.get("region_writers"),
-                columns={name: np.asarray(d["columns"][name], dtype=dt) for name, dt in COLUMNS.items()})
-        except KeyError as e:
-            raise PlanError(str(e.args[0]), None, "missing from the serialized plan") from None
-        plan.check()
-        want = d.get("fingerprint")
+                direction=Direction(f["direction"]), target=files.validate(Target, f["target"], "target", source),
+                options=files.validate(PlanOptions, f["options"], "options", source),
+                buffers=tuple(files.validate(Buffer, b, "buffers", source, i) for i, b in enumerate(f["buffers"])),
+                regions=tuple(f["regions"]), region_page_bytes=f["region_page_bytes"],
+                attrs=tuple(files.validate(CopyAttributes, a, "attrs", source, i) for i, a in enumerate(f["attrs"])),
+                requested_copies=f["requested_copies"], passes_attrs=f["passes_attrs"], api=CopyApi(f["api"]),
+                call_offsets=f["call_offsets"], aliases=f["aliases"], region_writers=f["region_writers"],
+                columns=f["columns"]).check()
+        except PlanError as e:
+            raise files.PlanFileError.wrap(e, source) from None
+        want = f["fingerprint"]
         if want is not None and want != plan.fingerprint:
-            raise PlanError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})")
+            raise files.PlanFileError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})",
+                                      source=source)
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> TransferPlan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes, source: str | None = None) -> TransferPlan:
+        return cls.from_dict(files.parse_json(text, source), source)
 
     def to_npz_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -364,12 +369,8 @@ class TransferPlan:
         return buf.getvalue()
 
     @classmethod
-    def from_npz_bytes(cls, data: bytes) -> TransferPlan:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            d = json.loads(z["header"].tobytes().decode())
-            d["call_offsets"] = z["call_offsets"]
-            d["columns"] = {n: z[n] for n in COLUMNS}
-        return cls.from_dict(d)
+    def from_npz_bytes(cls, data: bytes, source: str | None = None) -> TransferPlan:
+        return cls.from_dict(files.read_npz(data, source), source)
 
     def save(self, path: str | Path) -> Path:
         """Write JSON (``.json``) or compressed numpy (``.npz``)."""
@@ -382,7 +383,9 @@ class TransferPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> TransferPlan:
-        path = Path(path)
-        return cls.from_npz_bytes(path.read_bytes()) if path.suffix == ".npz" else cls.from_json(path.read_text())
+        """Read a plan file written by ``save`` (``.npz``, else JSON). Raises PlanFileError naming the file."""
+        data = files.read_bytes(path, "plan file")
+        read = cls.from_npz_bytes if Path(path).suffix == ".npz" else cls.from_json
+        return read(data, str(path))
 
 

@@ -157,13 +157,24 @@ def _as_ids(value: Any, field: str) -> np.ndarray:
     if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
         arr = value
     else:
+        if value is None or isinstance(value, (dict, str, bytes)) or not hasattr(value, "__len__"):
+            raise MappingError(field, type(value).__name__, "expected a list or array of integer block ids")
         try:
             arr = np.asarray(value)
-        except (TypeError, ValueError) as e:
-            raise MappingError(field, value, f"not an array of integers ({e})") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise MappingError(field, type(value).__name__, f"not an array of integers ({e})") from None
+        if arr.dtype.kind == "O" and arr.ndim == 1:  # Python ints beyond int64, None, objects
+            for i, v in enumerate(arr.tolist()):
+                shown = v if isinstance(v, (int, float, str, type(None))) else type(v).__name__
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise MappingError(field, shown, "block ids must be integers", i)
+                if not 0 <= v <= np.iinfo(np.int64).max:
+                    raise MappingError(field, v, "block ids must be non-negative" if v < 0 else "block id does not fit int64", i)
+            arr = arr.astype(np.int64)
         if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf" and arr.size:
             idx = 0 if arr.ndim else None
-            raise MappingError(field, arr.flat[0].item() if arr.size else value, "block ids must be integers", idx)
+            first = arr.flat[0] if arr.size else value
+            raise MappingError(field, first.item() if hasattr(first, "item") else first, "block ids must be integers", idx)
         if arr.dtype.kind == "f":
             bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))
             if bad.size:

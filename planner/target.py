@@ -4,7 +4,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ._model import Spec
 from .errors import TargetError
@@ -37,6 +37,41 @@ def cuda_version(major: int, minor: int) -> int:
     return major * 1000 + minor * 10
 
 
+def parse_runtime_version(platform: str, value: object) -> int:
+    """A Target's ``runtime_version`` from what a user writes: the encoded integer the runtime reports
+    (CUDA ``cuDriverGetVersion`` 13000, HIP ``hipRuntimeGetVersion`` 70253211), or a ``"major.minor"`` string
+    ("13.0", "12.8", "7.16", "7.2"). Raises TargetError with the encoding when the value cannot be meant."""
+    rocm = platform == Platform.ROCM.value
+    encoding = ("HIP encodes major*10,000,000 + minor*100,000 + build (7.2 is 70200000, ROCm 7.2.2 reports "
+                "70253211): pass that integer, hip_version(7, 2) or \"7.2\"") if rocm else (
+                "CUDA encodes 1000*major + 10*minor (13.0 is 13000, 12.8 is 12080): pass that integer, "
+                "cuda_version(13, 0) or \"13.0\"")
+    if isinstance(value, str):
+        parts = value.strip().split(".")
+        if not all(p.isdigit() for p in parts) or len(parts) < 2:
+            raise TargetError("runtime_version", value, f"expected \"major.minor\" or an integer; {encoding}")
+        if len(parts) > 2:
+            raise TargetError("runtime_version", value, "a three-part version is ambiguous: HIP's third field is a "
+                              "build number, not a patch level (ROCm 7.2.2 reports 70253211), and CUDA has none; "
+                              "pass the full integer the runtime reports, or \"major.minor\"")
+        major, minor = int(parts[0]), int(parts[1])
+        if not 0 < major < 100 or minor > (99 if rocm else 9):
+            raise TargetError("runtime_version", value, f"not a plausible version; {encoding}")
+        return hip_version(major, minor) if rocm else cuda_version(major, minor)
+    if isinstance(value, float):
+        raise TargetError("runtime_version", value, f"floats are ambiguous (7.1 or 7.10?); {encoding}")
+    if isinstance(value, bool):
+        raise TargetError("runtime_version", value, "expected an integer or \"major.minor\", got bool")
+    if not isinstance(value, int):
+        return value  # type: ignore[return-value]  # pydantic reports the type
+    if value == 0 or platform == Platform.CPU.value or value < 0:
+        return value
+    low, high = (hip_version(1, 0), hip_version(100, 0)) if rocm else (cuda_version(1, 0), cuda_version(100, 0))
+    if not low <= value < high:
+        raise TargetError("runtime_version", value, f"not a plausible {'HIP' if rocm else 'CUDA'} version; {encoding}")
+    return value
+
+
 HIP_BATCH_MIN = hip_version(7, 1)
 HIP_ATTRS_MIN = hip_version(7, 13)  # 7.2.1-7.2.3 reject numAttrs > 0
 HIP_PREFER_CE_MIN = hip_version(7, 16)  # batches run as a blit kernel unless hipMemcpyFlagExtPreferCE
@@ -61,11 +96,22 @@ class AccessOrder(StrEnum):
 
 
 class Target(Spec):
-    """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown)."""
+    """Platform and runtime version (CUDA driver style 12080, HIP style 71600000; 0 = unknown).
+
+    ``runtime_version`` also accepts ``"major.minor"`` ("13.0", "7.16"); integers that cannot be an encoded
+    version (``13`` for CUDA 13.0) raise TargetError showing the encoding. See parse_runtime_version.
+    """
 
     _error: ClassVar = TargetError
+    _lenient: ClassVar = frozenset({"runtime_version"})  # its floats and bools get parse_runtime_version's hint
     platform: Platform = Platform.CPU
     runtime_version: int = Field(default=0, ge=0)
+
+    @field_validator("runtime_version", mode="before")
+    @classmethod
+    def _version(cls, value: object, info: ValidationInfo) -> object:
+        platform = info.data.get("platform")
+        return parse_runtime_version(platform.value if isinstance(platform, Platform) else str(platform), value)
 
     @property
     def label(self) -> str:
