@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .alignment import check_alignment
 from .errors import LayoutError, MappingError
 from .plan import CopyAttributes, LocationHint, Runs, TransferPlan, dense
 from .spec import BlockMapping, Direction, Layout, LayoutInfo, Location
@@ -76,10 +77,10 @@ def _finish(layout: Layout, direction: Direction, target: Target, options: PlanO
     for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
         if not isinstance(ranges[k], Runs):
             ranges[k] = ranges[k].view(np.uint64)
-    return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
-                        regions=tuple(r.name for r in layout.regions), attrs=attrs,
-                        region_page_bytes=tuple(r.page_bytes for r in layout.regions),
-                        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
+    return check_alignment(TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
+                                        regions=tuple(r.name for r in layout.regions), attrs=attrs,
+                                        region_page_bytes=tuple(r.page_bytes for r in layout.regions),
+                                        requested_copies=requested, call_offsets=call_offsets, columns=ranges))
 
 
 # ---- validation -------------------------------------------------------------------------------------------
