@@ -6,7 +6,9 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-Each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
+A buffer bound to a ``FileBinding`` (nixl_files) is a file: this agent reads and writes it itself through a
+storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
+Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvxfer.planner import TransferPlan
 
 from .base import BindingError, Executor, ExecutorError, Transfer
+from .nixl_files import FileBinding, register_files
 from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, local_segment, register
 from .nixl_transfer import Inflight, poll_until
 
@@ -119,7 +122,10 @@ class NixlExecutor(Executor):
         """Register local memory under buffer names; ``buffers`` (a Layout, plan or Buffer list) restricts and
         size-checks the names. See nixl_memory.register."""
         bufs = getattr(buffers, "buffers", buffers)
-        reg = register(self.agent, bindings, bufs)
+        files = {n: b for n, b in bindings.items() if isinstance(b, FileBinding)}  # storage: FILE memory
+        if files and len(files) < len(bindings):
+            raise BindingError(sorted(set(bindings) - set(files))[0], "memory", "register files and memory separately")
+        reg = register_files(self.agent, files, bufs) if files else register(self.agent, bindings, bufs)
         self._registrations.append(reg)
         return reg
 
@@ -193,6 +199,7 @@ class NixlExecutor(Executor):
             if buf.name not in bindings:
                 raise BindingError(buf.name, "missing", f"the plan reads or writes this buffer (known: {sorted(bindings)})")
             b = bindings[buf.name]
+            b = b.remote(self.agent_name) if isinstance(b, FileBinding) else b  # a file is this agent's own "remote"
             seg = b if isinstance(b, RemoteBuffer) else local_segment(b, buf.name)
             if seg.nbytes < buf.nbytes:
                 raise BindingError(buf.name, f"{seg.nbytes} bytes", f"smaller than the plan's buffer of {buf.nbytes} bytes")
@@ -228,7 +235,7 @@ class NixlExecutor(Executor):
         if len(peers) > 1:
             raise BindingError(plan.buffers[min(remote)].name, f"agents {peers}",
                                "one NIXL transfer targets one agent; plan each peer's buffers separately")
-        if not self.agent.check_remote_metadata(peers[0]):
+        if peers[0] != self.agent_name and not self.agent.check_remote_metadata(peers[0]):
             raise BindingError(plan.buffers[min(remote)].name, f"RemoteBuffer(agent={peers[0]!r})",
                                f"agent {peers[0]!r} is unknown to {self.agent_name!r} (add_peer its metadata first)")
         mems = [{s.mem for s in d.values()} for d in (local, remote)]
@@ -259,14 +266,15 @@ class NixlExecutor(Executor):
         remote = np.stack([s.addr[rem_buf] + rem_off, plan.nbytes, s.dev[rem_buf]], axis=1)
         tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
         notifs = tuple(f"{tag}:{c};".encode() for c in range(plan.num_calls))  # ';' ends the tag: 1 never matches 10
-        flight = Inflight(self.agent, t0, self.options.poll_timeout_s, keep, notifs)
+        notify = s.peer != self.agent_name  # storage backends (FILE) take no notifications
+        flight = Inflight(self.agent, t0, self.options.poll_timeout_s, keep, notifs, notify=notify)
         self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
         for c, sl in enumerate(plan.calls()):
             flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
                 s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
-                self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
+                self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c] if notify else b""),
                 f"{s.op} to {s.peer!r}")
         return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
                             _poll=flight.poll, _wait=flight.wait, _call_poll=flight.call_done,
                             _call_wait=flight.wait_call, _stream_wait=_not_stream_ordered,
-                            op=s.op, peer=s.peer, notifs=notifs)
+                            op=s.op, peer=s.peer, notifs=notifs if notify else ())
