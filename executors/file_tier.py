@@ -310,7 +310,7 @@ class FileTier:
         crcs: dict[int, np.ndarray] = {}
 
         def checksum() -> None:  # while the writes are in flight: the memory does not change under a spill
-            for i, (c, mb, mo) in parts.items():
+            for i, (_, mb, mo) in parts.items():
                 crcs[i] = self._crcs(plan, mb, mo)
 
         try:
