@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Location, PlanError, TransferPlan
+from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
 from kvxfer.planner.alignment import check_alignment
 
 from .base import BindingError, ExecutorError, as_byte_view
@@ -91,6 +91,24 @@ def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes]
+
+
+def tier_layout(num_regions: int, num_blocks: int, page_bytes: int, *, files: int = 1, file_blocks: int | None = None,
+                align_bytes: int = 1) -> Layout:
+    """A spill layout: memory buffer ``mem`` (host; ``device`` placements, region-major) and file buffers
+    ``file0..`` (``host`` placements; region r in file ``r % files``, region-major, ``file_blocks`` slots each).
+    ``align_bytes`` goes on every buffer (4096 for O_DIRECT). Spills are d2h plans, restores h2d."""
+    slots = num_blocks if file_blocks is None else file_blocks
+    per_file = [len(range(f, num_regions, files)) for f in range(files)]
+    buffers = [Buffer(name="mem", nbytes=num_regions * num_blocks * page_bytes, location=Location.HOST,
+                      align_bytes=align_bytes)]
+    buffers += [Buffer(name=f"file{f}", nbytes=max(n, 1) * slots * page_bytes, location=Location.FILE,
+                       align_bytes=align_bytes) for f, n in enumerate(per_file)]
+    regions = [Region(name=f"kv{r}", page_bytes=page_bytes,
+                      device=Placement(buffer="mem", byte_offset=r * num_blocks * page_bytes),
+                      host=Placement(buffer=f"file{r % files}", byte_offset=(r // files) * slots * page_bytes))
+               for r in range(num_regions)]
+    return Layout(buffers=buffers, regions=regions)
 
 
 def _record_check(chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray) -> np.ndarray:

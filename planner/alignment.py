@@ -21,6 +21,7 @@ def check_alignment(plan: TransferPlan) -> TransferPlan:
     if plan.num_ranges == 0 or not np.any(align > 1):
         return plan
     nb = plan.nbytes
+    found: list[tuple[int, str, np.ndarray, str, np.ndarray]] = []  # (first bad range, column, values, side, bufs)
     for side in ("src", "dst"):
         buf = getattr(plan, f"{side}_buf")
         mask = align[buf] - np.uint64(1)  # powers of two: x % a == x & (a - 1)
@@ -30,9 +31,11 @@ def check_alignment(plan: TransferPlan) -> TransferPlan:
         for field, col in ((f"{side}_offset", off), ("nbytes", nb)):
             bad = (col & mask) != 0
             if bad.any():
-                i = int(np.argmax(bad))
-                b = plan.buffers[int(buf[i])]
-                region = plan.regions[int(plan.region[i])] if len(plan.regions) else "?"
-                raise LayoutError(field, int(col[i]), f"range of region {region!r} in buffer {b.name!r} ({side} side) is "
-                                  f"not a multiple of its align_bytes {b.align_bytes}", i)
+                found.append((int(np.argmax(bad)), field, col, side, buf))
+    if found:
+        i, field, col, side, buf = min(found, key=lambda f: (f[0], f[1] == "nbytes"))  # the first range; offset first
+        b = plan.buffers[int(buf[i])]
+        region = plan.regions[int(plan.region[i])] if len(plan.regions) else "?"
+        raise LayoutError(field, int(col[i]), f"range of region {region!r} in buffer {b.name!r} ({side} side) is "
+                          f"not a multiple of its align_bytes {b.align_bytes}", i)
     return plan
