@@ -28,7 +28,7 @@ from kvxfer.planner import TransferPlan
 from .base import BindingError, Executor, ExecutorError, Transfer
 from .nixl_files import FileBinding, register_files
 from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, local_segment, register
-from .nixl_transfer import Inflight, poll_until
+from .nixl_transfer import Inflight, poll_until, reason
 
 INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
 
@@ -102,7 +102,14 @@ class NixlExecutor(Executor):
                 raise ImportError(f"{INSTALL_HINT} ({e})") from e
             conf = nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=list(opts.backends),
                                      num_threads=opts.num_threads, capture_telemetry=opts.telemetry)
-            agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
+            try:  # a plugin that cannot start (GDS without cuFile) is skipped or refused by nixl: say which
+                agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
+                missing = [f"{b!r} (no such plugin)" for b in opts.backends if b not in agent.backends]
+            except Exception as e:
+                agent, missing = None, [reason(e)]
+            if missing:
+                raise ValueError(f"nixl.backends = {list(opts.backends)}: could not start {missing[0]}; GDS and GDS_MT "
+                                 "need cuFile and a GPU, POSIX and UCX run anywhere")
         self.agent = agent
         self._registrations: list[Registration] = []
         self._flights: list[Inflight] = []  # transfers that may still touch registered memory

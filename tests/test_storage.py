@@ -400,3 +400,62 @@ def test_plan_in_the_wrong_direction_or_with_unbound_buffers_is_refused(executor
         assert not r.success and "whole integrity chunks of 8192 bytes" in str(r.error)
     with pytest.raises(BindingError, match="the layout places this buffer in file"):
         FileTier(executor, layout, {}, {"file0": mem})
+
+
+def test_epochs_alone_without_checksums(executor, disk):
+    """verify=False (a VRAM tier through GDS cannot checksum host bytes): round trips, stale still refused."""
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=13, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8]))
+    restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3]))
+    want = {"mem": mem.copy(), **_zero_files(layout)}
+    apply_copies(block_copies(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8])), want)
+    apply_copies(block_copies(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3])), want)
+    with _tier(executor, layout, disk, mem, verify=False) as tier:
+        assert tier.spill(spill).success and tier.restore(restore).success
+        assert np.array_equal(mem, want["mem"])
+        sidecar = Path(f"{tier.files['file0'].path}.kvxsum")
+        old = sidecar.read_bytes()
+        assert tier.spill(spill).epoch == 2
+        sidecar.write_bytes(old)
+        r = tier.restore(restore)
+        assert not r.success and "stale" in str(r.error)
+
+
+def test_storage_backend_that_cannot_start_is_named():
+    try:
+        ex = NixlExecutor(backends=["GDS"])
+    except ValueError as e:
+        assert "nixl.backends = ['GDS']: could not start" in str(e) and "cuFile" in str(e)
+    else:
+        ex.close()
+        pytest.skip("GDS starts on this machine (cuFile present); the GPU test below covers it")
+
+
+@pytest.mark.gpu
+def test_gds_round_trip_vram_file_vram(disk):
+    """GPU machines: the same plans between device memory and a file through GDS (cuFile)."""
+    import torch
+
+    try:
+        ex = NixlExecutor(backends=["GDS"], poll_timeout_s=60)
+    except ValueError as e:
+        pytest.skip(str(e))
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES, align_bytes=4096)
+    n = layout.buffers[0].nbytes
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.full((n,), SENTINEL, dtype=torch.uint8, device="cuda")
+    spill_map, restore_map = _maps("runs8", 12, seed=21)
+    try:
+        with FileTier(ex, layout, _files(layout, disk, o_direct=True), {"mem": src}, verify=False) as tier:
+            assert tier.spill(plan_transfer(layout, spill_map)).raise_for_error().success
+        files = {n_: FileBinding(disk / f"{n_}.kv", o_direct=True) for n_ in _zero_files(layout)}
+        with FileTier(ex, layout, files, {"mem": dst}, verify=False) as tier:
+            tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
+        want = {"mem": src.cpu().numpy(), **_zero_files(layout)}
+        apply_copies(block_copies(layout, spill_map), want)
+        want["mem"][:] = SENTINEL
+        apply_copies(block_copies(layout, restore_map), want)
+        assert np.array_equal(dst.cpu().numpy(), want["mem"])
+    finally:
+        ex.close()
