@@ -355,17 +355,14 @@ class FileTier:
     def _restore(self, plan: TransferPlan) -> tuple[int, None]:
         job = self._job(plan, "restore")
         parts = {i: self._chunks(job, i) for i in job.names}
-        records = {}
+        records, ends = {}, {}
         for i, name in job.names.items():
-            end = int((job.file_off[job.file_buf == i] + plan.nbytes[job.file_buf == i]).max())
-            try:
-                self.files[name].check_extent(end)
-            except BindingError as e:
-                raise TierError("restore", "extent check", [str(self.files[name].path)], e.reason) from None
+            ends[i] = int((job.file_off[job.file_buf == i] + plan.nbytes[job.file_buf == i]).max())
+            self._extent(name, ends[i], "extent check")
             records[i] = self._check_records(name, parts[i][0])
         self._io("restore", job)
         for i, name in job.names.items():
-            self._alive("restore", name)
+            self._extent(name, ends[i], "extent check after reading")  # a file cut short under the read
             chunks, mb, mo = parts[i]
             if not self.verify:
                 continue
@@ -397,6 +394,12 @@ class FileTier:
                 k = int(np.argmax(bad))
                 raise IntegrityError("restore", path, int(chunks[k]), why(k))
         return rec
+
+    def _extent(self, name: str, end: int, step: str) -> None:
+        try:
+            self.files[name].check_extent(end)
+        except BindingError as e:
+            raise TierError("restore", step, [str(self.files[name].path)], e.reason) from None
 
     def _alive(self, op: str, name: str) -> None:
         fb = self.files[name]
