@@ -7,7 +7,8 @@ region, as with real host chunk ids). A spill (WRITE) moves every block; a resto
 Every write is timed until durable: run() to completion plus fdatasync (the large pwrite too). Before every
 read, the file's pages are dropped from the page cache (fdatasync + POSIX_FADV_DONTNEED), so buffered reads
 come from the disk. Ratios are against the one large I/O measured in the same run; the restore is checked
-byte for byte once per shape. "tier" runs the merged plan through FileTier (CRC-32 per chunk, records,
+byte for byte once per shape. "merged, pread" issues the merged plan's requests as plain pwrite/pread
+calls (the access pattern without NIXL). "tier" runs the merged plan through FileTier (CRC-32 per chunk, records,
 fdatasync) to show what integrity costs on top.
 
     python benchmarks/bench_storage.py [--dir /var/tmp] [--reps 3] [--regions 118] [--out out/bench_storage.json]
@@ -61,6 +62,22 @@ def _large(mem: np.ndarray, fd: int, write: bool) -> float:
     return time.perf_counter() - t0
 
 
+def _ranges(mem: np.ndarray, plan, fd: int, write: bool) -> float:
+    """The merged plan's requests as plain pwrite/pread calls: separates NIXL's cost from the access pattern's."""
+    if not write:
+        _drop_cache(fd)
+    mem_off, file_off = (plan.src_offset, plan.dst_offset) if write else (plan.dst_offset, plan.src_offset)
+    t0 = time.perf_counter()
+    for m, f, n in zip(mem_off.tolist(), file_off.tolist(), plan.nbytes.tolist()):
+        view = mem[m:m + n]
+        got = os.pwritev(fd, [view], f) if write else os.preadv(fd, [view], f)
+        if got != n:
+            raise OSError(f"short {'write' if write else 'read'} at file offset {f}: {got} of {n} bytes")
+    if write:
+        os.fdatasync(fd)
+    return time.perf_counter() - t0
+
+
 def run_shape(ex, directory: Path, regions: int, blocks: int, page: int, o_direct: bool, reps: int) -> list[dict]:
     layout = tier_layout(regions, blocks, page, file_blocks=blocks + 1, align_bytes=4096)
     mem = aligned_empty(layout.buffers[0].nbytes)
@@ -84,6 +101,8 @@ def run_shape(ex, directory: Path, regions: int, blocks: int, page: int, o_direc
                     times.setdefault((label, write), []).append(
                         _nixl(ex, p[write], {"mem": mem if write else back, "file0": fb}, fb.fd, write))
                 times.setdefault(("one large I/O", write), []).append(_large(mem if write else back, fb.fd, write))
+                times.setdefault(("merged, pread", write), []).append(
+                    _ranges(mem if write else back, plans["merged"][write], fb.fd, write))
         back[:] = 0
         ex.run(plans["merged"][True], {"mem": mem, "file0": fb}).wait()
         ex.run(plans["merged"][False], {"mem": back, "file0": fb}).wait()
@@ -111,10 +130,11 @@ def run_shape(ex, directory: Path, regions: int, blocks: int, page: int, o_direc
         shutil.rmtree(tier_dir, ignore_errors=True)
     rows = []
     requests = {"per-block": plans["per-block"][True].num_ranges, "merged": plans["merged"][True].num_ranges,
-                "one large I/O": 1, "tier (merged)": plans["merged"][True].num_ranges}
+                "one large I/O": 1, "tier (merged)": plans["merged"][True].num_ranges,
+                "merged, pread": plans["merged"][True].num_ranges}
     for write in (True, False):
         base = statistics.median(times[("one large I/O", write)])
-        for label in ("per-block", "merged", "one large I/O", "tier (merged)"):
+        for label in ("per-block", "merged", "merged, pread", "one large I/O", "tier (merged)"):
             med = statistics.median(times[(label, write)])
             rows.append({"shape": f"{regions}x{blocks}x{page // KIB}KiB", "io": "O_DIRECT" if o_direct else "buffered",
                          "op": "spill (write+fdatasync)" if write else "restore (read)", "plan": label,
