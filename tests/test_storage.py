@@ -459,3 +459,26 @@ def test_gds_round_trip_vram_file_vram(disk):
         assert np.array_equal(dst.cpu().numpy(), want["mem"])
     finally:
         ex.close()
+
+
+def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, disk):
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=14, o_direct=False)
+    maps = [BlockMapping(direction="d2h", src_ids=[2 * k, 2 * k + 1], dst_ids=[2 * k, 2 * k + 1]) for k in range(8)]
+    want = {"mem": mem.copy(), **_zero_files(layout)}
+    for m in maps:
+        apply_copies(block_copies(layout, m), want)
+    with _tier(executor, layout, disk, mem) as tier:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda m: tier.spill(plan_transfer(layout, m)), maps))
+        assert all(r.success for r in results) and sorted(r.epoch for r in results) == list(range(1, 9))
+        on_disk = _on_disk(layout, tier)
+        assert all(np.array_equal(on_disk[n], want[n]) for n in on_disk)
+        mem[:] = SENTINEL
+        back = BlockMapping(direction="h2d", src_ids=np.arange(16), dst_ids=np.arange(16))
+        tier.restore(plan_transfer(layout, back)).raise_for_error()
+        want["mem"][:] = SENTINEL
+        apply_copies(block_copies(layout, back), want)
+        assert np.array_equal(mem, want["mem"])
