@@ -17,6 +17,10 @@ file, ``<path>.kvxsum`` holds one 16-byte record per chunk: the epoch of the spi
 that grows with every spill of the tier), the CRC-32 of its bytes, and a check over both. The tier keeps the
 epoch it expects per chunk; a record holding another epoch is stale, a mismatching checksum a torn or
 corrupted chunk. Records are written only after the data (and, under fdatasync, after the data is synced).
+
+For an offload worker: build one FileTier per engine over the host region and its spill files, then run
+each spill or restore job as ``tier.spill(plan)`` / ``tier.restore(plan)``; a TierResult maps one to one onto
+a job result (success, ``nbytes``, ``seconds``). Jobs block the calling thread and run one at a time.
 """
 from __future__ import annotations
 
