@@ -15,6 +15,7 @@ import numpy as np
 from .binding import BindingError, Memory, bind, resolve
 
 MEM_TYPES = ("DRAM", "VRAM")
+REMOTE_MEM_TYPES = (*MEM_TYPES, "FILE")  # FILE: (file offset, length, fd), addressed by the agent's own name
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class RemoteBuffer:
     mem: str = "DRAM"
 
     def __post_init__(self) -> None:
-        if self.mem not in MEM_TYPES:
-            raise BindingError(self.agent, f"mem={self.mem!r}", f"memory type must be one of {MEM_TYPES}")
+        if self.mem not in REMOTE_MEM_TYPES:
+            raise BindingError(self.agent, f"mem={self.mem!r}", f"memory type must be one of {REMOTE_MEM_TYPES}")
         if self.addr < 0 or self.nbytes <= 0 or self.dev < 0:
             raise BindingError(self.agent, f"addr={self.addr}, nbytes={self.nbytes}, dev={self.dev}",
                                "a remote segment needs addr >= 0, nbytes > 0, dev >= 0")

@@ -6,7 +6,9 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-Each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
+A buffer bound to a ``FileBinding`` (nixl_files) is a file: this agent reads and writes it itself through a
+storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
+Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
 """
 from __future__ import annotations
@@ -25,8 +27,9 @@ from kvxfer.planner import Buffer, TransferPlan
 
 from .base import Bindings, Executor, ExecutorError, Transfer
 from .binding import BindingError, BoundMemory, Memory
+from .nixl_files import FileBinding, register_files
 from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, register, segment_of
-from .nixl_transfer import Inflight, poll_until
+from .nixl_transfer import Inflight, poll_until, reason
 from .options import NixlOptions
 
 __all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "RemoteBuffer"]
@@ -99,7 +102,14 @@ class NixlExecutor(Executor):
                 raise ImportError(f"{INSTALL_HINT} ({e})") from e
             conf = nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=list(opts.backends),
                                      num_threads=opts.num_threads, capture_telemetry=opts.telemetry)
-            agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
+            try:  # a plugin that cannot start (GDS without cuFile) is skipped or refused by nixl: say which
+                agent = nixl_agent(opts.name or f"kvxfer-{uuid.uuid4().hex[:12]}", conf)
+                missing = [f"{b!r} (no such plugin)" for b in opts.backends if b not in agent.backends]
+            except Exception as e:
+                agent, missing = None, [reason(e)]
+            if missing:
+                raise ValueError(f"nixl.backends = {list(opts.backends)}: could not start {missing[0]}; GDS and GDS_MT "
+                                 "need cuFile and a GPU, POSIX and UCX run anywhere")
         self.agent = agent
         self._registrations: list[Registration] = []
         self._flights: list[Inflight] = []  # transfers that may still touch registered memory
@@ -119,7 +129,10 @@ class NixlExecutor(Executor):
         """Register local memory under buffer names; ``buffers`` (a Layout, plan or Buffer list) restricts and
         size-checks the names. See nixl_memory.register."""
         bufs = getattr(buffers, "buffers", buffers)
-        reg = register(self.agent, bindings, bufs)
+        files = {n: b for n, b in bindings.items() if isinstance(b, FileBinding)}  # storage: FILE memory
+        if files and len(files) < len(bindings):
+            raise BindingError(sorted(set(bindings) - set(files))[0], "memory", "register files and memory separately")
+        reg = register_files(self.agent, files, bufs) if files else register(self.agent, bindings, bufs)
         self._registrations.append(reg)
         return reg
 
@@ -192,6 +205,24 @@ class NixlExecutor(Executor):
             bound.extra["registration"] = reg
             bound.on_close(reg.deregister)
 
+    def _files_as_segments(self, buffers: Any, bindings: Bindings) -> Bindings:
+        """File bindings opened for their buffers and described as this agent's own FILE segments (file offset,
+        length, fd), so the one binding path checks every range against the file buffer like any memory."""
+        if not any(isinstance(b, FileBinding) for b in bindings.values()):
+            return bindings
+        table = {b.name: b for b in getattr(buffers, "buffers", buffers)}
+        return {n: (b.open(table[n]).remote(self.agent_name) if isinstance(b, FileBinding) and n in table else b)
+                for n, b in bindings.items()}
+
+    def bind(self, buffers: Any, bindings: Bindings) -> BoundMemory:
+        """As Executor.bind; FileBinding values are opened and bound as FILE segments (register them first)."""
+        return super().bind(buffers, self._files_as_segments(buffers, bindings))
+
+    def memory_for(self, plan: TransferPlan, memory: BoundMemory | Bindings) -> BoundMemory:
+        if not isinstance(memory, BoundMemory):
+            memory = self._files_as_segments(plan.buffers, memory)
+        return super().memory_for(plan, memory)
+
     def _sides(self, plan: TransferPlan, bound: BoundMemory) -> _Sides:
         """Check which side is remote and decide READ or WRITE. Raises BindingError."""
         src = set(plan.buffers_used("src").tolist())
@@ -234,7 +265,7 @@ class NixlExecutor(Executor):
         if len(peers) > 1:
             raise BindingError(plan.buffers[min(remote)].name, f"agents {peers}",
                                "one NIXL transfer targets one agent; plan each peer's buffers separately")
-        if not self.agent.check_remote_metadata(peers[0]):
+        if peers[0] != self.agent_name and not self.agent.check_remote_metadata(peers[0]):
             raise BindingError(plan.buffers[min(remote)].name, f"RemoteBuffer(agent={peers[0]!r})",
                                f"agent {peers[0]!r} is unknown to {self.agent_name!r} (add_peer its metadata first)")
         mems = [{s.mem for s in d.values()} for d in (local, remote)]
@@ -271,13 +302,14 @@ class NixlExecutor(Executor):
             used = plan.buffers_used("dst" if reading else "src").tolist()
             registrations = [r for r in self._registrations
                              if any(r.covers(segment_of(bound.memory[i], plan.buffers[i].name)) for i in used)]
+            notify = s.peer != self.agent_name  # storage backends (FILE) take no notifications
             flight = Inflight(self.agent, t0, self.options.poll_timeout_s, bound.owners(), notifs,
-                              drain_s=self.options.drain_timeout_s, registrations=registrations)
+                              drain_s=self.options.drain_timeout_s, registrations=registrations, notify=notify)
             self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
             for c, sl in enumerate(plan.calls()):
                 flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
                     s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
-                    self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c]),
+                    self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c] if notify else b""),
                     f"{s.op} to {s.peer!r}")
         return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, flight=flight,
-                            op=s.op, peer=s.peer, notifs=notifs)
+                            op=s.op, peer=s.peer, notifs=notifs if notify else ())

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .alignment import check_alignment
 from .columns import attributes
 from .general_path import plan_general
 from .layout import Layout
@@ -65,10 +66,10 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
         col = ranges[k]
         if not isinstance(col, Runs):  # (run-length values are converted by TransferPlan)
             ranges[k] = col.view(np.uint64)
-    return TransferPlan(direction=direction, target=target, options=options, buffers=layout.buffers,
-                        regions=full.names, attrs=attrs, region_page_bytes=full.page_bytes, aliases=full.aliases,
-                        region_writers=_region_writers(full, direction, options),
-                        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
+    return check_alignment(TransferPlan(
+        direction=direction, target=target, options=options, buffers=layout.buffers, regions=full.names, attrs=attrs,
+        region_page_bytes=full.page_bytes, aliases=full.aliases, region_writers=_region_writers(full, direction, options),
+        requested_copies=requested, call_offsets=call_offsets, columns=ranges))
 
 
 def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> bool:

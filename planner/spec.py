@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
@@ -21,6 +21,7 @@ U64 = 2**64
 class Location(StrEnum):
     DEVICE = "device"
     HOST = "host"
+    FILE = "file"  # a file (storage tier); where it lives is the binding's business, not the plan's
 
 
 class Direction(StrEnum):
@@ -37,13 +38,33 @@ class Direction(StrEnum):
 
 
 class Buffer(Spec):
-    """One allocation or registered segment, addressed by name; executors bind the name to memory."""
+    """One allocation or registered segment, addressed by name; executors bind the name to memory.
+
+    ``align_bytes`` (a power of two, default 1): every range's offset and size in this buffer must be a
+    multiple of it -- for files read or written with O_DIRECT, the device's logical block size.
+    """
 
     _error: ClassVar = LayoutError
     name: str = Field(min_length=1)
     nbytes: int = Field(gt=0, le=MAX_NBYTES)
     location: Location = Location.DEVICE
     device: int = Field(default=0, ge=0)
+    align_bytes: int = Field(default=1, gt=0, le=2**62)
+
+    @field_validator("align_bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise LayoutError("align_bytes", v, "must be a power of two")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """The default alignment is left out, so plans, goldens and fingerprints without one are unchanged."""
+        d = handler(self)
+        if self.align_bytes == 1:
+            d.pop("align_bytes", None)
+        return d
 
 
 class Placement(Spec):

@@ -1,0 +1,160 @@
+"""Files as NIXL sees them: a plan buffer with ``location="file"`` bound to an open file descriptor.
+
+The plan says only which bytes of the buffer move and how they must be aligned (``Buffer.align_bytes``);
+where the file lives, whether it is created, and whether it is opened with O_DIRECT belong here, so plans
+and goldens stay machine-independent. NIXL's storage backends (POSIX here; GDS and GDS_MT on GPU machines)
+address a file as ``(file_offset, length, fd)`` descriptors of memory type FILE, registered by the agent
+that reads or writes it: the "remote" side of such a transfer is the agent itself. Nothing here imports nixl.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvxfer.planner import Buffer, Location
+
+from .base import BindingError
+from .nixl_memory import Registration, RemoteBuffer, Segment
+
+
+class FileBinding:
+    """Where a file buffer lives: ``path``; ``create`` it if missing (extended, sparse, to ``size`` bytes or the
+    buffer's extent); ``o_direct`` to bypass the page cache, which needs offsets, sizes and memory addresses
+    aligned to ``block_bytes`` (the device's logical block size; 4 KiB is safe); buffer byte 0 sits at file
+    offset ``offset``; ``readonly`` opens it for reading only.
+
+    ``open(buffer)`` opens the descriptor once and checks what can be checked without I/O; every error is a
+    BindingError naming the buffer and the path. ``close()`` closes the descriptor.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = False, size: int | None = None,
+                 o_direct: bool = False, block_bytes: int = 4096, offset: int = 0, readonly: bool = False):
+        if block_bytes <= 0 or block_bytes & (block_bytes - 1):
+            raise BindingError(str(path), f"block_bytes={block_bytes}", "must be a power of two")
+        if offset < 0 or (size is not None and size < 0):
+            raise BindingError(str(path), f"offset={offset}, size={size}", "must be non-negative")
+        if create and readonly:
+            raise BindingError(str(path), "create=True, readonly=True", "a read-only binding cannot create the file")
+        self.path, self.create, self.size = Path(path), create, size
+        self.o_direct, self.block_bytes, self.offset, self.readonly = o_direct, block_bytes, offset, readonly
+        self.fd: int | None = None
+        self.buffer: Buffer | None = None
+        self._identity: tuple[int, int] | None = None
+
+    def __repr__(self) -> str:
+        mode = "r" if self.readonly else "rw"
+        return (f"FileBinding({str(self.path)!r}, {mode}{', O_DIRECT' if self.o_direct else ''}, offset={self.offset}"
+                f"{f', fd={self.fd}' if self.fd is not None else ''})")
+
+    # ---- opening ---------------------------------------------------------------------------------------------
+    def open(self, buffer: Buffer) -> FileBinding:
+        """Open the file for ``buffer`` (a plan Buffer with location "file"); returns self. Idempotent."""
+        if self.fd is not None:
+            if self.buffer is not None and self.buffer != buffer:
+                raise BindingError(buffer.name, repr(self), f"already bound to buffer {self.buffer.name!r}")
+            return self
+        name = buffer.name
+        if buffer.location is not Location.FILE:
+            raise BindingError(name, repr(self), f"the plan places this buffer in {buffer.location.value} memory, "
+                               "not in a file (Buffer(location='file'))")
+        if self.o_direct:
+            for what, value in (("buffer's align_bytes", buffer.align_bytes), ("file offset", self.offset)):
+                if value % self.block_bytes:
+                    raise BindingError(name, f"{what} {value}", f"O_DIRECT needs multiples of the block size "
+                                       f"{self.block_bytes} (declare Buffer(align_bytes={self.block_bytes}))")
+        flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC | (os.O_CREAT if self.create else 0)
+        flags |= os.O_DIRECT if self.o_direct else 0
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:
+            raise BindingError(name, str(self.path), "no such file (FileBinding(create=True) creates it)") from None
+        except OSError as e:
+            if self.o_direct and e.errno == errno.EINVAL:
+                raise BindingError(name, str(self.path), "the filesystem refuses O_DIRECT (tmpfs such as /dev/shm "
+                                   "does): use a disk-backed directory or o_direct=False") from None
+            raise BindingError(name, str(self.path), f"cannot open: {e.strerror} (errno {e.errno})") from None
+        try:
+            st = os.fstat(fd)
+            want = self.offset + (self.size if self.size is not None else buffer.nbytes)
+            if self.create and st.st_size < want:
+                os.ftruncate(fd, want)
+        except OSError as e:
+            os.close(fd)
+            raise BindingError(name, str(self.path), f"cannot size the file to {want} bytes: {e.strerror}") from None
+        self.fd, self.buffer, self._identity = fd, buffer, (st.st_dev, st.st_ino)
+        return self
+
+    def _opened(self) -> tuple[int, Buffer]:
+        if self.fd is None or self.buffer is None:
+            raise BindingError(str(self.path), "not open", "open(buffer) the binding first")
+        return self.fd, self.buffer
+
+    # ---- checks --------------------------------------------------------------------------------------------
+    def file_size(self) -> int:
+        """The file's size now; BindingError when the descriptor was closed or now refers to another file."""
+        fd, buf = self._opened()
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise BindingError(buf.name, f"fd {fd} of {str(self.path)!r}", f"descriptor unusable: {e.strerror}") from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise BindingError(buf.name, f"fd {fd} of {str(self.path)!r}", "the descriptor was closed and now refers "
+                               "to another file")
+        return st.st_size
+
+    def check_extent(self, end: int) -> None:
+        """Raise BindingError unless the file holds buffer bytes up to ``end`` (a READ must not come up short)."""
+        _, buf = self._opened()
+        size = self.file_size()
+        if self.offset + end > size:
+            raise BindingError(buf.name, str(self.path), f"short file: reading buffer bytes up to {end} needs "
+                               f"{self.offset + end} bytes, the file has {size}")
+
+    def check_memory(self, name: str, address: int, align_bytes: int) -> None:
+        """For O_DIRECT: memory bound to buffer ``name`` must start on a block and declare block-aligned ranges."""
+        if not self.o_direct:
+            return
+        if address % self.block_bytes:
+            raise BindingError(name, f"address {address:#x}", f"O_DIRECT I/O with {str(self.path)!r} needs memory "
+                               f"aligned to {self.block_bytes} bytes (kvxfer.executors.file_tier.aligned_empty)")
+        if align_bytes % self.block_bytes:
+            raise BindingError(name, f"align_bytes {align_bytes}", f"O_DIRECT I/O with {str(self.path)!r} needs the "
+                               f"memory buffer's ranges aligned too: Buffer(align_bytes={self.block_bytes})")
+
+    # ---- NIXL ----------------------------------------------------------------------------------------------
+    @property
+    def segment(self) -> Segment:
+        fd, buf = self._opened()
+        return Segment(self.offset, buf.nbytes, fd, "FILE", not self.readonly)
+
+    def remote(self, agent_name: str) -> RemoteBuffer:
+        """The file as the other side of a transfer posted by ``agent_name`` itself (file offset, length, fd)."""
+        fd, buf = self._opened()
+        return RemoteBuffer(agent_name, self.offset, buf.nbytes, fd, "FILE")
+
+    def close(self) -> None:
+        """Close the descriptor (deregister it from every agent first)."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
+def register_files(agent: Any, files: Mapping[str, FileBinding], buffers: Iterable[Buffer] | None) -> Registration:
+    """Open each file for its buffer and register it with ``agent`` as FILE memory (one call for all).
+
+    ``buffers`` (the plan's or layout's) give each file buffer's size and alignment; without them a binding
+    must already be open. Raises BindingError before anything is registered.
+    """
+    table = {b.name: b for b in buffers} if buffers is not None else {}
+    for name, fb in files.items():
+        if name in table:
+            fb.open(table[name])
+        elif fb.fd is None:
+            raise BindingError(name, repr(fb), "unknown buffer: pass the layout's buffers to open the file")
+    segments = {name: fb.segment for name, fb in files.items()}
+    rows = [(s.addr, s.nbytes, s.dev, name) for name, s in segments.items()]
+    handles = [agent.register_memory(rows, "FILE")] if rows else []
+    return Registration(agent, segments, handles, list(files.values()))

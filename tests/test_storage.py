@@ -1,0 +1,484 @@
+"""The storage tier on NIXL's real POSIX backend: host memory -> files -> host memory through FileTier.
+
+Every restore is compared byte for byte with per-block copies walked from the layout (tests/reference.py),
+sentinel bytes included; the files on disk are compared too. Error paths (missing and short files,
+misaligned O_DIRECT, a read-only or closed descriptor, a full filesystem, stale and corrupted chunks) must
+each give a precise error and no job reported done.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer.executors import BindingError, ExecutorError
+from kvxfer.executors.nixl_peer import LOOPBACK_ENV
+from kvxfer.planner import BlockMapping, Layout, PlanOptions, plan_transfer, presets
+
+from .reference import apply_copies, block_copies
+
+for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports it lazily)
+    os.environ.setdefault(_k, _v)
+pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install 'kvxfer[nixl]')")
+
+from kvxfer.executors.file_tier import (  # noqa: E402
+    Durability,
+    FileTier,
+    IntegrityError,
+    TierError,
+    aligned_empty,
+    tier_layout,
+)
+from kvxfer.executors.nixl_files import FileBinding  # noqa: E402
+from kvxfer.executors.ops_nixl import NixlExecutor  # noqa: E402
+
+REGIONS, BLOCKS, PAGE, FILES = 5, 32, 4096, 2
+SENTINEL = 0xAB
+
+
+@pytest.fixture(scope="module")
+def executor():
+    from kvxfer.executors.config import get_executor
+
+    ex = get_executor({"kind": "nixl", "nixl": {"backends": ["POSIX"], "poll_timeout_s": 20.0}})
+    assert isinstance(ex, NixlExecutor) and list(ex.agent.backends) == ["POSIX"]
+    yield ex
+    ex.close()
+
+
+@pytest.fixture
+def disk():
+    """A directory on a real disk (O_DIRECT works there; tmpfs refuses it)."""
+    d = Path(tempfile.mkdtemp(prefix="kvxfer-storage-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _memory(layout: Layout, seed: int, o_direct: bool) -> np.ndarray:
+    n = layout.buffers[0].nbytes
+    mem = aligned_empty(n) if o_direct else np.empty(n, np.uint8)
+    mem[:] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return mem
+
+
+def _files(layout: Layout, disk: Path, o_direct: bool = False, **kw) -> dict[str, FileBinding]:
+    return {b.name: FileBinding(disk / f"{b.name}.kv", create=True, o_direct=o_direct, **kw)
+            for b in layout.buffers if b.location.value == "file"}
+
+
+def _tier(executor, layout, disk, mem, o_direct=False, **kw) -> FileTier:
+    return FileTier(executor, layout, _files(layout, disk, o_direct), {"mem": mem}, chunk_bytes=PAGE, **kw)
+
+
+def _on_disk(layout: Layout, tier: FileTier) -> dict[str, np.ndarray]:
+    out = {}
+    for name, fb in tier.files.items():
+        size = layout.buffers[layout.buffer_index(name)].nbytes
+        data = np.fromfile(fb.path, dtype=np.uint8)
+        out[name] = np.concatenate([data, np.zeros(max(0, size - len(data)), np.uint8)])[:size]
+    return out
+
+
+def _maps(pattern: str, n: int, seed: int) -> tuple[BlockMapping, BlockMapping]:
+    """A spill (memory blocks -> file slots) and the restore of those slots into other memory blocks."""
+    spill = presets.mapping(pattern, n, BLOCKS, "d2h", seed=seed)
+    back = np.random.default_rng(seed + 1).permutation(BLOCKS)[:n]
+    return spill, BlockMapping(direction="h2d", src_ids=spill.dst_ids, dst_ids=back)
+
+
+# ---- round trips -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "odirect"])
+@pytest.mark.parametrize("coalesce", [True, False], ids=["merged", "per-block"])
+@pytest.mark.parametrize("pattern", ["contiguous", "runs8", "descending", "fragmented"])
+def test_round_trip_is_byte_exact(executor, disk, pattern, coalesce, o_direct):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES, align_bytes=4096 if o_direct else 1)
+    mem = _memory(layout, seed=len(pattern), o_direct=o_direct)
+    spill_map, restore_map = _maps(pattern, 12, seed=len(pattern))
+    opts = PlanOptions(coalesce=coalesce, max_descriptors=16)
+    spill, restore = plan_transfer(layout, spill_map, options=opts), plan_transfer(layout, restore_map, options=opts)
+    if coalesce and pattern == "contiguous":
+        assert spill.num_ranges == REGIONS  # one I/O request per region
+    with _tier(executor, layout, disk, mem, o_direct) as tier:
+        want = {"mem": mem.copy(), **{n: np.zeros(b.nbytes, np.uint8) for n, b in
+                                      ((b.name, b) for b in layout.buffers if b.name != "mem")}}
+        apply_copies(block_copies(layout, spill_map), want)
+        r = tier.spill(spill)
+        assert r.success and r.error is None and r.nbytes == spill.total_bytes, r
+        assert r.chunks == 12 * REGIONS and r.epoch == 1
+        got_files = _on_disk(layout, tier)
+        for name in tier.files:
+            assert np.array_equal(got_files[name], want[name]), name
+        mem[:] = SENTINEL
+        want["mem"][:] = SENTINEL
+        apply_copies(block_copies(layout, restore_map), want)
+        r = tier.restore(restore)
+        assert r.success and r.nbytes == restore.total_bytes, r
+        bad = np.flatnonzero(mem != want["mem"])
+        assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:1]}"
+
+
+def test_tier_reopened_trusts_records_and_continues_epochs(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=7, o_direct=False)
+    spill_map, restore_map = _maps("runs8", 16, seed=7)
+    with _tier(executor, layout, disk, mem) as tier:
+        assert tier.spill(plan_transfer(layout, spill_map)).epoch == 1
+    want = {"mem": mem.copy(), **_zero_files(layout)}
+    apply_copies(block_copies(layout, spill_map), want)
+    mem[:] = SENTINEL
+    want["mem"][:] = SENTINEL
+    apply_copies(block_copies(layout, restore_map), want)
+    files = {n: FileBinding(disk / f"{n}.kv") for n in _zero_files(layout)}
+    with FileTier(executor, layout, files, {"mem": mem}, chunk_bytes=PAGE) as tier:
+        tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
+        assert np.array_equal(mem, want["mem"])
+        assert tier.spill(plan_transfer(layout, spill_map)).epoch == 2
+
+
+def _zero_files(layout: Layout) -> dict[str, np.ndarray]:
+    return {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers if b.location.value == "file"}
+
+
+# ---- durability --------------------------------------------------------------------------------------------
+def test_fdatasync_policy_syncs_every_touched_file_and_its_records_before_done(executor, disk, monkeypatch):
+    import kvxfer.executors.file_tier as ft
+
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=3, o_direct=False)
+    synced: list[str] = []
+    real = os.fdatasync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    with _tier(executor, layout, disk, mem) as tier:
+        monkeypatch.setattr(ft.os, "fdatasync", spy)
+        plan = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[3, 4]))
+        assert tier.spill(plan).success
+        paths = {str(fb.path.resolve()) for fb in tier.files.values()}
+        assert set(synced) == paths | {p + ".kvxsum" for p in paths}
+        for p in paths:  # the data before its records
+            assert synced.index(p) < synced.index(p + ".kvxsum")
+    with _tier(executor, layout, disk, mem, durability="none") as tier:
+        synced.clear()
+        assert tier.durability is Durability.NONE and tier.spill(plan).success and synced == []
+
+
+def test_failed_fdatasync_is_a_failed_spill_naming_the_file(executor, disk, monkeypatch):
+    import kvxfer.executors.file_tier as ft
+
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=4, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[2]))
+    with _tier(executor, layout, disk, mem) as tier:
+        def eio(fd):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(ft.os, "fdatasync", eio)
+        r = tier.spill(spill)
+        assert not r.success and isinstance(r.error, TierError) and r.nbytes == 0
+        assert r.error.step == "fdatasync" and "file0.kv" in str(r.error) and "Input/output error" in str(r.error)
+        monkeypatch.undo()
+        r = tier.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[2], dst_ids=[0])))
+        assert not r.success and isinstance(r.error, IntegrityError) and "last spill failed" in str(r.error)
+
+
+# ---- error paths ---------------------------------------------------------------------------------------------
+def test_missing_file_is_refused_at_bind(executor, disk):
+    layout = tier_layout(2, 8, PAGE)
+    with pytest.raises(BindingError, match=r"bindings\['file0'\] = .*nope.kv: no such file"):
+        FileTier(executor, layout, {"file0": FileBinding(disk / "nope.kv")}, {"mem": _memory(layout, 0, False)})
+
+
+def test_short_file_is_refused_before_reading(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=5, o_direct=False)
+    spill_map, restore_map = _maps("contiguous", 8, seed=5)
+    with _tier(executor, layout, disk, mem) as tier:
+        assert tier.spill(plan_transfer(layout, spill_map)).success
+        os.truncate(tier.files["file1"].path, PAGE * 3)
+        before = mem.copy()
+        r = tier.restore(plan_transfer(layout, restore_map))
+        assert not r.success and isinstance(r.error, TierError) and r.error.step == "extent check"
+        assert "file1.kv" in str(r.error) and "short file" in str(r.error) and "the file has 12288" in str(r.error)
+        assert np.array_equal(mem, before)  # nothing was read
+
+
+def test_short_read_through_the_executor_is_an_error_not_done(executor, disk):
+    """Below the tier: NIXL's POSIX backend itself must not report a read past the end as DONE."""
+    layout = tier_layout(1, 8, PAGE)
+    mem = np.zeros(layout.buffers[0].nbytes, np.uint8)
+    fb = FileBinding(disk / "short.kv", create=True, size=PAGE)  # 1 page on disk, the buffer holds 8
+    reg_m, reg_f = executor.register({"mem": mem}, layout.buffers[:1]), executor.register({"file0": fb}, layout)
+    try:
+        plan = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1, 2], dst_ids=[0, 1, 2]))
+        t = executor.run(plan, {"mem": mem, "file0": fb})
+        with pytest.raises(ExecutorError, match="check_xfer_state failed at chunk 0"):
+            t.wait()
+        assert not _done(t)
+    finally:
+        reg_f.deregister()
+        reg_m.deregister()
+        fb.close()
+
+
+def _done(t) -> bool:
+    try:
+        return t.done()
+    except ExecutorError:
+        return False
+
+
+def test_o_direct_needs_an_aligned_layout_and_aligned_memory(executor, disk):
+    unaligned = tier_layout(2, 8, PAGE)  # align_bytes 1 on memory and file
+    with pytest.raises(BindingError, match=r"bindings\['mem'\] = align_bytes 1: O_DIRECT .* Buffer\(align_bytes=4096\)"):
+        _tier(executor, unaligned, disk, _memory(unaligned, 0, True), o_direct=True)
+    file_only = Layout(buffers=[b.model_copy(update={"align_bytes": 4096 if b.name == "mem" else 1})
+                                for b in unaligned.buffers], regions=unaligned.regions)
+    with pytest.raises(BindingError, match=r"bindings\['file0'\] = buffer's align_bytes 1: O_DIRECT needs multiples "
+                       r"of the block size 4096"):
+        _tier(executor, file_only, disk, _memory(file_only, 0, True), o_direct=True)
+    aligned = tier_layout(2, 8, PAGE, align_bytes=4096)
+    raw = aligned_empty(aligned.buffers[0].nbytes + 64)
+    with pytest.raises(BindingError, match=r"bindings\['mem'\] = address 0x[0-9a-f]+: O_DIRECT I/O .* aligned to 4096"):
+        _tier(executor, aligned, disk, raw[64:], o_direct=True)
+
+
+def test_misaligned_plan_for_o_direct_is_refused_before_any_io(executor, disk):
+    lay = tier_layout(2, 8, PAGE, align_bytes=4096)
+    with _tier(executor, lay, disk, _memory(lay, 1, True), o_direct=True) as tier:
+        odd = tier_layout(2, 8, PAGE)  # the same shape, planned without alignment: a hand-made plan
+        plan = plan_transfer(odd, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[1]))
+        r = tier.spill(plan)
+        assert not r.success and isinstance(r.error, BindingError) and "differs from the tier's buffer" in str(r.error)
+        assert os.path.getsize(tier.files["file0"].path) == lay.buffers[1].nbytes  # sized, never written
+
+
+def test_read_only_descriptor_fails_the_spill_naming_file_and_call(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=6, o_direct=False)
+    for name in ("file0", "file1"):
+        (disk / f"{name}.kv").write_bytes(bytes(layout.buffers[layout.buffer_index(name)].nbytes))
+    files = {n: FileBinding(disk / f"{n}.kv", readonly=True) for n in ("file0", "file1")}
+    with FileTier(executor, layout, files, {"mem": mem}, chunk_bytes=PAGE) as tier:
+        spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[0, 1]),
+                              options=PlanOptions(max_descriptors=3))
+        r = tier.spill(spill)
+        assert not r.success and isinstance(r.error, TierError) and r.nbytes == 0
+        assert r.error.call == 0 and r.error.step in ("transfer", "check_xfer_state")
+        assert "file0.kv" in str(r.error) and "call 0" in str(r.error)
+        assert all(not (disk / f"{n}.kv").read_bytes().strip(b"\0") for n in files)
+        r = tier.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0], dst_ids=[5])))
+        assert not r.success and "last spill failed" in str(r.error)
+
+
+def test_closed_descriptor_is_reported_and_never_done(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=8, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[0, 1]))
+    with _tier(executor, layout, disk, mem) as tier:
+        fd = tier.files["file1"].fd
+        os.close(fd)
+        r = tier.spill(spill)
+        assert not r.success and r.error.step == "descriptor check" and "file1.kv" in str(r.error)
+        # the same closed descriptor straight through the executor: NIXL's submission fails, never DONE
+        t = None
+        with pytest.raises(ExecutorError, match=r"(transfer|check_xfer_state) failed at chunk 0") as e:
+            t = executor.run(spill, {"mem": mem, **tier.files})
+            t.wait()
+        assert t is None or not _done(t)
+        assert "nixlBackendError" in str(e.value) or "ERR" in str(e.value)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), fd)  # keep the number taken until the tier closes it
+
+
+FULL_FS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from kvxfer.executors.file_tier import FileTier, tier_layout
+    from kvxfer.executors.nixl_files import FileBinding
+    from kvxfer.executors.ops_nixl import NixlExecutor
+    from kvxfer.planner import BlockMapping, plan_transfer
+    mnt = sys.argv[1]
+    lay = tier_layout(2, 32, 4096)
+    mem = np.full(lay.buffers[0].nbytes, 7, np.uint8)
+    ex = NixlExecutor(backends=["POSIX"], poll_timeout_s=20)
+    tier = FileTier(ex, lay, {"file0": FileBinding(mnt + "/file0.kv", create=True)}, {"mem": mem}, chunk_bytes=4096)
+    plan = plan_transfer(lay, BlockMapping(direction="d2h", src_ids=list(range(32)), dst_ids=list(range(32))))
+    r = tier.spill(plan)
+    print("RESULT", r.success, r.nbytes, type(r.error).__name__, r.error, flush=True)
+    tier.close(); ex.close()
+""")
+
+
+def test_full_filesystem_fails_the_spill_naming_the_file(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs in a private mount namespace here: {probe.stderr.strip()}")
+    script = tmp_path / "spill.py"
+    script.write_text(FULL_FS_SCRIPT)
+    run = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt} && "
+                          f"exec {sys.executable} {script} {mnt}"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **LOOPBACK_ENV})
+    line = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, run.stdout + run.stderr
+    assert line[0].startswith("RESULT False 0 TierError"), line[0]  # 256 KiB into 64 KiB: ENOSPC
+    assert "file0.kv" in line[0] and "call 0" in line[0]
+
+
+def test_corrupted_chunk_is_refused_naming_the_chunk(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=9, o_direct=False)
+    spill_map, restore_map = _maps("runs8", 16, seed=9)
+    with _tier(executor, layout, disk, mem) as tier:
+        assert tier.spill(plan_transfer(layout, spill_map)).success
+        slot = int(spill_map.dst_ids[3])  # region kv0's page for that slot sits at chunk `slot` of file0
+        with open(tier.files["file0"].path, "r+b") as f:
+            f.seek(slot * PAGE + 100)
+            f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+        r = tier.restore(plan_transfer(layout, restore_map))
+        assert not r.success and isinstance(r.error, IntegrityError) and r.error.chunk == slot
+        assert "torn or corrupted" in str(r.error) and "file0.kv" in str(r.error) and "1 of" in str(r.error)
+
+
+def test_stale_spill_is_refused(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=10, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1, 2], dst_ids=[4, 5, 6]))
+    restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[4, 5, 6], dst_ids=[0, 1, 2]))
+    with _tier(executor, layout, disk, mem) as tier:
+        assert tier.spill(spill).epoch == 1
+        old = {p: Path(p).read_bytes() for fb in tier.files.values() for p in (str(fb.path), f"{fb.path}.kvxsum")}
+        mem[:] = 1
+        assert tier.spill(spill).epoch == 2
+        new = {p: Path(p).read_bytes() for p in old}
+        for p, data in old.items():  # an older copy of the files comes back (a restored backup, a stale mount)
+            Path(p).write_bytes(data)
+        before = mem.copy()
+        r = tier.restore(restore)
+        assert not r.success and isinstance(r.error, IntegrityError)
+        assert "stale: the file holds epoch 1, the last spill of this chunk wrote epoch 2" in str(r.error)
+        assert np.array_equal(mem, before)  # refused before reading
+        for p in old:  # records of epoch 2 over data of epoch 1: a torn spill
+            if p.endswith(".kvxsum"):
+                Path(p).write_bytes(new[p])
+        r = tier.restore(restore)
+        assert not r.success and isinstance(r.error, IntegrityError) and "torn or corrupted" in str(r.error)
+
+
+def test_chunk_never_spilled_is_refused(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=11, o_direct=False)
+    with _tier(executor, layout, disk, mem) as tier:
+        before = mem.copy()
+        r = tier.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[9], dst_ids=[0])))
+        assert not r.success and "chunk 9: never spilled" in str(r.error)
+        assert np.array_equal(mem, before)
+
+
+def test_plan_in_the_wrong_direction_or_with_unbound_buffers_is_refused(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=12, o_direct=False)
+    with _tier(executor, layout, disk, mem) as tier:
+        restore_like = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0], dst_ids=[0]))
+        r = tier.spill(restore_like)
+        assert not r.success and isinstance(r.error, BindingError) and "spill writes this buffer as file" in str(r.error)
+    with pytest.raises(BindingError, match=r"integrity records of another layout \(want 8192-byte chunks"):
+        FileTier(executor, layout, _files(layout, disk), {"mem": mem}, chunk_bytes=2 * PAGE)
+    (disk / "big").mkdir()
+    with FileTier(executor, layout, _files(layout, disk / "big"), {"mem": mem}, chunk_bytes=2 * PAGE) as tier:
+        r = tier.spill(plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[3])))
+        assert not r.success and "whole integrity chunks of 8192 bytes" in str(r.error)
+    with pytest.raises(BindingError, match="the layout places this buffer in file"):
+        FileTier(executor, layout, {}, {"file0": mem})
+
+
+def test_epochs_alone_without_checksums(executor, disk):
+    """verify=False (a VRAM tier through GDS cannot checksum host bytes): round trips, stale still refused."""
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=13, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8]))
+    restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3]))
+    want = {"mem": mem.copy(), **_zero_files(layout)}
+    apply_copies(block_copies(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8])), want)
+    apply_copies(block_copies(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3])), want)
+    with _tier(executor, layout, disk, mem, verify=False) as tier:
+        assert tier.spill(spill).success and tier.restore(restore).success
+        assert np.array_equal(mem, want["mem"])
+        sidecar = Path(f"{tier.files['file0'].path}.kvxsum")
+        old = sidecar.read_bytes()
+        assert tier.spill(spill).epoch == 2
+        sidecar.write_bytes(old)
+        r = tier.restore(restore)
+        assert not r.success and "stale" in str(r.error)
+
+
+def test_storage_backend_that_cannot_start_is_named():
+    try:
+        ex = NixlExecutor(backends=["GDS"])
+    except ValueError as e:
+        assert "nixl.backends = ['GDS']: could not start" in str(e) and "cuFile" in str(e)
+    else:
+        ex.close()
+        pytest.skip("GDS starts on this machine (cuFile present); the GPU test below covers it")
+
+
+@pytest.mark.gpu
+def test_gds_round_trip_vram_file_vram(disk):
+    """GPU machines: the same plans between device memory and a file through GDS (cuFile)."""
+    import torch
+
+    try:
+        ex = NixlExecutor(backends=["GDS"], poll_timeout_s=60)
+    except ValueError as e:
+        pytest.skip(str(e))
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES, align_bytes=4096)
+    n = layout.buffers[0].nbytes
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.full((n,), SENTINEL, dtype=torch.uint8, device="cuda")
+    spill_map, restore_map = _maps("runs8", 12, seed=21)
+    try:
+        with FileTier(ex, layout, _files(layout, disk, o_direct=True), {"mem": src}, verify=False) as tier:
+            assert tier.spill(plan_transfer(layout, spill_map)).raise_for_error().success
+        files = {n_: FileBinding(disk / f"{n_}.kv", o_direct=True) for n_ in _zero_files(layout)}
+        with FileTier(ex, layout, files, {"mem": dst}, verify=False) as tier:
+            tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
+        want = {"mem": src.cpu().numpy(), **_zero_files(layout)}
+        apply_copies(block_copies(layout, spill_map), want)
+        want["mem"][:] = SENTINEL
+        apply_copies(block_copies(layout, restore_map), want)
+        assert np.array_equal(dst.cpu().numpy(), want["mem"])
+    finally:
+        ex.close()
+
+
+def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, disk):
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=14, o_direct=False)
+    maps = [BlockMapping(direction="d2h", src_ids=[2 * k, 2 * k + 1], dst_ids=[2 * k, 2 * k + 1]) for k in range(8)]
+    want = {"mem": mem.copy(), **_zero_files(layout)}
+    for m in maps:
+        apply_copies(block_copies(layout, m), want)
+    with _tier(executor, layout, disk, mem) as tier:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda m: tier.spill(plan_transfer(layout, m)), maps))
+        assert all(r.success for r in results) and sorted(r.epoch for r in results) == list(range(1, 9))
+        on_disk = _on_disk(layout, tier)
+        assert all(np.array_equal(on_disk[n], want[n]) for n in on_disk)
+        mem[:] = SENTINEL
+        back = BlockMapping(direction="h2d", src_ids=np.arange(16), dst_ids=np.arange(16))
+        tier.restore(plan_transfer(layout, back)).raise_for_error()
+        want["mem"][:] = SENTINEL
+        apply_copies(block_copies(layout, back), want)
+        assert np.array_equal(mem, want["mem"])
