@@ -65,6 +65,7 @@ class Memory:
     writable: bool
     owner: Any = field(repr=False, default=None)
     view: Callable[[], np.ndarray] | None = field(repr=False, default=None, compare=False)
+    file_offsets: bool = False  # ``address`` is an offset in a file (0 is valid), not a pointer
 
 
 def _over_immutable_bytes(address: int, nbytes: int) -> bool:
@@ -134,7 +135,7 @@ def resolve(obj: Any, name: str) -> Memory:
     else:
         raise BindingError(name, type(obj).__name__, "expected a torch tensor, numpy array, RawMemory or "
                            "(address, nbytes) pair")
-    if m.nbytes > 0 and m.address == 0:
+    if m.nbytes > 0 and m.address == 0 and not m.file_offsets:
         raise BindingError(name, "address 0", "null address")
     if m.address < 0 or m.nbytes < 0 or m.address + m.nbytes > U64:
         raise BindingError(name, f"[{m.address:#x}, +{m.nbytes})", "does not fit the 64-bit address space")

@@ -40,7 +40,8 @@ import numpy as np
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
 from kvxfer.planner.alignment import check_alignment
 
-from .base import BindingError, ExecutorError, as_byte_view
+from .base import ExecutorError
+from .binding import BindingError, resolve
 from .nixl_files import FileBinding
 
 MAGIC = b"KVXSUM01"
@@ -210,7 +211,7 @@ class FileTier:
         for name, obj in memory.items():
             buf = self.buffers[name]
             if verify:
-                self.views[name] = as_byte_view(obj, name)  # BindingError for device memory: checksums read host bytes
+                self.views[name] = _host_view(obj, name)  # BindingError for device memory: checksums read host bytes
             addr = int(self.views[name].ctypes.data) if verify else _address(obj)
             for fb in self.files.values():
                 fb.check_memory(name, addr, buf.align_bytes)
@@ -435,8 +436,14 @@ class FileTier:
         self.close()
 
 
+def _host_view(obj: Any, name: str) -> np.ndarray:
+    """A flat uint8 view of host memory numpy can reach; BindingError for anything else (device memory)."""
+    mem = resolve(obj, name)
+    if mem.view is None:
+        raise BindingError(name, type(obj).__name__, "expected a numpy array or CPU torch tensor (host memory)")
+    return mem.view()
+
+
 def _address(obj: Any) -> int:
     """Start address of memory bound to a buffer (host arrays, CPU or CUDA tensors)."""
-    if type(obj).__module__.startswith("torch"):
-        return int(obj.data_ptr())
-    return int(as_byte_view(obj, "memory").ctypes.data)
+    return resolve(obj, "memory").address

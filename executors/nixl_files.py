@@ -16,7 +16,7 @@ from typing import Any
 
 from kvxfer.planner import Buffer, Location
 
-from .base import BindingError
+from .binding import BindingError
 from .nixl_memory import Registration, RemoteBuffer, Segment
 
 

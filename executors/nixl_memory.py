@@ -52,7 +52,7 @@ class RemoteBuffer:
 
     def __kvxfer_memory__(self) -> Memory:
         """The remote segment as a binding: its address and size (in the peer's address space), location unknown."""
-        return Memory(self.addr, self.nbytes, None, self.dev, None, True, self)
+        return Memory(self.addr, self.nbytes, None, self.dev, None, True, self, file_offsets=self.mem == "FILE")
 
 
 def segment_of(mem: Memory, name: str) -> Segment:

@@ -22,7 +22,7 @@ from kvxfer.executors import BindingError, ExecutorError
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV
 from kvxfer.planner import BlockMapping, Layout, PlanOptions, plan_transfer, presets
 
-from .reference import apply_copies, block_copies
+from kvxfer.testing import apply_copies, expected_copies
 
 for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports it lazily)
     os.environ.setdefault(_k, _v)
@@ -108,7 +108,7 @@ def test_round_trip_is_byte_exact(executor, disk, pattern, coalesce, o_direct):
     with _tier(executor, layout, disk, mem, o_direct) as tier:
         want = {"mem": mem.copy(), **{n: np.zeros(b.nbytes, np.uint8) for n, b in
                                       ((b.name, b) for b in layout.buffers if b.name != "mem")}}
-        apply_copies(block_copies(layout, spill_map), want)
+        apply_copies(expected_copies(layout, spill_map), want)
         r = tier.spill(spill)
         assert r.success and r.error is None and r.nbytes == spill.total_bytes, r
         assert r.chunks == 12 * REGIONS and r.epoch == 1
@@ -117,7 +117,7 @@ def test_round_trip_is_byte_exact(executor, disk, pattern, coalesce, o_direct):
             assert np.array_equal(got_files[name], want[name]), name
         mem[:] = SENTINEL
         want["mem"][:] = SENTINEL
-        apply_copies(block_copies(layout, restore_map), want)
+        apply_copies(expected_copies(layout, restore_map), want)
         r = tier.restore(restore)
         assert r.success and r.nbytes == restore.total_bytes, r
         bad = np.flatnonzero(mem != want["mem"])
@@ -131,10 +131,10 @@ def test_tier_reopened_trusts_records_and_continues_epochs(executor, disk):
     with _tier(executor, layout, disk, mem) as tier:
         assert tier.spill(plan_transfer(layout, spill_map)).epoch == 1
     want = {"mem": mem.copy(), **_zero_files(layout)}
-    apply_copies(block_copies(layout, spill_map), want)
+    apply_copies(expected_copies(layout, spill_map), want)
     mem[:] = SENTINEL
     want["mem"][:] = SENTINEL
-    apply_copies(block_copies(layout, restore_map), want)
+    apply_copies(expected_copies(layout, restore_map), want)
     files = {n: FileBinding(disk / f"{n}.kv") for n in _zero_files(layout)}
     with FileTier(executor, layout, files, {"mem": mem}, chunk_bytes=PAGE) as tier:
         tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
@@ -409,8 +409,8 @@ def test_epochs_alone_without_checksums(executor, disk):
     spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8]))
     restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3]))
     want = {"mem": mem.copy(), **_zero_files(layout)}
-    apply_copies(block_copies(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8])), want)
-    apply_copies(block_copies(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3])), want)
+    apply_copies(expected_copies(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[7, 8])), want)
+    apply_copies(expected_copies(layout, BlockMapping(direction="h2d", src_ids=[7, 8], dst_ids=[2, 3])), want)
     with _tier(executor, layout, disk, mem, verify=False) as tier:
         assert tier.spill(spill).success and tier.restore(restore).success
         assert np.array_equal(mem, want["mem"])
@@ -453,9 +453,9 @@ def test_gds_round_trip_vram_file_vram(disk):
         with FileTier(ex, layout, files, {"mem": dst}, verify=False) as tier:
             tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
         want = {"mem": src.cpu().numpy(), **_zero_files(layout)}
-        apply_copies(block_copies(layout, spill_map), want)
+        apply_copies(expected_copies(layout, spill_map), want)
         want["mem"][:] = SENTINEL
-        apply_copies(block_copies(layout, restore_map), want)
+        apply_copies(expected_copies(layout, restore_map), want)
         assert np.array_equal(dst.cpu().numpy(), want["mem"])
     finally:
         ex.close()
@@ -469,7 +469,7 @@ def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, d
     maps = [BlockMapping(direction="d2h", src_ids=[2 * k, 2 * k + 1], dst_ids=[2 * k, 2 * k + 1]) for k in range(8)]
     want = {"mem": mem.copy(), **_zero_files(layout)}
     for m in maps:
-        apply_copies(block_copies(layout, m), want)
+        apply_copies(expected_copies(layout, m), want)
     with _tier(executor, layout, disk, mem) as tier:
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda m: tier.spill(plan_transfer(layout, m)), maps))
@@ -480,5 +480,5 @@ def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, d
         back = BlockMapping(direction="h2d", src_ids=np.arange(16), dst_ids=np.arange(16))
         tier.restore(plan_transfer(layout, back)).raise_for_error()
         want["mem"][:] = SENTINEL
-        apply_copies(block_copies(layout, back), want)
+        apply_copies(expected_copies(layout, back), want)
         assert np.array_equal(mem, want["mem"])
