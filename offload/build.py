@@ -55,6 +55,8 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
 def _on_gpu(executor: Any) -> bool:
     if executor is not None and hasattr(executor, "target"):
         return executor.target.platform.value != "cpu"
+    if callable(executor):  # a factory: unknown until built; pin only when the tier asks (tier.pin=True)
+        return False
     from kvxfer.executors import ExecutorConfig, choose_executor
 
     config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)

@@ -315,9 +315,10 @@ class _WriterParts:
 class OffloadWorker:
     """Store and load jobs over one layout (device buffers and the host tier), bound once.
 
-    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor, or an
-    ExecutorConfig / dict / path for ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the
-    NumPy executor without a GPU); built ones are built per direction and closed by ``shutdown``.
+    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor (shared by
+    both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
+    ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
+    factories and configs build one executor per direction, closed by ``shutdown``.
     ``replicated``: per region, whether stores rotate writers over ``tp`` ranks. ``regions_per_layer``:
     regions per layer for per-layer load completion (None: whole jobs only). ``on_close``: callables run
     last by ``shutdown`` (releasing host memory).
@@ -340,6 +341,7 @@ class OffloadWorker:
             raise ValueError(f"replicated: {len(replicated)} flags for {len(layout.regions)} regions")
         self._writers = _WriterParts(layout, replicated, self.tp, base)
         self._on_close = list(on_close)
+        self._chunked = any(int(c["k"].max(initial=1)) > 1 for c in layout.info.side.values())
         self._bound: dict[Direction, Any] = {}
         self._lanes: dict[Direction, _ThreadLane | _StreamLane] = {}
         groups = (0,) * layout.info.num_groups
@@ -362,6 +364,8 @@ class OffloadWorker:
     def _make_executors(executor: Any) -> tuple[dict[Direction, Any], bool]:
         if executor is not None and hasattr(executor, "run"):
             return {STORE: executor, LOAD: executor}, False
+        if callable(executor):  # a factory: one executor (one copy stream) per direction
+            return {STORE: executor(), LOAD: executor()}, True
         from kvxfer.executors import ExecutorConfig, choose_executor, get_executor
 
         config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
@@ -393,6 +397,11 @@ class OffloadWorker:
                                   "yet returned by get_finished)")
         names = {"src_ids": "host_ids", "dst_ids": "device_ids"} if direction is LOAD else \
                 {"src_ids": "device_ids", "dst_ids": "host_ids"}
+        if sizes is None and self._chunked and self.layout.info.num_groups == 1:
+            try:  # one group of every device block listed, from a chunk boundary
+                sizes = (len(dst if direction is LOAD else src),)
+            except TypeError:
+                pass
         try:
             m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst,
                              group_sizes=None if sizes is None else tuple(sizes),
