@@ -97,15 +97,13 @@ class _ThreadLane:
     def __init__(self, executor: Any, bound: Any, name: str):
         self.executor, self.bound = executor, bound
         self.jobs: deque[_Job] = deque()
-        self._events = Pool(threading.Event)
         self._queue: deque[_Job | None] = deque()
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-offload-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, job: _Job, stream: Any) -> None:
-        job.finished = self._events.acquire()
-        job.finished.clear()
+        job.finished = threading.Event()  # not pooled: a later job may still hold this one as its dependency
         self.jobs.append(job)
         with self._ready:
             self._queue.append(job)
@@ -144,14 +142,13 @@ class _ThreadLane:
         self.wait(job)  # no device streams here: order the caller on the host
 
     def retire(self, job: _Job) -> None:
-        self._events.release(job.finished)
+        pass
 
     def close(self) -> None:
         with self._ready:
             self._queue.append(None)
             self._ready.notify()
         self._thread.join()
-        self._events.clear()
 
 
 class _StreamLane:
@@ -484,13 +481,13 @@ class OffloadWorker:
 
     @property
     def pool_sizes(self) -> dict[str, int]:
-        """Handles each pool has made (GPU lanes: gate streams and events; host lanes: completion events)."""
+        """Handles each pool has made (GPU lanes: gate streams and events; host lanes have none)."""
         out = {}
         for d, lane in self._lanes.items():
-            for name in ("streams", "events", "_events"):
+            for name in ("streams", "events"):
                 pool = getattr(lane, name, None)
                 if pool is not None:
-                    out[f"{d.value}.{name.strip('_')}"] = pool.made
+                    out[f"{d.value}.{name}"] = pool.made
         return out
 
     def shutdown(self) -> None:
