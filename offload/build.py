@@ -64,9 +64,10 @@ def _on_gpu(executor: Any) -> bool:
 
 
 def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry, np.ndarray, SharedRegion | None]:
-    """The host rows: a shared region created or attached by name, or private memory for this rank only."""
+    """The host rows: a shared region created or attached by name (row-major), or private memory for this
+    rank only (tensor-major: each tensor's chunks back to back, as one host tensor per KV tensor would be)."""
     if tier.shared is None:
-        geometry = make_geometry(device.tensors, tier, tp, ranks=[tp.rank])
+        geometry = make_geometry(device.tensors, tier, tp, ranks=[tp.rank], tensor_major=True)
         return geometry, np.zeros(geometry.nbytes, dtype=np.uint8), None
     s = tier.shared
     if s.create:

@@ -96,12 +96,14 @@ class HostTier(Spec):
 
 
 class Cell(Spec):
-    """Where one tensor's chunk sits in a row: ``rank`` None = shared by every rank (canonical)."""
+    """Where one tensor's chunk 0 sits: ``rank`` None = shared by every rank (canonical). ``stride_bytes``
+    None: chunk c is c rows further (row-major); else the tensor's chunks are back to back (tensor-major)."""
 
     tensor: str
     rank: int | None
     offset_bytes: int = Field(ge=0)
     page_bytes: int = Field(gt=0)
+    stride_bytes: int | None = None
 
 
 class Geometry(Spec):
@@ -113,10 +115,11 @@ class Geometry(Spec):
     row_stride_bytes: int = Field(gt=0)
     layout: HostLayout
     cells: tuple[Cell, ...]
+    data_bytes: int = Field(default=0, ge=0)  # tensor-major: the total (rows: num_chunks * row_stride_bytes)
 
     @property
     def nbytes(self) -> int:
-        return self.num_chunks * self.row_stride_bytes
+        return self.data_bytes or self.num_chunks * self.row_stride_bytes
 
     def cell(self, tensor: str, rank: int | None) -> Cell:
         for c in self.cells:
@@ -135,25 +138,28 @@ def _shared(t: KVTensor, layout: HostLayout) -> bool:
     return layout is HostLayout.CANONICAL and t.sharing is not Sharing.PRIVATE
 
 
-def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks: Sequence[int] | None = None) -> Geometry:
-    """Cells for ``tensors`` with private cells for ``ranks`` (default: every rank of ``tp``)."""
-    k = tier.blocks_per_chunk
+def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks: Sequence[int] | None = None, *,
+                  tensor_major: bool = False) -> Geometry:
+    """Cells for ``tensors`` with private cells for ``ranks`` (default: every rank of ``tp``).
+
+    Row-major (shared regions): a row holds chunk c of every cell, padded to ``row_align_bytes``.
+    ``tensor_major`` (private memory): each cell's chunks are back to back, so runs of chunks merge into one
+    range per tensor; ``row_stride_bytes`` is then the largest chunk (the pinning granularity)."""
+    k, n = tier.blocks_per_chunk, tier.num_chunks
     ranks = list(range(tp.size)) if ranks is None else list(ranks)
+    slots = [(t, None, canonical_page(t, tp)) for t in tensors if _shared(t, tier.layout)]
+    slots += [(t, r, t.page_bytes) for r in ranks for t in tensors if not _shared(t, tier.layout)]
     cells, at = [], 0
-    for t in tensors:
-        if _shared(t, tier.layout):
-            page = canonical_page(t, tp)
-            cells.append(Cell(tensor=t.name, rank=None, offset_bytes=at, page_bytes=page))
-            at += k * page
-    for r in ranks:
-        for t in tensors:
-            if not _shared(t, tier.layout):
-                cells.append(Cell(tensor=t.name, rank=r, offset_bytes=at, page_bytes=t.page_bytes))
-                at += k * t.page_bytes
+    for t, r, page in slots:
+        cells.append(Cell(tensor=t.name, rank=r, offset_bytes=at, page_bytes=page,
+                          stride_bytes=k * page if tensor_major else None))
+        at += k * page * (n if tensor_major else 1)
     align = tier.row_align_bytes
-    stride = max(-(-at // align) * align, align)
-    return Geometry(num_chunks=tier.num_chunks, blocks_per_chunk=k, row_stride_bytes=stride, layout=tier.layout,
-                    cells=tuple(cells))
+    padded = max(-(-at // align) * align, align)
+    if tensor_major:
+        return Geometry(num_chunks=n, blocks_per_chunk=k, row_stride_bytes=max(k * p for _, _, p in slots) if slots else 1,
+                        layout=tier.layout, cells=tuple(cells), data_bytes=padded)
+    return Geometry(num_chunks=n, blocks_per_chunk=k, row_stride_bytes=padded, layout=tier.layout, cells=tuple(cells))
 
 
 def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
@@ -172,7 +178,8 @@ def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
     return Region(name=t.name, page_bytes=t.page_bytes, group=t.group, fragments=fragments,
                   host_page_bytes=cell.page_bytes if fragments else None,
                   device=Placement(buffer=t.buffer, byte_offset=t.byte_offset, stride_bytes=t.stride_bytes),
-                  host=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes, stride_bytes=geometry.row_stride_bytes,
+                  host=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
+                                 stride_bytes=cell.stride_bytes or geometry.row_stride_bytes,
                                  blocks_per_chunk=geometry.blocks_per_chunk))
 
 
