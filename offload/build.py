@@ -1,7 +1,7 @@
 """Building a worker from device KV tensors and a host tier: the layout, the host memory, pinning."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +76,9 @@ def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry,
     else:
         region = SharedRegion.attach(s.name, s.directory)
     g = region.geometry
-    for field, want, have in (("num_chunks", tier.num_chunks, g.num_chunks), ("blocks_per_chunk", tier.blocks_per_chunk,
-                                                                            g.blocks_per_chunk), ("layout", tier.layout, g.layout)):
+    checks = (("num_chunks", tier.num_chunks, g.num_chunks), ("blocks_per_chunk", tier.blocks_per_chunk, g.blocks_per_chunk),
+              ("layout", tier.layout, g.layout))
+    for field, want, have in checks:
         if want != have:
             region.close()
             raise LayoutError(f"tier.{field}", want, f"the shared region {s.name!r} was created with {have}")

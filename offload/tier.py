@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvxfer.planner import Buffer, Fragment, Layout, LayoutError, Location, Placement, Region

@@ -15,7 +15,6 @@ Two lane kinds, chosen by the executor:
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -438,7 +437,7 @@ class OffloadWorker:
 
     def _retire_ready(self) -> list[_Job]:
         out = []
-        for d, lane in self._lanes.items():
+        for lane in self._lanes.values():
             while lane.jobs and lane.done(lane.jobs[0]):
                 job = lane.jobs.popleft()
                 lane.retire(job)

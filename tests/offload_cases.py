@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, BlockMapping, Layout, Location
+from kvxfer.planner import BlockMapping, Buffer, Layout, Location
 
 try:  # the single test oracle, once the testing package has it
     from kvxfer.testing import expected_copies as _expected_copies

@@ -142,7 +142,7 @@ def test_fifty_interleaved_jobs_equal_a_sequential_replay(backend):
             rt.event_query = real
     w.wait([j for _, j, *_ in jobs])
     results += w.get_finished()
-    for kind, j, blocks, chunks, count, skip in jobs:
+    for kind, _j, blocks, chunks, count, skip in jobs:
         oc.apply(oc.oracle(w.layout, _mapping(kind, blocks, chunks, count, skip)), want)
     for k in dev.bindings:
         np.testing.assert_array_equal(dev.bindings[k], want[k], err_msg=k)
@@ -154,7 +154,7 @@ def test_fifty_interleaved_jobs_equal_a_sequential_replay(backend):
     if held:  # every pair of jobs that touch a common block or chunk is ordered on the device
         before = _happens_before(state.log, {a: j for j, (a, _) in enumerate(spans)})
         ops = [[i for i in range(a, b) if state.log[i][0] in ("batch", "copy")] for a, b in spans]
-        for j, (kind, _, blocks, chunks, *_r) in enumerate(jobs):
+        for j, (_kind, _, blocks, chunks, *_r) in enumerate(jobs):
             if not ops[j]:
                 continue
             first = before[ops[j][0]]
