@@ -1,9 +1,10 @@
 """The offload worker's host cost per job and its CPU throughput, against baselines measured in the same run.
 
 Shapes: 118 KV tensors of 256-byte pages (host cost, not bandwidth); jobs of 256 and 2,048 blocks; host chunks
-of k = 1 and 4 blocks; contiguous, runs of 8 and fragmented block lists; stores and loads. For each: the caller's host time per job (``submit_*``: checks,
-planning, queueing or issuing; median over R jobs, each waited for before the next so no copy competes) and
-jobs per second end to end (R jobs submitted back to back, then waited for).
+of k = 1 and 4 blocks; contiguous, runs of 8 and fragmented block lists; stores and loads. For each: the
+caller's host time per job (``submit_*``: checks, planning, queueing or issuing; median over R jobs, each
+waited for before the next so no copy competes) and jobs per second end to end (R jobs submitted back to
+back, then waited for).
 Executors: the NumPy executor on the worker's background threads, and (``--shim``) the CUDA batch executor
 on the C driver shim, whose copies are synchronous memmoves on the caller's thread.
 
