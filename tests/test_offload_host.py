@@ -177,3 +177,14 @@ def test_pin_tensor_registers_whole_rows():
     assert p.pinned and fake.calls == [(t.data_ptr(), t.numel())]
     p.close()
     assert not fake.live  # released
+
+
+def test_example_serving_loop_runs_and_verifies(capsys):
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "examples" / "offload_loop.py"
+    spec = importlib.util.spec_from_file_location("offload_loop", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(steps=7) == 0
+    out = capsys.readouterr().out
+    assert "restores verified: all" in out and "h2d ok" in out and "FAILED" not in out
