@@ -180,20 +180,24 @@ class _StreamLane:
         dep = job.after
         if dep is not None and dep.transfers and not _done_quietly(dep):
             rt = self.runtime
-            gate, ready = self.streams.acquire(), self.events.acquire()
-            job.pooled += [(self.streams, gate), (self.events, ready)]
-            with rt.current():  # gate: the caller's compute so far, then the other direction's job
-                rt.check(rt.event_record(ready, stream_handle(stream)), "event record (compute stream)")
-                rt.check(rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
-            dep.transfers[-1].stream_wait(gate, -1)
+            try:
+                gate, ready = self.streams.acquire(), self.events.acquire()
+                job.pooled += [(self.streams, gate), (self.events, ready)]
+                with rt.current():  # gate: the caller's compute so far, then the other direction's job
+                    rt.check(rt.event_record(ready, stream_handle(stream)), "event record (compute stream)")
+                    rt.check(rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
+                dep.transfers[-1].stream_wait(gate, -1)
+            except Exception as e:  # nothing issued: the job fails without copying
+                job.error = e
+                return
         for plan in job.plans:
             try:
                 job.transfers.append(self.executor.run(plan, self.bound, stream=gate))
-            except BaseException as e:
+            except Exception as e:
                 job.error = e
                 try:  # an empty run: its end follows whatever the failed run issued, so successors can order on it
                     job.transfers.append(self.executor.run(self.barrier, self.bound, stream=gate))
-                except BaseException:
+                except Exception:
                     pass
                 break
 
@@ -204,7 +208,7 @@ class _StreamLane:
         for t in job.transfers:
             try:
                 t.wait()
-            except BaseException as e:
+            except Exception as e:
                 job.error = job.error or e
 
     def _load_call(self, job: _Job, layer: int) -> tuple[Any, int] | None:
@@ -232,7 +236,7 @@ class _StreamLane:
             if t.elapsed_s is None:
                 try:
                     t.wait()
-                except BaseException as e:
+                except Exception as e:
                     job.error = job.error or e
             job.elapsed_s += t.elapsed_s or 0.0
         for pool, h in job.pooled:
@@ -250,7 +254,7 @@ def _done_quietly(job: _Job) -> bool:
         try:
             if not t.done():
                 return False
-        except BaseException as e:
+        except Exception as e:
             job.error = job.error or e
     return True
 
