@@ -3,9 +3,11 @@
 Shapes: 118 KV tensors of 256-byte pages (host cost, not bandwidth); jobs of 256 and 2,048 blocks; host chunks
 of k = 1 and 4 blocks; contiguous, runs of 8 and fragmented block lists; stores and loads. For each: the
 caller's host time per job (``submit_*``: checks, planning, queueing or issuing; median over R jobs, each
-waited for before the next so no copy competes) and jobs per second end to end (R jobs submitted back to
+waited for before the next so no copy competes), beside planning the same job alone (the baseline: what
+submit adds is the worker's own share), and jobs per second end to end (R jobs submitted back to
 back, then waited for).
-Executors: the NumPy executor on the worker's background threads, and (``--shim``) the CUDA batch executor
+Executors: none (copies nothing: the worker's own host cost with no copy thread competing for the GIL), the
+NumPy executor on the worker's background threads, and (``--shim``) the CUDA batch executor
 on the C driver shim, whose copies are synchronous memmoves on the caller's thread.
 
 Throughput: 256-block jobs of 4 KiB pages through the worker (NumPy executor; submit + wait, best of R)
@@ -25,6 +27,24 @@ from kvxfer.offload import DeviceKV, HostTier, KVTensor, create_worker
 from kvxfer.planner import Buffer, Location
 
 TENSORS = 118
+
+
+class NoCopy:
+    """An executor that copies nothing and finishes at once: the worker's own host cost, with no copy running."""
+
+    name = "none"
+
+    @property
+    def target(self) -> Any:
+        from kvxfer.planner import Target
+        return Target()
+
+    def run(self, plan: Any, bindings: Any, stream: Any = None) -> Any:
+        from kvxfer.executors import Transfer
+        return Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, elapsed_s=0.0)
+
+    def close(self) -> None:
+        pass
 
 
 def ids(pattern: str, n: int, space: int, run: int, rng: np.random.Generator) -> np.ndarray:
@@ -65,6 +85,14 @@ def bench_jobs(n: int, k: int, pattern: str, direction: str, executor: Any, reps
         host.append(time.perf_counter() - s)
         w.wait([j])
     res = w.get_finished()
+    from kvxfer.planner import BlockMapping, PlanOptions, plan_transfer
+    plan = []  # baseline in the same run: planning the same jobs alone (what submit adds is the worker's share)
+    for d, h in jobs:
+        s_ids, d_ids = (d, h) if direction == "d2h" else (h, d)
+        s = time.perf_counter()
+        plan_transfer(w.layout, BlockMapping(direction=direction, src_ids=s_ids, dst_ids=d_ids, group_sizes=(n,)),
+                      w.target, PlanOptions())
+        plan.append(time.perf_counter() - s)
     t0 = time.perf_counter()  # end to end: back to back, then wait for all
     for j, (d, h) in enumerate(jobs, start=reps + 1):
         submit(j, d, h) if direction == "d2h" else submit(j, h, d)
@@ -74,6 +102,7 @@ def bench_jobs(n: int, k: int, pattern: str, direction: str, executor: Any, reps
     w.shutdown()
     assert all(r.success for r in res)
     return dict(blocks=n, k=k, pattern=pattern, direction=direction, host_us=1e6 * float(np.median(host)),
+                plan_us=1e6 * float(np.median(plan)),
                 jobs_s=reps / total, ranges=res[0].num_ranges, mib=res[0].nbytes / 2**20)
 
 
@@ -109,8 +138,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--shim", action="store_true", help="also the CUDA batch executor on the C driver shim (needs cc)")
+    p.add_argument("--executors", default="none,numpy", help="comma list of: none (no copies), numpy")
     a = p.parse_args()
-    executors: list[tuple[str, Any]] = [("numpy", {"kind": "numpy"})]
+    known = {"none": NoCopy, "numpy": {"kind": "numpy"}}
+    executors: list[tuple[str, Any]] = [(e, known[e]) for e in a.executors.split(",") if e]
     if a.shim:
         import sys
         import tempfile
@@ -122,7 +153,7 @@ def main() -> None:
         lib = str(build("fake_cuda", tempfile.mkdtemp()))
         executors.append(("cuda-shim", lambda: CudaBatchExecutor(ShimDriver(lib, 13000))))
     print(f"{'executor':10} {'blocks':>6} {'k':>2} {'pattern':11} {'dir':4} {'ranges':>7} {'MiB':>6} "
-          f"{'host us/job':>11} {'jobs/s':>8}")
+          f"{'host us/job':>11} {'plan us':>8} {'jobs/s':>8}")
     for name, ex in executors:
         for n in (256, 2048):
             for k in (1, 4):
@@ -130,7 +161,7 @@ def main() -> None:
                     for direction in ("d2h", "h2d"):
                         r = bench_jobs(n, k, pattern, direction, ex, a.reps)
                         print(f"{name:10} {n:6d} {k:2d} {pattern:11} {direction:4} {r['ranges']:7d} {r['mib']:6.1f} "
-                              f"{r['host_us']:11.0f} {r['jobs_s']:8.1f}", flush=True)
+                              f"{r['host_us']:11.0f} {r['plan_us']:8.0f} {r['jobs_s']:8.1f}", flush=True)
     print("\nthroughput, 118 x 256 blocks x 4 KiB per job (NumPy executor) vs one memcpy of the same bytes")
     print(f"{'pattern':11} {'dir':4} {'MiB/job':>7} {'worker GB/s':>11} {'memcpy GB/s':>11} {'ratio':>6}")
     for pattern in ("contiguous", "runs8", "fragmented"):

@@ -362,7 +362,7 @@ class OffloadWorker:
 
     @staticmethod
     def _make_executors(executor: Any) -> tuple[dict[Direction, Any], bool]:
-        if executor is not None and hasattr(executor, "run"):
+        if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
             return {STORE: executor, LOAD: executor}, False
         if callable(executor):  # a factory: one executor (one copy stream) per direction
             return {STORE: executor(), LOAD: executor()}, True
