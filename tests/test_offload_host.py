@@ -188,3 +188,17 @@ def test_example_serving_loop_runs_and_verifies(capsys):
     assert mod.main(steps=7) == 0
     out = capsys.readouterr().out
     assert "restores verified: all" in out and "h2d ok" in out and "FAILED" not in out
+
+
+def test_worker_pins_its_host_tier_and_unpins_at_shutdown(shm):
+    dev = oc.rank_device(["rep", "priv"], 1, 0, "data")
+    fake = FakeRegistrar()
+    w = create_worker(dev, HostTier(num_chunks=6, pin=True), {"kind": "numpy"}, registrar=fake.registrar())
+    assert fake.calls == [(w.host.ctypes.data, w.host.nbytes)] and fake.live
+    w.shutdown()
+    assert not fake.live
+    refused = FakeRegistrar(fail_at=0)
+    t = oc.tier("pinfail", shm, create=True).model_copy(update={"pin": True})
+    with pytest.raises(RuntimeError, match="pinning the host tier failed: fakeHostRegister failed on chunk 0"):
+        create_worker(dev, t, {"kind": "numpy"}, registrar=refused.registrar())
+    assert not list(Path(shm).glob("kvxfer-pinfail"))  # no attachers expected: the name went at creation
