@@ -1,4 +1,9 @@
-"""Building a worker from device KV tensors and a host tier: the layout, the host memory, pinning."""
+"""Building a worker from device KV tensors and a host tier: the layout, the host memory, pinning.
+
+The seam for other tiers: OffloadWorker itself only needs a Layout, its bindings and an executor. A tier is
+whatever produces those three (this module: host rows in private or shared memory, run by a DMA or NumPy
+executor); a file tier would place its regions in file buffers and hand the worker a NIXL executor.
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
