@@ -19,6 +19,7 @@ venv: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/kvxfer demo
+	$(BIN)/python examples/offload_loop.py
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,195 @@
+"""The host tier's shape: which KV tensors there are, how ranks share them, and where each one's cells sit
+in a row of host memory. Pure values and functions (no memory is touched here).
+
+A host row holds one chunk (``blocks_per_chunk`` pages) of every tensor. Cells are carved from the start of
+the row: first the cells every rank shares (canonical layout: replicated and head-sharded tensors, in their
+rank-independent canonical page size), then each rank's own cells (rank-private tensors, and every tensor in
+the direct layout). Rows are padded to ``row_align_bytes`` (4 KiB), so chunked pinning can end on rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvxfer.planner import Buffer, Fragment, Layout, LayoutError, Location, Placement, Region
+
+HOST_BUFFER = "host"  # the one host buffer every region's host placement points into
+
+
+class Spec(BaseModel):
+    """Frozen, extra-forbidding value (a typo fails at construction with a ValueError naming the field)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Sharing(StrEnum):
+    """How TP ranks hold a KV tensor."""
+
+    PRIVATE = "private"  # each rank's own bytes: stored per rank, loaded by the same rank only
+    REPLICATED = "replicated"  # identical on every rank (MLA latent, replicated heads): one canonical copy
+    SHARDED = "sharded"  # heads split across ranks: each rank holds one slice of every canonical row
+
+
+class HostLayout(StrEnum):
+    DIRECT = "direct"  # every tensor in per-rank cells, as the device holds it
+    CANONICAL = "canonical"  # replicated and sharded tensors in rank-independent cells shared by all ranks
+
+
+class KVTensor(Spec):
+    """One device KV tensor (a region): its place in a device buffer and how ranks share it.
+
+    ``page_bytes`` is this rank's page. A SHARDED page is ``shard_rows`` equal slices (for example one per
+    token), and rank r's slice of row i sits at ``(i * tp_size + r) * slice`` in the canonical page.
+    """
+
+    name: str = Field(min_length=1)
+    buffer: str = Field(min_length=1)
+    page_bytes: int = Field(gt=0)
+    byte_offset: int = Field(default=0, ge=0)
+    stride_bytes: int | None = Field(default=None, gt=0)
+    group: int = Field(default=0, ge=0)
+    sharing: Sharing = Sharing.PRIVATE
+    shard_rows: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _rows(self) -> KVTensor:
+        if self.page_bytes % self.shard_rows:
+            raise LayoutError("shard_rows", self.shard_rows, f"does not divide page_bytes {self.page_bytes}")
+        return self
+
+
+class TPRank(Spec):
+    """This process's tensor-parallel rank."""
+
+    size: int = Field(default=1, ge=1)
+    rank: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _rank(self) -> TPRank:
+        if self.rank >= self.size:
+            raise LayoutError("rank", self.rank, f"must be below size {self.size}")
+        return self
+
+
+class SharedSpec(Spec):
+    """A host region several processes map: created by one (``create``), attached by name by the others.
+    ``attachers`` is how many attach calls to expect; the name is unlinked after the last one."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    directory: str = "/dev/shm"
+    create: bool = False
+    attachers: int = Field(default=0, ge=0)
+
+
+class HostTier(Spec):
+    """Host memory for offloaded blocks: ``num_chunks`` rows of ``blocks_per_chunk`` pages of every tensor.
+    ``shared``: map one region with other ranks instead of private memory. ``pin``: register with the GPU
+    driver (None: when the executor runs on a GPU)."""
+
+    num_chunks: int = Field(gt=0)
+    blocks_per_chunk: int = Field(default=1, ge=1)
+    layout: HostLayout = HostLayout.DIRECT
+    shared: SharedSpec | None = None
+    row_align_bytes: int = Field(default=4096, ge=1)
+    pin: bool | None = None
+
+
+class Cell(Spec):
+    """Where one tensor's chunk 0 sits: ``rank`` None = shared by every rank (canonical). ``stride_bytes``
+    None: chunk c is c rows further (row-major); else the tensor's chunks are back to back (tensor-major)."""
+
+    tensor: str
+    rank: int | None
+    offset_bytes: int = Field(ge=0)
+    page_bytes: int = Field(gt=0)
+    stride_bytes: int | None = None
+
+
+class Geometry(Spec):
+    """The host rows: how many, their stride, and every cell in them. Stored in a shared region's header,
+    so a rank attaching with another TP size finds the canonical cells where the creator put them."""
+
+    num_chunks: int = Field(gt=0)
+    blocks_per_chunk: int = Field(ge=1)
+    row_stride_bytes: int = Field(gt=0)
+    layout: HostLayout
+    cells: tuple[Cell, ...]
+    data_bytes: int = Field(default=0, ge=0)  # tensor-major: the total (rows: num_chunks * row_stride_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_bytes or self.num_chunks * self.row_stride_bytes
+
+    def cell(self, tensor: str, rank: int | None) -> Cell:
+        for c in self.cells:
+            if c.tensor == tensor and c.rank == rank:
+                return c
+        where = "the shared cells" if rank is None else f"rank {rank}'s cells"
+        raise LayoutError("tensors", tensor, f"the host region has no cell for it in {where} "
+                          f"(cells: {sorted({(c.tensor, c.rank) for c in self.cells}, key=str)[:8]} ...)")
+
+
+def canonical_page(t: KVTensor, tp: TPRank) -> int:
+    return t.page_bytes * tp.size if t.sharing is Sharing.SHARDED else t.page_bytes
+
+
+def _shared(t: KVTensor, layout: HostLayout) -> bool:
+    return layout is HostLayout.CANONICAL and t.sharing is not Sharing.PRIVATE
+
+
+def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks: Sequence[int] | None = None, *,
+                  tensor_major: bool = False) -> Geometry:
+    """Cells for ``tensors`` with private cells for ``ranks`` (default: every rank of ``tp``).
+
+    Row-major (shared regions): a row holds chunk c of every cell, padded to ``row_align_bytes``.
+    ``tensor_major`` (private memory): each cell's chunks are back to back, so runs of chunks merge into one
+    range per tensor; ``row_stride_bytes`` is then the largest chunk (the pinning granularity)."""
+    k, n = tier.blocks_per_chunk, tier.num_chunks
+    ranks = list(range(tp.size)) if ranks is None else list(ranks)
+    slots = [(t, None, canonical_page(t, tp)) for t in tensors if _shared(t, tier.layout)]
+    slots += [(t, r, t.page_bytes) for r in ranks for t in tensors if not _shared(t, tier.layout)]
+    cells, at = [], 0
+    for t, r, page in slots:
+        cells.append(Cell(tensor=t.name, rank=r, offset_bytes=at, page_bytes=page,
+                          stride_bytes=k * page if tensor_major else None))
+        at += k * page * (n if tensor_major else 1)
+    align = tier.row_align_bytes
+    padded = max(-(-at // align) * align, align)
+    if tensor_major:
+        return Geometry(num_chunks=n, blocks_per_chunk=k, row_stride_bytes=max(k * p for _, _, p in slots) if slots else 1,
+                        layout=tier.layout, cells=tuple(cells), data_bytes=padded)
+    return Geometry(num_chunks=n, blocks_per_chunk=k, row_stride_bytes=padded, layout=tier.layout, cells=tuple(cells))
+
+
+def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
+    """The Region for tensor ``t`` on rank ``tp.rank``: its device placement and its cell in the host rows."""
+    shared = _shared(t, geometry.layout)
+    cell = geometry.cell(t.name, None if shared else tp.rank)
+    want = canonical_page(t, tp) if shared else t.page_bytes
+    if cell.page_bytes != want:
+        raise LayoutError(f"tensors[{t.name!r}].page_bytes", t.page_bytes,
+                          f"the host cell holds {cell.page_bytes}-byte pages; at TP {tp.size} this tensor needs {want}")
+    fragments: tuple[Fragment, ...] = ()
+    if shared and t.sharing is Sharing.SHARDED and tp.size > 1:
+        piece = t.page_bytes // t.shard_rows
+        fragments = (Fragment(local_offset=0, local_stride=piece, canonical_offset=tp.rank * piece,
+                              canonical_stride=piece * tp.size, fragment_bytes=piece, count=t.shard_rows),)
+    return Region(name=t.name, page_bytes=t.page_bytes, group=t.group, fragments=fragments,
+                  host_page_bytes=cell.page_bytes if fragments else None,
+                  device=Placement(buffer=t.buffer, byte_offset=t.byte_offset, stride_bytes=t.stride_bytes),
+                  host=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
+                                 stride_bytes=cell.stride_bytes or geometry.row_stride_bytes,
+                                 blocks_per_chunk=geometry.blocks_per_chunk))
+
+
+def build_layout(device_buffers: Sequence[Buffer], tensors: Sequence[KVTensor], geometry: Geometry, tp: TPRank) -> Layout:
+    """The worker's Layout: the device buffers, one host buffer of ``geometry.nbytes``, one region per tensor."""
+    host = Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST)
+    return Layout(buffers=(*device_buffers, host), regions=tuple(host_region(t, geometry, tp) for t in tensors))
+
+
+def replicated(tensors: Sequence[KVTensor], layout: HostLayout) -> list[bool]:
+    """Per tensor: whether stores rotate writers over it (a replicated tensor in shared canonical cells)."""
+    return [layout is HostLayout.CANONICAL and t.sharing is Sharing.REPLICATED for t in tensors]

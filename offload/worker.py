@@ -1,0 +1,524 @@
+"""OffloadWorker: store (device -> host) and load (host -> device) jobs for a serving engine's loop.
+
+Each direction is a lane whose jobs complete in submission order. A job that touches host chunks or device
+blocks that an in-flight job of the other direction also touches is ordered after that job (the newest such
+one; lanes are in order, so that covers the older ones), which makes the result equal a sequential replay
+in submission order. Jobs are planned at submission, so a bad submission raises before anything is queued.
+
+Two lane kinds, chosen by the executor:
+- GPU executors with a runtime (CUDA/HIP batch): ``submit`` issues at once on the lane's executor, whose copy
+  stream waits for the caller's compute stream and for the lane's previous job. A cross-direction dependency
+  goes through a pooled gate stream that waits for compute and for the other job's end, on the device.
+- Anything else (the NumPy executor): a background thread per lane runs the jobs in order, waiting on the
+  host for a dependency, so submission stays asynchronous.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.planner import BlockMapping, Direction, Layout, PlanError, PlanOptions, Region, TransferPlan, plan_transfer
+
+from .binding import Pool, bind_memory, release_memory, stream_handle
+from .tier import TPRank
+
+STORE, LOAD = Direction.D2H, Direction.H2D
+
+
+class SubmissionError(ValueError):
+    """A submission that cannot be planned; names the job, the field and the value. Nothing was queued."""
+
+    def __init__(self, job_id: Any, field: str, value: Any, reason: str, index: int | None = None):
+        self.job_id, self.field, self.value, self.reason, self.index = job_id, field, value, reason, index
+        where = field if index is None else f"{field}[{index}]"
+        super().__init__(f"job {job_id!r}: {where} = {value!r}: {reason}")
+
+
+class WorkerClosedError(RuntimeError):
+    """The worker was shut down; it takes no more jobs."""
+
+
+class OffloadError(RuntimeError):
+    """Jobs failed and were not yet reported through ``get_finished``; ``results`` holds them."""
+
+    def __init__(self, results: list[JobResult]):
+        self.results = results
+        super().__init__("; ".join(f"job {r.job_id} ({r.direction.value}) failed: {r.error}" for r in results))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What happened to one job. ``error`` is the exception of a failed job (``success`` False)."""
+
+    job_id: int
+    direction: Direction
+    success: bool
+    nbytes: int
+    elapsed_s: float
+    num_ranges: int
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: int
+    seq: int
+    direction: Direction
+    plans: list[TransferPlan]
+    device_ids: np.ndarray  # sorted unique: the job's device and host extents, for conflict checks
+    host_ids: np.ndarray
+    after: _Job | None = None
+    transfers: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+    finished: threading.Event | None = None
+    pooled: list[tuple[Pool, Any]] = field(default_factory=list)
+    layer_calls: np.ndarray | None = None  # per call: the layer of its first range (loads)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two sorted unique id arrays share an id."""
+    if not len(a) or not len(b) or a[-1] < b[0] or b[-1] < a[0]:
+        return False
+    i = np.searchsorted(b, a)
+    i[i == len(b)] = len(b) - 1
+    return bool(np.any(b[i] == a))
+
+
+class _ThreadLane:
+    """Runs one direction's jobs in order on a background thread (host executors)."""
+
+    def __init__(self, executor: Any, bound: Any, name: str):
+        self.executor, self.bound = executor, bound
+        self.jobs: deque[_Job] = deque()
+        self._queue: deque[_Job | None] = deque()
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-offload-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job, stream: Any) -> None:
+        job.finished = threading.Event()  # not pooled: a later job may still hold this one as its dependency
+        self.jobs.append(job)
+        with self._ready:
+            self._queue.append(job)
+            self._ready.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                job = self._queue.popleft()
+            if job is None:
+                return
+            try:
+                if job.after is not None and job.after.finished is not None:
+                    job.after.finished.wait()
+                for plan in job.plans:
+                    t = self.executor.run(plan, self.bound).wait()
+                    job.transfers.append(t)
+                    job.elapsed_s += t.elapsed_s or 0.0
+            except BaseException as e:  # reported on the job, never raised on this thread
+                job.error = e
+            finally:
+                job.finished.set()
+
+    def done(self, job: _Job) -> bool:
+        return job.finished.is_set()
+
+    def wait(self, job: _Job) -> None:
+        job.finished.wait()
+
+    def wait_layer(self, job: _Job, layer: int) -> None:
+        self.wait(job)  # the host executor copies a job in one go: a layer has arrived when the job has
+
+    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
+        self.wait(job)  # no device streams here: order the caller on the host
+
+    def retire(self, job: _Job) -> None:
+        pass
+
+    def close(self) -> None:
+        with self._ready:
+            self._queue.append(None)
+            self._ready.notify()
+        self._thread.join()
+
+
+class _StreamLane:
+    """Issues one direction's jobs on a GPU executor's copy stream at submission (DMA executors)."""
+
+    def __init__(self, executor: Any, bound: Any, runtime: Any, barrier: TransferPlan):
+        self.executor, self.bound, self.runtime, self.barrier = executor, bound, runtime, barrier
+        self.jobs: deque[_Job] = deque()
+        self.streams = Pool(self._stream_create, self._stream_destroy)
+        self.events = Pool(self._event_create, self._event_destroy)
+
+    def _stream_create(self) -> int:
+        with self.runtime.current():
+            return self.runtime.stream_create()
+
+    def _stream_destroy(self, s: int) -> None:
+        with self.runtime.current():
+            self.runtime.stream_destroy(s)
+
+    def _event_create(self) -> int:
+        with self.runtime.current():
+            return self.runtime.event_create()
+
+    def _event_destroy(self, e: int) -> None:
+        self.runtime.event_destroy(e)
+
+    def submit(self, job: _Job, stream: Any) -> None:
+        self.jobs.append(job)
+        gate = stream
+        dep = job.after
+        if dep is not None and dep.transfers and not _done_quietly(dep):
+            rt = self.runtime
+            try:
+                gate, ready = self.streams.acquire(), self.events.acquire()
+                job.pooled += [(self.streams, gate), (self.events, ready)]
+                with rt.current():  # gate: the caller's compute so far, then the other direction's job
+                    rt.check(rt.event_record(ready, stream_handle(stream)), "event record (compute stream)")
+                    rt.check(rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
+                dep.transfers[-1].stream_wait(gate, -1)
+            except Exception as e:  # nothing issued: the job fails without copying
+                job.error = e
+                return
+        for plan in job.plans:
+            try:
+                job.transfers.append(self.executor.run(plan, self.bound, stream=gate))
+            except Exception as e:
+                job.error = e
+                try:  # an empty run: its end follows whatever the failed run issued, so successors can order on it
+                    job.transfers.append(self.executor.run(self.barrier, self.bound, stream=gate))
+                except Exception:
+                    pass
+                break
+
+    def done(self, job: _Job) -> bool:
+        return _done_quietly(job)
+
+    def wait(self, job: _Job) -> None:
+        for t in job.transfers:
+            try:
+                t.wait()
+            except Exception as e:
+                job.error = job.error or e
+
+    def _load_call(self, job: _Job, layer: int) -> tuple[Any, int] | None:
+        if job.error is not None or not job.transfers or job.layer_calls is None or not len(job.layer_calls):
+            return None
+        c = int(np.searchsorted(job.layer_calls, layer, side="right")) - 1
+        return job.transfers[0], max(c, 0)
+
+    def wait_layer(self, job: _Job, layer: int) -> None:
+        hit = self._load_call(job, layer)
+        if hit is None:
+            self.wait(job)
+        else:
+            hit[0].wait_call(hit[1])
+
+    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
+        hit = self._load_call(job, layer)
+        if hit is not None:
+            hit[0].stream_wait(stream, hit[1])
+        elif job.transfers:
+            job.transfers[-1].stream_wait(stream, -1)
+
+    def retire(self, job: _Job) -> None:
+        for t in job.transfers:
+            if t.elapsed_s is None:
+                try:
+                    t.wait()
+                except Exception as e:
+                    job.error = job.error or e
+            job.elapsed_s += t.elapsed_s or 0.0
+        for pool, h in job.pooled:
+            pool.release(h)
+        job.pooled.clear()
+
+    def close(self) -> None:
+        self.streams.clear()
+        self.events.clear()
+
+
+def _done_quietly(job: _Job) -> bool:
+    """Every transfer of ``job`` finished (a failing query counts as finished, with the error kept)."""
+    for t in job.transfers:
+        try:
+            if not t.done():
+                return False
+        except Exception as e:
+            job.error = job.error or e
+    return True
+
+
+class _WriterParts:
+    """Stores over a layout that mixes replicated regions (one writer per canonical page, rotating over
+    ranks) with regions every rank writes: one plan per writer setting, over the regions that use it.
+
+    The planner is gaining per-region writer settings (``Region.num_writers/writer_index``); with them this
+    becomes one plan over the whole layout with those fields set, and this class goes away.
+    """
+
+    def __init__(self, layout: Layout, replicated: Sequence[bool], tp: TPRank, base: PlanOptions):
+        self.parts: list[tuple[Layout, list[int], PlanOptions]] = []
+        info = layout.info
+        self.k = {side: [int(info.side[side]["k"][info.group == g][0]) if np.any(info.group == g) else 1
+                         for g in range(info.num_groups)] for side in ("device", "host")}
+        for flag in (True, False):
+            regs = [r for r, rep in zip(layout.regions, replicated) if rep == flag]
+            if not regs:
+                continue
+            groups = sorted({r.group for r in regs})
+            renum = {g: i for i, g in enumerate(groups)}
+            sub = Layout(buffers=layout.buffers, regions=tuple(
+                Region.model_validate(r.model_dump() | {"group": renum[r.group]}) for r in regs))
+            opts = base.model_copy(update={"num_writers": tp.size, "writer_index": tp.rank} if flag else {})
+            self.parts.append((sub, groups, opts))
+        self.num_groups = info.num_groups
+
+    def plans(self, m: BlockMapping, target: Any) -> list[TransferPlan]:
+        if len(self.parts) == 1 and len(self.parts[0][1]) == self.num_groups:
+            layout, _, opts = self.parts[0]
+            return [plan_transfer(layout, m, target, opts)]
+        sizes = m.group_sizes if m.group_sizes is not None else (len(m.src_ids),)
+        starts = m.group_starts if m.group_starts is not None else (0,) * len(sizes)
+        if len(sizes) != self.num_groups:
+            raise PlanError("group_sizes", list(sizes), f"the layout has {self.num_groups} KV-cache groups")
+        cuts = {}
+        for key, side, ids in (("src", "device", m.src_ids), ("dst", "host", m.dst_ids)):
+            need = [-(-(s % k + n) // k) if n else 0 for n, s, k in zip(sizes, starts, self.k[side])]
+            bounds = np.concatenate(([0], np.cumsum(need))).tolist()
+            if bounds[-1] != len(ids):
+                field = "src_ids" if key == "src" else "dst_ids"
+                raise PlanError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
+                                f"consume {bounds[-1]} ids; the lists must add up exactly")
+            cuts[key] = (ids, bounds)
+        out = []
+        for layout, groups, opts in self.parts:
+            def take(key: str) -> np.ndarray:
+                ids, b = cuts[key]
+                return np.concatenate([ids[b[g]:b[g + 1]] for g in groups]) if groups else ids[:0]
+            sub = BlockMapping(direction=m.direction, src_ids=take("src"), dst_ids=take("dst"),
+                               group_sizes=tuple(sizes[g] for g in groups), group_starts=tuple(starts[g] for g in groups))
+            out.append(plan_transfer(layout, sub, target, opts))
+        return out
+
+
+class OffloadWorker:
+    """Store and load jobs over one layout (device buffers and the host tier), bound once.
+
+    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor (shared by
+    both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
+    ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
+    factories and configs build one executor per direction, closed by ``shutdown``.
+    ``replicated``: per region, whether stores rotate writers over ``tp`` ranks. ``regions_per_layer``:
+    regions per layer for per-layer load completion (None: whole jobs only). ``on_close``: callables run
+    last by ``shutdown`` (releasing host memory).
+    """
+
+    def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: Any = None, *,
+                 replicated: Sequence[bool] | None = None, tp: TPRank | None = None, regions_per_layer: int | None = 1,
+                 max_descriptors: int | None = None, on_close: Sequence[Any] = ()):
+        self.layout = layout
+        self.tp = tp or TPRank()
+        self.host: Any = bindings.get("host")  # the host rows (set by create_worker)
+        self.geometry: Any = None
+        self._executors, self._owned = self._make_executors(executor)
+        self.target = self._executors[STORE].target
+        self.regions_per_layer = regions_per_layer
+        base = PlanOptions(max_descriptors=max_descriptors)
+        self._load_options = base.model_copy(update={"regions_per_call": regions_per_layer})
+        replicated = list(replicated) if replicated is not None else [False] * len(layout.regions)
+        if len(replicated) != len(layout.regions):
+            raise ValueError(f"replicated: {len(replicated)} flags for {len(layout.regions)} regions")
+        self._writers = _WriterParts(layout, replicated, self.tp, base)
+        self._on_close = list(on_close)
+        self._chunked = any(int(c["k"].max(initial=1)) > 1 for c in layout.info.side.values())
+        self._bound: dict[Direction, Any] = {}
+        self._lanes: dict[Direction, _ThreadLane | _StreamLane] = {}
+        groups = (0,) * layout.info.num_groups
+        for d in (STORE, LOAD):
+            ex = self._executors[d]
+            self._bound[d] = bind_memory(ex, layout, bindings)
+            runtime = getattr(ex, "runtime", None)
+            if runtime is not None and hasattr(runtime, "event_record"):
+                barrier = plan_transfer(layout, BlockMapping(direction=d, src_ids=[], dst_ids=[], group_sizes=groups),
+                                        self.target, base)
+                self._lanes[d] = _StreamLane(ex, self._bound[d], runtime, barrier)
+            else:
+                self._lanes[d] = _ThreadLane(ex, self._bound[d], d.value)
+        self._pending: dict[int, _Job] = {}
+        self._drained: list[_Job] = []
+        self._seq = 0
+        self._closed = False
+
+    @staticmethod
+    def _make_executors(executor: Any) -> tuple[dict[Direction, Any], bool]:
+        if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
+            return {STORE: executor, LOAD: executor}, False
+        if callable(executor):  # a factory: one executor (one copy stream) per direction
+            return {STORE: executor(), LOAD: executor()}, True
+        from kvxfer.executors import ExecutorConfig, choose_executor, get_executor
+
+        config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
+        if config.kind.value == "auto":  # one DMA executor per direction (the SM-kernel choice is per plan)
+            config = config.model_copy(update={"kind": choose_executor(config)[0]})
+        return {STORE: get_executor(config), LOAD: get_executor(config)}, True
+
+    # ---- submitting -----------------------------------------------------------------------------------------
+    def submit_store(self, job_id: int, device_ids: Any, host_ids: Any, group_sizes: Sequence[int] | None = None,
+                     group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
+        """Copy device blocks ``device_ids`` into host chunks ``host_ids`` (per group: ``group_sizes`` blocks
+        from logical block ``group_starts``). Returns True once queued; raises SubmissionError (nothing queued)
+        or WorkerClosedError. ``stream``: the compute stream the copy waits for (None: current)."""
+        return self._submit(STORE, job_id, device_ids, host_ids, group_sizes, group_starts, stream)
+
+    def submit_load(self, job_id: int, host_ids: Any, device_ids: Any, group_sizes: Sequence[int] | None = None,
+                    group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
+        """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
+        return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
+
+    def _submit(self, direction: Direction, job_id: Any, src: Any, dst: Any, sizes: Any, starts: Any, stream: Any) -> bool:
+        if self._closed:
+            raise WorkerClosedError(f"job {job_id!r}: the worker was shut down")
+        if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
+            raise SubmissionError(job_id, "job_id", job_id, "must be an integer")
+        job_id = int(job_id)
+        if job_id in self._pending:
+            raise SubmissionError(job_id, "job_id", job_id, "a job with this id is still pending (in flight or not "
+                                  "yet returned by get_finished)")
+        names = {"src_ids": "host_ids", "dst_ids": "device_ids"} if direction is LOAD else \
+                {"src_ids": "device_ids", "dst_ids": "host_ids"}
+        if sizes is None and self._chunked and self.layout.info.num_groups == 1:
+            try:  # one group of every device block listed, from a chunk boundary
+                sizes = (len(dst if direction is LOAD else src),)
+            except TypeError:
+                pass
+        try:
+            m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst,
+                             group_sizes=None if sizes is None else tuple(sizes),
+                             group_starts=None if starts is None else tuple(starts))
+            if direction is LOAD:
+                plans = [plan_transfer(self.layout, m, self.target, self._load_options)]
+            else:
+                plans = self._writers.plans(m, self.target)
+        except PlanError as e:
+            head, _, rest = e.field.partition(".")
+            raise SubmissionError(job_id, names.get(head, head) + (f".{rest}" if rest else ""), e.value, e.reason,
+                                  e.index) from None
+        except (TypeError, ValueError) as e:
+            raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
+        dev, host = (m.dst_ids, m.src_ids) if direction is LOAD else (m.src_ids, m.dst_ids)
+        job = _Job(job_id, self._seq, direction, plans, np.unique(dev), np.unique(host))
+        other = self._lanes[LOAD if direction is STORE else STORE]
+        for prev in reversed(other.jobs):  # newest first: the lane is in order, so the newest conflict suffices
+            if _overlap(job.device_ids, prev.device_ids) or _overlap(job.host_ids, prev.host_ids):
+                if not other.done(prev):
+                    job.after = prev
+                break
+        if direction is LOAD and self.regions_per_layer:
+            p = plans[0]
+            job.layer_calls = p.region[p.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
+                if p.num_calls else np.zeros(0, np.int64)
+        self._seq += 1
+        self._pending[job_id] = job
+        self._lanes[direction].submit(job, stream)
+        return True
+
+    # ---- completion -----------------------------------------------------------------------------------------
+    def _result(self, job: _Job) -> JobResult:
+        ok = job.error is None
+        return JobResult(job.job_id, job.direction, ok, sum(p.total_bytes for p in job.plans) if ok else 0,
+                         job.elapsed_s, sum(p.num_ranges for p in job.plans), job.error)
+
+    def _retire_ready(self) -> list[_Job]:
+        out = []
+        for lane in self._lanes.values():
+            while lane.jobs and lane.done(lane.jobs[0]):
+                job = lane.jobs.popleft()
+                lane.retire(job)
+                out.append(job)
+        return out
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of the jobs finished since the last call, in submission order within each direction
+        (a direction stops at its first unfinished job). A failed job is reported with its error."""
+        jobs = sorted(self._drained + self._retire_ready(), key=lambda j: j.seq)
+        self._drained = []
+        for j in jobs:
+            self._pending.pop(j.job_id, None)
+        return [self._result(j) for j in jobs]
+
+    def _job(self, job_id: int) -> _Job:
+        job = self._pending.get(int(job_id))
+        if job is None:
+            raise KeyError(f"job {job_id!r} is not pending (never submitted, or already returned by get_finished)")
+        return job
+
+    def wait(self, job_ids: Any) -> None:
+        """Block until the given jobs have finished (ids no longer pending return at once); collect their
+        results with ``get_finished``."""
+        for jid in sorted(int(j) for j in job_ids):
+            job = self._pending.get(jid)
+            if job is not None:
+                self._lanes[job.direction].wait(job)
+
+    def wait_for_layer(self, job_id: int, layer: int) -> None:
+        """Block until layer ``layer`` (regions ``layer*regions_per_layer ...``) of load ``job_id`` has arrived."""
+        job = self._job(job_id)
+        self._lanes[job.direction].wait_layer(job, int(layer))
+
+    def stream_wait_for_layer(self, job_id: int, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait, on the device, until layer ``layer`` of load ``job_id`` has arrived (on the
+        host executor: blocks the host instead)."""
+        job = self._job(job_id)
+        self._lanes[job.direction].stream_wait_layer(job, int(layer), stream)
+
+    @property
+    def pool_sizes(self) -> dict[str, int]:
+        """Handles each pool has made (GPU lanes: gate streams and events; host lanes have none)."""
+        out = {}
+        for d, lane in self._lanes.items():
+            for name in ("streams", "events"):
+                pool = getattr(lane, name, None)
+                if pool is not None:
+                    out[f"{d.value}.{name}"] = pool.made
+        return out
+
+    def shutdown(self) -> None:
+        """Drain every job in order, release pools, bound memory and executors, then the host memory.
+        Raises OffloadError for failed jobs not yet reported; their results stay in ``get_finished``."""
+        if self._closed:
+            return
+        self._closed = True
+        for lane in self._lanes.values():
+            for job in lane.jobs:
+                lane.wait(job)
+        self._drained += self._retire_ready()
+        try:
+            for d, lane in self._lanes.items():
+                lane.close()
+                release_memory(self._executors[d], self._bound[d])
+            if self._owned:
+                for ex in {id(e): e for e in self._executors.values()}.values():
+                    ex.close()
+        finally:
+            for close in self._on_close:
+                close()
+        failed = [self._result(j) for j in self._drained if j.error is not None]
+        if failed:
+            raise OffloadError(failed)
+
+    def __enter__(self) -> OffloadWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

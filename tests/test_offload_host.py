@@ -1,0 +1,204 @@
+"""Host memory for the offload worker: the shared region's lifecycle and pinning, the host tier geometry,
+worker construction from torch tensors, and the simple one-call copy path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvxfer.executors.pinning import Registrar
+from kvxfer.offload import (
+    HostLayout,
+    HostTier,
+    KVTensor,
+    SharedRegion,
+    SharedRegionError,
+    Sharing,
+    TPRank,
+    build_params,
+    copy_blocks,
+    create_worker,
+    device_from_tensors,
+    find_stale,
+    make_geometry,
+    pin_tensor,
+    remove_stale,
+)
+from kvxfer.planner import LayoutError
+
+from . import offload_cases as oc
+
+TENSORS = (KVTensor(name="rep", buffer="d", page_bytes=256, sharing=Sharing.REPLICATED),
+           KVTensor(name="shard", buffer="d", page_bytes=128, sharing=Sharing.SHARDED, shard_rows=4),
+           KVTensor(name="priv", buffer="d", page_bytes=96))
+
+
+@pytest.fixture
+def shm(tmp_path):
+    return str(tmp_path)  # a private directory: the same code as /dev/shm, nothing left behind
+
+
+class FakeRegistrar:
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.live, self.fail_at = [], set(), fail_at
+
+    def registrar(self) -> Registrar:
+        def reg(addr, n):
+            self.calls.append((addr, n))
+            if len(self.calls) - 1 == self.fail_at:
+                return 2
+            self.live.add(addr)
+            return 0
+        return Registrar("fakeHostRegister", reg, lambda a: self.live.discard(a) or 0, lambda c: f"E{c}")
+
+
+def test_canonical_geometry_shares_cells_and_pads_rows():
+    g = make_geometry(TENSORS, HostTier(num_chunks=4, blocks_per_chunk=2, layout=HostLayout.CANONICAL), TPRank(size=2))
+    cells = {(c.tensor, c.rank): (c.offset_bytes, c.page_bytes) for c in g.cells}
+    assert cells == {("rep", None): (0, 256), ("shard", None): (512, 256), ("priv", 0): (1024, 96),
+                     ("priv", 1): (1216, 96)}
+    assert g.row_stride_bytes == 4096 and g.nbytes == 4 * 4096
+    direct = make_geometry(TENSORS, HostTier(num_chunks=4, layout=HostLayout.DIRECT), TPRank(size=2))
+    assert [(c.tensor, c.rank, c.offset_bytes) for c in direct.cells][:4] == [
+        ("rep", 0, 0), ("shard", 0, 256), ("priv", 0, 384), ("rep", 1, 480)]  # rank r's cells in a row
+
+
+def test_region_attach_counts_and_unlinks_after_the_last(shm):
+    g = make_geometry(TENSORS, HostTier(num_chunks=3, layout=HostLayout.CANONICAL), TPRank(size=2))
+    a = SharedRegion.create("r1", g, attachers=2, directory=shm)
+    path = Path(shm) / "kvxfer-r1"
+    b = SharedRegion.attach("r1", shm)
+    assert path.exists()
+    c = SharedRegion.attach("r1", shm)
+    assert not path.exists()  # every expected rank attached
+    a.data[:] = 7
+    b.data[10] = 1
+    assert c.geometry == g and c.data[10] == 1 and int(c.data.sum()) == 7 * (g.nbytes - 1) + 1
+    with pytest.raises(SharedRegionError, match="no such region"):
+        SharedRegion.attach("r1", shm)
+    with pytest.raises(SharedRegionError, match="exists"):
+        SharedRegion.create("r2", g, attachers=1, directory=shm), SharedRegion.create("r2", g, attachers=1, directory=shm)
+    for r in (a, b, c):
+        r.close()
+    assert find_stale(shm) == []  # r2's owner (this process) lives
+    assert not [p for p in Path(shm).iterdir() if p.name.endswith(".tmp")]
+
+
+def test_stale_regions_of_dead_owners_are_found_and_removed(shm):
+    g = make_geometry(TENSORS, HostTier(num_chunks=1), TPRank())
+    r = SharedRegion.create("dead", g, attachers=1, directory=shm)
+    r.close()
+    path = Path(shm) / "kvxfer-dead"
+    raw = bytearray(path.read_bytes())
+    raw[64:72] = (2**22 + 12345).to_bytes(8, "little")  # a pid no process has
+    path.write_bytes(bytes(raw))
+    (Path(shm) / f".kvxfer-half.{2**22 + 12345}.tmp").write_bytes(b"")  # a creator killed mid-create
+    assert sorted(p.name for p in find_stale(shm)) == [".kvxfer-half.4206649.tmp", "kvxfer-dead"]
+    assert len(remove_stale(shm)) == 2 and not list(Path(shm).iterdir())
+
+
+def test_pinning_is_row_aligned_and_rolls_back(shm):
+    g = make_geometry(TENSORS, HostTier(num_chunks=10, layout=HostLayout.CANONICAL), TPRank(size=2))
+    r = SharedRegion.create("pin", g, directory=shm)
+    fake = FakeRegistrar()
+    p = r.pin(fake.registrar(), max_chunk_bytes=3 * g.row_stride_bytes + 100)
+    base = r.data.ctypes.data
+    assert p.pinned and [(a - base, n) for a, n in fake.calls] == [(0, 3 * 4096), (3 * 4096, 3 * 4096), (6 * 4096, 3 * 4096),
+                                                                    (9 * 4096, 4096)]
+    r.close()
+    assert not fake.live  # unregistered with the region
+    r = SharedRegion.create("pin2", g, directory=shm)
+    fake = FakeRegistrar(fail_at=2)
+    p = r.pin(fake.registrar(), max_chunk_bytes=3 * g.row_stride_bytes)
+    assert not p.pinned and "chunk 2" in p.reason and not fake.live  # rolled back, stays pageable
+    r.close()
+
+
+def test_attach_with_other_chunking_is_refused(shm):
+    dev = oc.rank_device(["rep", "shard"], 2, 0, "data")
+    t = oc.tier("geo", shm, create=True, attachers=1)
+    w = create_worker(dev, t, {"kind": "numpy"}, tp=TPRank(size=2))
+    bad = t.model_copy(update={"num_chunks": 5, "shared": t.shared.model_copy(update={"create": False})})
+    with pytest.raises(LayoutError, match="num_chunks"):
+        create_worker(dev, bad, {"kind": "numpy"}, tp=TPRank(size=2))
+    w.shutdown()
+
+
+def test_loader_with_a_private_layer_of_another_tp_size_is_refused(shm):
+    store = oc.rank_device(["rep", "priv"], 2, 0, "data")
+    w = create_worker(store, oc.tier("tp", shm, create=True, attachers=1), {"kind": "numpy"}, tp=TPRank(size=2))
+    with pytest.raises(LayoutError, match="no cell for it in rank 2's cells"):
+        create_worker(oc.rank_device(["rep", "priv"], 4, 2, "data"), oc.tier("tp", shm), {"kind": "numpy"},
+                      tp=TPRank(size=4, rank=2))
+    w.shutdown()
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_worker_from_torch_tensors_round_trips():
+    layers = {f"layer{i}": torch.randint(0, 255, (16, 4, 8), dtype=torch.uint8) for i in range(2)}
+    kv = torch.randint(0, 255, (2, 16, 32), dtype=torch.uint8)  # one storage, two views: one buffer
+    layers |= {"k": kv[0], "v": kv[1]}
+    dev = device_from_tensors(layers)
+    assert len(dev.buffers) == 3 and dev.tensors[3].byte_offset == 16 * 32
+    before = {k: t.clone() for k, t in layers.items()}
+    w = create_worker(dev, HostTier(num_chunks=8, blocks_per_chunk=4, pin=False), {"kind": "numpy"})
+    w.submit_store(1, [3, 4, 5, 6, 7], [6, 2])
+    w.submit_load(2, [6, 2], [10, 11, 12, 13, 14])
+    w.wait([1, 2])
+    assert [r.success for r in w.get_finished()] == [True, True]
+    for k, t in layers.items():
+        assert torch.equal(t[10:15], before[k][3:8]) and torch.equal(t[:10], before[k][:10])
+    w.shutdown()
+
+
+def test_simple_path_copies_every_layer_on_one_plan():
+    gpu = [torch.randint(0, 255, (12, 64), dtype=torch.uint8) for _ in range(3)]
+    cpu = [torch.zeros(20, 64, dtype=torch.uint8) for _ in range(3)]
+    params = build_params(gpu, cpu)
+    assert params.direction.value == "d2h"
+    t = copy_blocks([1, 2, 3, 9], [4, 5, 6, 0], params, stream=None).wait()
+    assert t.ranges == 3 * 2  # per layer: blocks 1-3 merge into one range, block 9 is another
+    for g, c in zip(gpu, cpu):
+        assert torch.equal(c[4:7], g[1:4]) and torch.equal(c[0], g[9]) and not c[7:].any() and not c[1:4].any()
+    back = build_params(cpu, gpu)  # all-host caches count as a store: the sources are the "device"
+    copy_blocks([4], [11], back).wait()
+    with pytest.raises(ValueError, match="dst_ids"):
+        copy_blocks([0], [99], params)
+    params.close()
+    back.close()
+
+
+def test_pin_tensor_registers_whole_rows():
+    t = torch.zeros(10, 3, 100, dtype=torch.uint8)
+    fake = FakeRegistrar()
+    p = pin_tensor(t, fake.registrar())
+    assert p.pinned and fake.calls == [(t.data_ptr(), t.numel())]
+    p.close()
+    assert not fake.live  # released
+
+
+def test_example_serving_loop_runs_and_verifies(capsys):
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "examples" / "offload_loop.py"
+    spec = importlib.util.spec_from_file_location("offload_loop", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(steps=7) == 0
+    out = capsys.readouterr().out
+    assert "restores verified: all" in out and "h2d ok" in out and "FAILED" not in out
+
+
+def test_worker_pins_its_host_tier_and_unpins_at_shutdown(shm):
+    dev = oc.rank_device(["rep", "priv"], 1, 0, "data")
+    fake = FakeRegistrar()
+    w = create_worker(dev, HostTier(num_chunks=6, pin=True), {"kind": "numpy"}, registrar=fake.registrar())
+    assert fake.calls == [(w.host.ctypes.data, w.host.nbytes)] and fake.live
+    w.shutdown()
+    assert not fake.live
+    refused = FakeRegistrar(fail_at=0)
+    t = oc.tier("pinfail", shm, create=True).model_copy(update={"pin": True})
+    with pytest.raises(RuntimeError, match="pinning the host tier failed: fakeHostRegister failed on chunk 0"):
+        create_worker(dev, t, {"kind": "numpy"}, registrar=refused.registrar())
+    assert not list(Path(shm).glob("kvxfer-pinfail"))  # no attachers expected: the name went at creation
