@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +239,7 @@ class Device:
         t = self.torch
         g = t.Generator(device=self.dev)
         g.manual_seed(seed)
-        if tensor.device == self.dev:
+        if tensor.device.type == self.dev.type:
             tensor.random_(0, 256, generator=g)
             return
         chunk = 256 << 20
@@ -327,6 +327,7 @@ class Check:
     executors: dict[str, Any] | None = None
     alone: dict[str, Any] | None = None  # compute-alone baselines, shared by both interference sections
     restore_mem: dict[str, Any] | None = None  # the restore buffers, shared by the sections that use them
+    ops: dict[str, Any] | None = None  # the compute kinds and their operands, made once
 
     def executor(self, role: str) -> Any:
         self.executors = self.executors or {}
@@ -336,7 +337,11 @@ class Check:
 
     @property
     def target(self) -> Target:
-        return self.executor("dma").target
+        """What the plans are made for: the DMA executor's driver, or Triton's where that executor fails."""
+        try:
+            return self.executor("dma").target
+        except Exception:
+            return self.executor("triton").target
 
     def save(self) -> None:
         if self.out is None:
@@ -353,7 +358,7 @@ class Check:
         try:
             self.report[name] = fn(self)
             status = "ok"
-        except Exception as e:  # noqa: BLE001 - one section's failure must not lose the others
+        except Exception as e:
             self.report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             status = "error"
             print(f"\n!! section {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -444,7 +449,7 @@ def environment(ck: Check) -> dict[str, Any]:
         env |= {"gpu": None, "sm_count": None, "cpu_count": os.cpu_count()}
     try:  # the DMA executor's driver version (cuDriverGetVersion); its failure must not lose the versions above
         env["executor_target"], env["dma_executor"] = ck.target.label, type(ck.executor("dma")).__name__
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         env["executor_target"] = env["dma_executor_error"] = f"{type(e).__name__}: {e}"
     print(f"# {env['gpu'] or 'CPU'} ({env['sm_count']} SMs), driver {env.get('driver')} / {env['executor_target']}, "
           f"torch {env['torch']}, triton {env['triton']}, cuda-bindings {env['cuda-bindings']}")
@@ -519,11 +524,13 @@ def submit_cost(ck: Check) -> dict[str, Any]:
 
 def compute_ops(ck: Check) -> dict[str, tuple[Callable[[], Any], Any]]:
     """The compute beside the copies: a decode-shaped memory-bound matmul and a compute-bound GEMM."""
-    s = ck.sizes
-    a, w = ck.dev.matmul_operands(s.decode, 1)
-    x, y = ck.dev.matmul_operands((s.gemm, s.gemm, s.gemm), 2)
-    mm = ck.dev.torch.matmul
-    return {"decode": (lambda: mm(a, w), (a, w)), "gemm": (lambda: mm(x, y), (x, y))}
+    if ck.ops is None:
+        s = ck.sizes
+        a, w = ck.dev.matmul_operands(s.decode, 1)
+        x, y = ck.dev.matmul_operands((s.gemm, s.gemm, s.gemm), 2)
+        mm = ck.dev.torch.matmul
+        ck.ops = {"decode": (lambda: mm(a, w), (a, w)), "gemm": (lambda: mm(x, y), (x, y))}
+    return ck.ops
 
 
 def queue_ops(ck: Check, op: Callable[[], Any], iters: int, group: int, stream: Any) -> list[Any]:
@@ -616,6 +623,7 @@ def _transfers(ck: Check, ex: Any, plan: TransferPlan, bound: Any, feed: Any, ma
         ends.append(e)
         transfers.append(t)
     out = []
+    ref.synchronize()
     for t, e in zip(transfers, ends):
         t.wait()
         e.synchronize()
@@ -712,7 +720,8 @@ def summary(report: dict[str, Any]) -> str:
                          f"{r['vs_one_copy']:>9.2f} {'ok' if r['bytes_ok'] else 'WRONG':>6}")
     sub = report.get("submit", {})
     if "error" not in sub and sub:
-        lines.append(f"\nsubmit: {sub['per_descriptor_us']:.3f} us per descriptor, {sub['fixed_per_run_us']:.1f} us fixed per run")
+        lines.append(f"\nsubmit: {sub['per_descriptor_us']:.3f} us per descriptor, "
+                     f"{sub['fixed_per_run_us']:.1f} us fixed per run")
     co = report.get("crossover", {})
     if "error" not in co and co:
         lines += ["", f"{'range B':>8} {'ranges':>7} {'DMA GB/s':>9} {'Triton GB/s':>11} {'Triton/DMA':>10} {'bytes':>6}"]
@@ -758,7 +767,7 @@ def run_check(device: str, out: Path | None, skip: set[str] = frozenset(), cuda_
         if name in skip:
             continue
         print(f"\n## {name}", flush=True)
-        faulthandler.dump_traceback_later(240, exit=False)  # a hung section prints where it hangs
+        faulthandler.dump_traceback_later(120, exit=False)  # a hung section prints where it hangs
         ck.section(name, fn)
         faulthandler.cancel_dump_traceback_later()
     for ex in (ck.executors or {}).values():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import NumpyExecutor
-from kvxfer.planner import PlanOptions, Target, plan_transfer, presets
+from kvxfer.planner import Target, plan_transfer, presets
 
 from .shims.build import build, compiler
 
@@ -141,15 +141,17 @@ def test_launcher_installs_from_wheels_offline_and_imports(tmp_path):
     if not list(wheels.glob(f"pydantic_core-*-{tag}-*.whl")):
         pytest.skip(f"no pydantic-core wheel for {tag} in .whl/ (run 'make wheels', which needs PyPI once)")
     base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(tmp_path / "venv")], check=True, capture_output=True, timeout=300)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, capture_output=True, timeout=300)
     py = tmp_path / "venv" / "bin" / "python"
-    # the image has numpy: lend this interpreter's numpy alone (not the site folder, which holds pydantic)
+    # the image has numpy and pip: lend this interpreter's two packages alone (its site folder holds pydantic;
+    # lending pip also skips ensurepip, which takes half a minute on a busy machine)
+    import pip
     lent = tmp_path / "lent"
     lent.mkdir()
-    np_dir = Path(np.__file__).parent
-    for p in (np_dir, np_dir.with_name("numpy.libs")):
-        if p.exists():
-            (lent / p.name).symlink_to(p)
+    for pkg in (Path(np.__file__).parent, Path(pip.__file__).parent):
+        for p in (pkg, pkg.with_name(f"{pkg.name}.libs")):
+            if p.exists():
+                (lent / p.name).symlink_to(p)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
     env |= {"PIP_CONFIG_FILE": os.devnull, "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
             "PYTHONPATH": str(lent), "PYTHON": str(py), "KVXFER_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}

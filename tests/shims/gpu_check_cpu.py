@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 from build import ShimState  # tests/shims, this script's folder
-
 from kvxfer.executors.ops_cuda import ShimDriver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpu_check  # noqa: E402
+import gpu_check
 
 driver = ShimDriver(sys.argv[1], 13000)
 gpu_check.run_check("cpu", Path(sys.argv[2]), cuda_stand_in=driver)
