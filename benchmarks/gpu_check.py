@@ -241,12 +241,16 @@ class Device:
         g.manual_seed(seed)
         if tensor.device.type == self.dev.type:
             tensor.random_(0, 256, generator=g)
-            return
-        chunk = 256 << 20
+        else:
+            self.fill_through(tensor, g)
+
+    def fill_through(self, tensor: Any, generator: Any, chunk: int = 256 << 20) -> None:
+        """Fill ``tensor`` (host memory) with random bytes made on this device, ``chunk`` bytes at a time."""
+        t = self.torch
         scratch = t.empty(min(chunk, tensor.numel()), dtype=t.uint8, device=self.dev)
         for lo in range(0, tensor.numel(), chunk):
             n = min(chunk, tensor.numel() - lo)
-            scratch[:n].random_(0, 256, generator=g)
+            scratch[:n].random_(0, 256, generator=generator)
             tensor[lo:lo + n].copy_(scratch[:n])
         self.synchronize()
 

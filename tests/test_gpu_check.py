@@ -68,6 +68,19 @@ def test_byte_check_catches_a_wrong_byte_and_a_stray_write():
     assert not gpu_check.check_bytes(ck, plan, mem, before)
 
 
+@needs_torch
+def test_host_fill_through_the_device_covers_every_chunk():
+    import torch
+    dev = gpu_check.Device(torch, gpu=False)
+    t = torch.zeros(10_000, dtype=torch.uint8)
+    g = torch.Generator()
+    g.manual_seed(0)
+    dev.fill_through(t, g, chunk=4096)  # 2 full chunks and a partial one
+    chunks = t.split(4096)
+    assert len(chunks) == 3 and all(int((c != 0).sum()) > 0.9 * c.numel() for c in chunks)
+    assert len(set(bytes(c[:64].tolist()) for c in chunks)) == 3  # each chunk drew new bytes
+
+
 def test_overlap_counts_only_what_ran_together():
     copies = [(10.0, 30.0, 2 * 10**9), (30.0, 50.0, 2 * 10**9)]  # 100 GB/s each
     ops = [(0.0, 8.0, 4), (8.0, 16.0, 2), (16.0, 28.0, 3), (28.0, 40.0, 3), (40.0, 60.0, 4)]
