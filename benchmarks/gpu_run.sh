@@ -31,7 +31,7 @@ if ! "$PY" -c "import pydantic" 2>/dev/null; then
         exit 3
     fi
     PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --no-index --find-links "$ROOT/.whl" --no-compile \
-        --no-cache-dir --disable-pip-version-check --target "$SITE" pydantic || {
+        --no-cache-dir --disable-pip-version-check --upgrade --target "$SITE" pydantic || {
         echo "gpu_run: installing pydantic from $ROOT/.whl failed (wheels: $(ls "$ROOT"/.whl | tr '\n' ' '))" >&2
         exit 3
     }
