@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 
 from build import ShimState  # tests/shims, this script's folder
-from kvxfer.executors.ops_cuda import ShimDriver
+
+try:  # the shim as a Runtime for the executor's constructor (tests/shims/runtime.py, where the executors take one)
+    from runtime import ShimCudaRuntime as CudaStandIn
+except ImportError:  # the shim as a driver provider (kvxfer.executors.ops_cuda.ShimDriver)
+    from kvxfer.executors.ops_cuda import ShimDriver as CudaStandIn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_check
 
-driver = ShimDriver(sys.argv[1], 13000)
-gpu_check.run_check("cpu", Path(sys.argv[2]), cuda_stand_in=driver)
-counts = ShimState(driver.lib).counts
+stand_in = CudaStandIn(sys.argv[1], 13000)
+gpu_check.run_check("cpu", Path(sys.argv[2]), cuda_stand_in=stand_in)
+counts = ShimState(stand_in.lib).counts
 print(json.dumps({"batch_calls": len(counts), "descriptors": sum(counts)}))
