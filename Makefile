@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench venv clean wheels triton-aot gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ demo: $(BIN)/.installed
 	$(BIN)/kvxfer demo
 	$(BIN)/python examples/offload_loop.py
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed wheels triton-aot
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/.installed
@@ -32,4 +32,36 @@ bench: $(BIN)/.installed
 	$(BIN)/kvxfer bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .whl build/triton-aot
+
+# ---- the GPU image: Python 3.12, torch, triton 3.6, cuda-bindings, numpy; no pydantic, no package registry ----
+# `make wheels` fills the git-ignored .whl/ with what kvxfer needs beyond that image (pydantic and its
+# dependencies; pydantic-core for cp312, the image, and cp311, this machine's tests), to be carried along with
+# the checkout; benchmarks/gpu_run.sh installs them there with --no-index. A failed download leaves .whl/ empty
+# and the tests that need it skip, so `make test` still runs offline.
+PYDANTIC_PIN ?= pydantic==2.13.4
+WHEEL_PYTHONS ?= 3.12 3.11
+WHEEL_PLATFORMS := --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+wheels: .whl/.complete
+
+.whl/.complete: Makefile
+	rm -rf .whl && mkdir -p .whl
+	for v in $(WHEEL_PYTHONS); do \
+	  $(PY) -m pip download -q --only-binary=:all: --implementation cp --python-version $$v $(WHEEL_PLATFORMS) \
+	    -d .whl "$(PYDANTIC_PIN)" || { echo "make wheels: download for Python $$v failed; .whl/ left empty"; rm -f .whl/*.whl; exit 0; }; \
+	done
+	ls .whl/*.whl >/dev/null 2>&1 && touch $@ || true
+
+# The image's triton (3.6) beside this machine's, to compile the copy kernel for sm_90 ahead of time under
+# both (tests/test_gpu_check.py). A failed download leaves the folder out and that test skips.
+TRITON_IMAGE_PIN ?= triton==3.6.0
+triton-aot: build/triton-aot/.complete
+
+build/triton-aot/.complete: Makefile
+	rm -rf build/triton-aot
+	$(PY) -m pip install -q --no-deps --only-binary=:all: --target build/triton-aot "$(TRITON_IMAGE_PIN)" \
+	  && touch $@ || { echo "make triton-aot: install of $(TRITON_IMAGE_PIN) failed; the AOT test under it will skip"; rm -rf build/triton-aot; }
+
+# On the GPU machine (see benchmarks/NOTES.md for the device command, what it carries and its timeout).
+gpu-check:
+	benchmarks/gpu_run.sh

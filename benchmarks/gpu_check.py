@@ -1,57 +1,115 @@
 """One prepared device check for an NVIDIA GPU (sized for about 3 minutes on one H200): prints tables, writes JSON.
 
-1. Byte-exact round trips (d2h then h2d) with cuda-batch and triton against the NumPy reference.
-2. H2D and D2H bandwidth of a 118 x 256 x 32 KiB restore, planned per block, merged, and as one large copy.
-3. Host submit time per call and per descriptor (time spent inside ``run``).
-4. Triton vs DMA crossover for h2d over range sizes (same total bytes, ranges that cannot merge).
-5. Decode-interference probe: a GEMM loop timed alone and next to copy-engine and SM-kernel copies.
+Sections run in this order, each guarded (a failure is recorded and the next section runs) and the JSON is
+rewritten after each, so a sticky CUDA error or a timeout keeps every figure measured before it. The copy-engine
+(DMA) sections come first, the SM-kernel (Triton) ones after:
 
-Figures are ratios against baselines measured in the same run. ``--dry-run`` builds every plan on the CPU and
-prints what would run (no GPU, no torch needed).
+ 1. environment: torch, triton, cuda-bindings, pydantic, numpy and driver versions, GPU name and SM count;
+ 2. dma-roundtrip: byte-exact round trips (d2h then h2d) with cuda-batch against the NumPy reference;
+ 3. bandwidth: H2D and D2H GB/s of the 118 x 256 x 32 KiB restore planned per block, merged (three patterns)
+    and as one large copy; every run's destination bytes are checked afterwards;
+ 4. submit: host time inside ``run`` for per-block plans of 236 .. 30,208 descriptors, fitted as a fixed cost
+    per run plus a cost per descriptor (the slope);
+ 5. dma-interference: a decode-shaped, memory-bound matmul ([32, 8192] x [8192, 28672] bf16) and an 8192^3 GEMM
+    timed alone and beside copy-engine copies, both measured over the window where they overlap;
+ 6. triton-roundtrip, 7. crossover (Triton vs DMA over range sizes, same bytes, ranges that cannot merge),
+ 8. triton-interference (the same compute beside SM-kernel copies);
+ 9. offload: a short store/load job loop through kvxfer.offload, only when that package imports.
 
-    python benchmarks/gpu_check.py --out gpu_check.json        # on the GPU machine
-    python benchmarks/gpu_check.py --dry-run                    # anywhere
+Every timed sample is kept in the JSON. Figures are ratios against baselines measured in the same run. Copy
+times are the transfers' own device events; submit times are host time inside ``run``.
+
+    python benchmarks/gpu_check.py --out gpu_check.json    # on the GPU machine (benchmarks/gpu_run.sh wraps it)
+    python benchmarks/gpu_check.py --dry-run               # any machine: builds every plan, prints counts
+    python benchmarks/gpu_check.py --device cpu --out x.json
+        # any machine: every section on the CPU (NumPy executor, Triton interpreter, host-timed events) at
+        # small sizes; checks the plumbing and the bytes, its timings mean nothing
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import importlib
+import importlib.metadata
 import json
+import math
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, PlanOptions, Target, plan_transfer, presets
+from kvxfer.planner import BlockMapping, PlanOptions, Target, TransferPlan, plan_transfer, presets
 
-REGIONS, BLOCKS, MOVED, PAGE = 118, 512, 256, 32 * 1024
 PATTERNS = ("contiguous", "runs8", "fragmented")
-CROSSOVER_SIZES = (4096, 8192, 16384, 28672, 32768, 65536, 262144, 1 << 20)
-CROSSOVER_TOTAL = 64 << 20
-REPS = 5
 
 
-def restore_plans(target: Target) -> dict[str, object]:
-    """The restore of 256 blocks x 118 regions x 32 KiB: per block, merged (per pattern), and one large copy."""
-    layout = presets.kv_layout(REGIONS, BLOCKS, PAGE, shared_device=True)
+@dataclass(frozen=True)
+class Sizes:
+    """Every size the check uses. ``GPU`` is the H200 run; ``CPU`` the small one for ``--device cpu``."""
+
+    regions: int = 118
+    blocks: int = 512
+    moved: int = 256
+    page: int = 32 * 1024
+    reps: int = 5
+    submit_moved: tuple[int, ...] = (2, 8, 32, 128, 256)  # per-block plans of regions * m descriptors
+    crossover_sizes: tuple[int, ...] = (4096, 8192, 16384, 28672, 32768, 65536, 262144, 1 << 20)
+    crossover_total: int = 64 << 20
+    roundtrip: tuple[int, int, int, int] = (8, 128, 48, 32 * 1024)  # regions, blocks, moved, page
+    decode: tuple[int, int, int] = (32, 8192, 28672)  # [m, k] x [k, n]
+    gemm: int = 8192
+    transfers_beside: int = 2  # restore transfers queued beside the compute
+    max_compute_ops: int = 800  # keeps the launch queue from filling (the host must reach the copies)
+
+
+GPU = Sizes()
+CPU = Sizes(regions=4, blocks=32, moved=16, page=4096, reps=2, submit_moved=(1, 2, 4, 8, 16),
+            crossover_sizes=(512, 2048, 8192), crossover_total=64 << 10, roundtrip=(2, 16, 6, 1024),
+            decode=(4, 64, 128), gemm=64, max_compute_ops=40)
+
+
+# ---- plans (pure; also the --dry-run) -----------------------------------------------------------------------
+def restore_plans(target: Target, s: Sizes = GPU) -> dict[str, TransferPlan]:
+    """The restore of ``moved`` blocks x ``regions`` regions: per block, merged (per pattern), and one copy.
+    Every plan uses the buffers "gpu" and "cpu" of the same sizes."""
+    layout = presets.kv_layout(s.regions, s.blocks, s.page, shared_device=True)
     plans = {}
     for direction in ("h2d", "d2h"):
         for pattern in PATTERNS:
-            m = presets.mapping(pattern, MOVED, BLOCKS, direction)
+            m = presets.mapping(pattern, s.moved, s.blocks, direction)
             plans[f"{direction} {pattern} per-block"] = plan_transfer(layout, m, target, PlanOptions(coalesce=False))
             plans[f"{direction} {pattern} merged"] = plan_transfer(layout, m, target)
-        # the same bytes as a single range: one region whose page is the whole moved block set
-        one = presets.kv_layout(1, 2, REGIONS * MOVED * PAGE, shared_device=True)
-        plans[f"{direction} one-copy"] = plan_transfer(one, BlockMapping(direction=direction, src_ids=[0], dst_ids=[0]), target)
+        one = presets.kv_layout(1, s.blocks // s.moved, s.regions * s.moved * s.page, shared_device=True)  # same buffers
+        plans[f"{direction} one-copy"] = plan_transfer(one, BlockMapping(direction=direction, src_ids=[0], dst_ids=[1]),
+                                                       target)
     return plans
 
 
-def crossover_plans(target: Target) -> dict[int, object]:
-    """h2d plans of CROSSOVER_TOTAL bytes in ranges of each size that never merge (fragmented ids)."""
+def submit_plans(target: Target, s: Sizes = GPU) -> dict[int, TransferPlan]:
+    """h2d per-block plans of regions * m descriptors (fragmented ids), on the restore buffers."""
+    layout = presets.kv_layout(s.regions, s.blocks, s.page, shared_device=True)
     out = {}
-    for size in CROSSOVER_SIZES:
-        n = CROSSOVER_TOTAL // size
+    for m in s.submit_moved:
+        plan = plan_transfer(layout, presets.mapping("fragmented", m, s.blocks, "h2d"), target, PlanOptions(coalesce=False))
+        out[plan.num_ranges] = plan
+    return out
+
+
+def crossover_plans(target: Target, s: Sizes = GPU) -> dict[int, TransferPlan]:
+    """h2d plans of ``crossover_total`` bytes in ranges of each size that never merge (fragmented ids)."""
+    out = {}
+    for size in s.crossover_sizes:
+        n = s.crossover_total // size
         layout = presets.kv_layout(1, 2 * n + 2, size, shared_device=True)
         out[size] = plan_transfer(layout, presets.mapping("fragmented", n, 2 * n + 2, "h2d"), target)
     return out
@@ -59,10 +117,9 @@ def crossover_plans(target: Target) -> dict[int, object]:
 
 def dry_run(out: Path | None) -> None:
     target = Target(platform="cuda", runtime_version=13000)
-    rows = {name: {"ranges": p.num_ranges, "calls": p.num_calls, "bytes": p.total_bytes}
-            for name, p in restore_plans(target).items()}
-    rows |= {f"h2d crossover {s}": {"ranges": p.num_ranges, "calls": p.num_calls, "bytes": p.total_bytes}
-             for s, p in crossover_plans(target).items()}
+    groups = {"": restore_plans(target), "submit ": submit_plans(target), "h2d crossover ": crossover_plans(target)}
+    rows = {f"{prefix}{k}": {"ranges": p.num_ranges, "calls": p.num_calls, "bytes": p.total_bytes}
+            for prefix, plans in groups.items() for k, p in plans.items()}
     print(f"{'plan':34} {'ranges':>8} {'calls':>6} {'MiB':>9}")
     for name, r in rows.items():
         print(f"{name:34} {r['ranges']:>8} {r['calls']:>6} {r['bytes'] / 2**20:>9.1f}")
@@ -70,176 +127,688 @@ def dry_run(out: Path | None) -> None:
         out.write_text(json.dumps({"dry_run": True, "plans": rows}, indent=1))
 
 
-# ---- on the GPU ---------------------------------------------------------------------------------------------
-def _median_run(ex, plan, mem, reps=REPS, stream=None):
-    """(median copy seconds from events, median host seconds inside run) over ``reps`` after one warm-up."""
-    ex.run(plan, mem, stream).wait()
+# ---- figures (pure) -----------------------------------------------------------------------------------------
+def spread(samples: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": list(samples)}
+
+
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y over x; needs two distinct x."""
+    slope, intercept = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    return float(intercept), float(slope)
+
+
+def crossover_size(rows: dict[int, dict[str, Any]]) -> int | None:
+    """The smallest range size from which DMA is at least as fast as Triton at every larger size (None: never)."""
+    sizes = sorted(rows)
+    for i, size in enumerate(sizes):
+        if all(rows[s]["triton_over_dma"] is not None and rows[s]["triton_over_dma"] <= 1 for s in sizes[i:]):
+            return size
+    return None
+
+
+def overlap_figures(copies: list[tuple[float, float, int]], ops: list[tuple[float, float, int]],
+                    alone_op_ms: float, alone_copy_gbps: float | None) -> dict[str, Any]:
+    """Copies and compute over the same window: compute intervals that lie wholly inside the copy span, and
+    copy intervals that lie wholly inside the compute span.
+
+    ``copies``: (start ms, end ms, bytes) per transfer; ``ops``: (start ms, end ms, ops) per group of compute
+    ops, all on one clock. Returns the compute time per op during copies and its slowdown against
+    ``alone_op_ms``, and the copy GB/s during compute against ``alone_copy_gbps``; None where nothing overlapped.
+    """
+    c0, c1 = min(a for a, _, _ in copies), max(b for _, b, _ in copies)
+    k0, k1 = min(a for a, _, _ in ops), max(b for _, b, _ in ops)
+    inside_ops = [(a, b, n) for a, b, n in ops if a >= c0 and b <= c1]
+    inside_copies = [(a, b, n) for a, b, n in copies if a >= k0 and b <= k1]
+    per_op = [(b - a) / n for a, b, n in inside_ops]
+    op_ms = statistics.median(per_op) if per_op else None
+    copy_s = sum(b - a for a, b, _ in inside_copies) / 1e3
+    gbps = sum(n for _, _, n in inside_copies) / copy_s / 1e9 if inside_copies and copy_s > 0 else None
+    return {"window_ms": max(0.0, min(c1, k1) - max(c0, k0)), "compute_groups_during_copies": len(inside_ops),
+            "op_ms_during": op_ms, "op_ms_alone": alone_op_ms,
+            "slowdown_pct": None if op_ms is None else 100 * (op_ms / alone_op_ms - 1),
+            "transfers_during_compute": len(inside_copies), "copy_GB/s_during": gbps, "copy_GB/s_alone": alone_copy_gbps,
+            "copy_vs_alone": None if gbps is None or not alone_copy_gbps else gbps / alone_copy_gbps,
+            "op_ms_samples_during": per_op}
+
+
+def unit_map(plan: TransferPlan) -> tuple[int, dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]]:
+    """The plan as copies of ``unit``-byte cells (``unit`` = gcd of every offset, size and buffer size):
+    ``{dst buffer: {src buffer: (dst cells, src cells)}}``, vectorized (no loop over ranges)."""
+    cols = [plan.src_offset, plan.dst_offset, plan.nbytes, np.array([b.nbytes for b in plan.buffers], np.uint64)]
+    unit = int(np.gcd.reduce(np.concatenate(cols).astype(np.int64)))
+    counts = (plan.nbytes // np.uint64(unit)).astype(np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    src = np.repeat((plan.src_offset // np.uint64(unit)).astype(np.int64), counts) + within
+    dst = np.repeat((plan.dst_offset // np.uint64(unit)).astype(np.int64), counts) + within
+    sb, db = np.repeat(plan.src_buf, counts), np.repeat(plan.dst_buf, counts)
+    out: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    for d in np.unique(db).tolist():
+        for s_ in np.unique(sb[db == d]).tolist():
+            sel = (db == d) & (sb == s_)
+            out.setdefault(d, {})[s_] = (dst[sel], src[sel])
+    return unit, out
+
+
+# ---- what the check asks of torch: a CUDA GPU, or the CPU with host-timed events ----------------------------
+class HostEvent:
+    """A torch.cuda.Event stand-in for CPU runs: host time at record."""
+
+    t = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+class HostStream:
+    """A torch.cuda.Stream stand-in for CPU runs (work runs when issued)."""
+
+    cuda_stream = 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class Device:
+    """Memory, random fill, events and streams on a CUDA GPU (``gpu``) or the CPU."""
+
+    def __init__(self, torch: Any, gpu: bool):
+        self.torch, self.gpu = torch, gpu
+        self.dev = torch.device("cuda" if gpu else "cpu")
+
+    def empty(self, nbytes: int, location: str) -> Any:
+        t = self.torch
+        if location == "device":
+            return t.empty(nbytes, dtype=t.uint8, device=self.dev)
+        return t.empty(nbytes, dtype=t.uint8, pin_memory=self.gpu)
+
+    def fill(self, tensor: Any, seed: int) -> None:
+        """Random bytes, made on the GPU and copied into host memory in chunks (no CPU-thread fill)."""
+        t = self.torch
+        g = t.Generator(device=self.dev)
+        g.manual_seed(seed)
+        if tensor.device.type == self.dev.type:
+            tensor.random_(0, 256, generator=g)
+        else:
+            self.fill_through(tensor, g)
+
+    def fill_through(self, tensor: Any, generator: Any, chunk: int = 256 << 20) -> None:
+        """Fill ``tensor`` (host memory) with random bytes made on this device, ``chunk`` bytes at a time."""
+        t = self.torch
+        scratch = t.empty(min(chunk, tensor.numel()), dtype=t.uint8, device=self.dev)
+        for lo in range(0, tensor.numel(), chunk):
+            n = min(chunk, tensor.numel() - lo)
+            scratch[:n].random_(0, 256, generator=generator)
+            tensor[lo:lo + n].copy_(scratch[:n])
+        self.synchronize()
+
+    def memory(self, plan: TransferPlan, seed: int = 0) -> dict[str, Any]:
+        """One buffer per plan buffer: device buffers on the GPU, host buffers pinned; random bytes."""
+        mem = {}
+        for i, b in enumerate(plan.buffers):
+            mem[b.name] = self.empty(b.nbytes, b.location.value)
+            self.fill(mem[b.name], seed * 1000 + i)
+        return mem
+
+    def event(self) -> Any:
+        return self.torch.cuda.Event(enable_timing=True) if self.gpu else HostEvent()
+
+    def stream(self) -> Any:
+        return self.torch.cuda.Stream() if self.gpu else HostStream()
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.torch.cuda.stream(stream) if self.gpu else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+    def matmul_operands(self, shape: tuple[int, int, int], seed: int) -> tuple[Any, Any]:
+        t = self.torch
+        m, k, n = shape
+        dtype = t.bfloat16 if self.gpu else t.float32
+        g = t.Generator(device=self.dev)
+        g.manual_seed(seed)
+        return (t.randn(m, k, dtype=dtype, device=self.dev, generator=g),
+                t.randn(k, n, dtype=dtype, device=self.dev, generator=g))
+
+
+# ---- executors: ONE place constructs them ---------------------------------------------------------------------
+def make_executor(dev: Device, role: str, cuda_stand_in: Any = None) -> Any:
+    """The executor for ``role``: "dma" (the copy engines) or "triton" (the SM kernel).
+
+    On a GPU: CudaBatchExecutor() and TritonExecutor(). On the CPU: ``cuda_stand_in`` (a host-memory stand-in
+    for the CUDA driver, given by tests) under CudaBatchExecutor, else the NumPy executor; Triton under its
+    interpreter (TRITON_INTERPRET=1 must be set before triton is imported).
+    """
+    if role == "dma":
+        from kvxfer.executors import NumpyExecutor
+        from kvxfer.executors.ops_cuda import CudaBatchExecutor
+        if dev.gpu:
+            return CudaBatchExecutor()
+        return CudaBatchExecutor(cuda_stand_in) if cuda_stand_in is not None else NumpyExecutor()
+    if role == "triton":
+        from kvxfer.executors.ops_triton import TritonExecutor
+        return TritonExecutor()
+    raise ValueError(f"role = {role!r}: expected 'dma' or 'triton'")
+
+
+def bind(ex: Any, plan: TransferPlan, mem: dict[str, Any]) -> Any:
+    """Bind ``mem`` once where the executor can (``bind``), else hand the dict to every run. (Delete the
+    fallback once every executor binds.)"""
+    b = getattr(ex, "bind", None)
+    return b(plan.buffers, mem) if b is not None else mem
+
+
+def unbind(bound: Any) -> None:
+    close = getattr(bound, "close", None)
+    if close is not None:
+        close()
+
+
+# ---- measuring --------------------------------------------------------------------------------------------
+@dataclass
+class Check:
+    """The state of one check: device, sizes, executors and the report written after every section."""
+
+    dev: Device
+    sizes: Sizes
+    out: Path | None
+    cuda_stand_in: Any = None
+    report: dict[str, Any] | None = None
+    executors: dict[str, Any] | None = None
+    alone: dict[str, Any] | None = None  # compute-alone baselines, shared by both interference sections
+    restore_mem: dict[str, Any] | None = None  # the restore buffers, shared by the sections that use them
+    ops: dict[str, Any] | None = None  # the compute kinds and their operands, made once
+
+    def executor(self, role: str) -> Any:
+        self.executors = self.executors or {}
+        if role not in self.executors:
+            self.executors[role] = make_executor(self.dev, role, self.cuda_stand_in)
+        return self.executors[role]
+
+    @property
+    def target(self) -> Target:
+        """What the plans are made for: the DMA executor's driver, or Triton's where that executor fails."""
+        try:
+            return self.executor("dma").target
+        except Exception:
+            return self.executor("triton").target
+
+    def save(self) -> None:
+        if self.out is None:
+            return
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str))
+        tmp.replace(self.out)
+
+    def section(self, name: str, fn: Callable[[Check], Any]) -> None:
+        """Run one section: its result or its error goes into the report, which is written either way."""
+        self.report["running"] = name
+        self.save()
+        t0 = time.perf_counter()
+        try:
+            self.report[name] = fn(self)
+            status = "ok"
+        except Exception as e:
+            self.report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            status = "error"
+            print(f"\n!! section {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        self.report["sections"][name] = {"status": status, "seconds": round(time.perf_counter() - t0, 3)}
+        self.report.pop("running", None)
+        self.save()
+
+
+def timed_runs(ex: Any, plan: TransferPlan, bound: Any, reps: int, stream: Any = None) -> dict[str, Any]:
+    """One warm-up, then ``reps`` runs: copy seconds from the transfer's events, submit seconds on the host."""
+    ex.run(plan, bound, stream).wait()
     copy_s, submit_s = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        t = ex.run(plan, mem, stream)
+        t = ex.run(plan, bound, stream)
         submit_s.append(time.perf_counter() - t0)
         copy_s.append(t.wait().elapsed_s)
-    return statistics.median(copy_s), statistics.median(submit_s)
+    gbps = [plan.total_bytes / max(c, 1e-12) / 1e9 for c in copy_s]
+    return {"ranges": plan.num_ranges, "calls": plan.num_calls, "bytes": plan.total_bytes,
+            "GB/s": spread(gbps), "copy_ms": spread([c * 1e3 for c in copy_s]),
+            "submit_ms": spread([s * 1e3 for s in submit_s])}
 
 
-def _memory(torch, plan, fill=True):
-    """Device buffers on the GPU, host buffers pinned; random bytes."""
-    mem = {}
-    for b in plan.buffers:
-        if b.location.value == "device":
-            mem[b.name] = torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, device="cuda") if fill else \
-                torch.zeros(b.nbytes, dtype=torch.uint8, device="cuda")
-        else:
-            t = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=True)
-            t.random_(0, 256) if fill else t.zero_()
-            mem[b.name] = t
-    return mem
+def scramble(ck: Check, plan: TransferPlan, mem: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Fresh random bytes in every destination buffer; returns their snapshot (on the device) for the check."""
+    before = {}
+    for i in plan.buffers_used("dst").tolist():
+        name = plan.buffers[i].name
+        ck.dev.fill(mem[name], seed + i)
+        before[name] = mem[name].to(ck.dev.dev, copy=True)
+    return before
 
 
-def round_trips(torch, executors, target):
-    """Each executor's run of merged plans against the test oracle's per-piece copies (kvxfer.testing)."""
+def check_bytes(ck: Check, plan: TransferPlan, mem: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Every destination cell holds its source cell and every other destination byte is as before."""
+    t, dev = ck.dev.torch, ck.dev.dev
+    unit, cells = unit_map(plan)
+    ok = True
+    for d, by_src in cells.items():
+        name = plan.buffers[d].name
+        got = mem[name].to(dev).view(-1, unit)
+        untouched = t.ones(got.shape[0], dtype=t.bool, device=dev)
+        for s_, (dst_cells, src_cells) in by_src.items():
+            src = mem[plan.buffers[s_].name].to(dev).view(-1, unit)
+            di, si = t.from_numpy(dst_cells).to(dev), t.from_numpy(src_cells).to(dev)
+            ok &= bool(t.equal(got.index_select(0, di), src.index_select(0, si)))
+            untouched[di] = False
+        ok &= bool(t.equal(got[untouched], before[name].view(-1, unit)[untouched]))
+    return ok
+
+
+def measured(ck: Check, ex: Any, plan: TransferPlan, mem: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Timed runs of ``plan`` on fresh destination bytes, then the bytes of those runs checked."""
+    before = scramble(ck, plan, mem, seed)
+    bound = bind(ex, plan, mem)
+    try:
+        row = timed_runs(ex, plan, bound, ck.sizes.reps)
+    finally:
+        unbind(bound)
+    ck.dev.synchronize()
+    row["bytes_ok"] = check_bytes(ck, plan, mem, before)
+    return row
+
+
+# ---- sections -----------------------------------------------------------------------------------------------
+def environment(ck: Check) -> dict[str, Any]:
+    torch = ck.dev.torch
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    env = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+           "python": platform.python_version(), "argv": sys.argv, "sizes": asdict(ck.sizes),
+           "torch": torch.__version__, "torch_cuda": getattr(torch.version, "cuda", None),
+           **{dist: version(dist) for dist in ("triton", "cuda-bindings", "cuda-python", "numpy", "pydantic")},
+           "device": "cuda" if ck.dev.gpu else "cpu", "triton_interpret": os.environ.get("TRITON_INTERPRET")}
+    if ck.dev.gpu:
+        props = torch.cuda.get_device_properties(0)
+        env |= {"gpu": props.name, "sm_count": props.multi_processor_count, "gpu_memory_GiB": props.total_memory / 2**30,
+                "compute_capability": f"{props.major}.{props.minor}"}
+        with contextlib.suppress(Exception):
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+    else:
+        env |= {"gpu": None, "sm_count": None, "cpu_count": os.cpu_count()}
+    try:  # the DMA executor's driver version (cuDriverGetVersion); its failure must not lose the versions above
+        env["executor_target"], env["dma_executor"] = ck.target.label, type(ck.executor("dma")).__name__
+    except Exception as e:
+        env["executor_target"] = env["dma_executor_error"] = f"{type(e).__name__}: {e}"
+    print(f"# {env['gpu'] or 'CPU'} ({env['sm_count']} SMs), driver {env.get('driver')} / {env['executor_target']}, "
+          f"torch {env['torch']}, triton {env['triton']}, cuda-bindings {env['cuda-bindings']}")
+    return env
+
+
+def round_trips(ck: Check, role: str) -> dict[str, bool]:
+    """d2h then h2d for five patterns on per-region device buffers, each compared with the test oracle's
+    per-piece copies (kvxfer.testing)."""
     from kvxfer.testing import run_reference
-    layout = presets.kv_layout(8, 128, PAGE, shared_device=False)
+    ex = ck.executor(role)
+    regions, blocks, moved, page = ck.sizes.roundtrip
+    layout = presets.kv_layout(regions, blocks, page, shared_device=False)
     results = {}
-    for name, ex in executors.items():
-        for pattern in PATTERNS + ("descending", "interleaved"):
-            ok = True
-            for direction in ("d2h", "h2d"):
-                mapping = presets.mapping(pattern, 48, 128, direction)
-                plan = plan_transfer(layout, mapping, target)
-                mem = _memory(torch, plan)
-                torch.cuda.synchronize()
-                want = run_reference(layout, mapping, {k: v.cpu().numpy() for k, v in mem.items()})
-                ex.run(plan, mem).wait()
-                ok &= all(np.array_equal(mem[k].cpu().numpy(), want[k]) for k in want)
-            results[f"{name} {pattern}"] = ok
+    for seed, pattern in enumerate((*PATTERNS, "descending", "interleaved")):
+        ok = True
+        for direction in ("d2h", "h2d"):
+            mapping = presets.mapping(pattern, moved, blocks, direction)
+            plan = plan_transfer(layout, mapping, ck.target)
+            mem = ck.dev.memory(plan, seed)
+            want = run_reference(layout, mapping, {k: v.cpu().numpy() for k, v in mem.items()})
+            ex.run(plan, mem).wait()
+            ck.dev.synchronize()
+            ok &= all(np.array_equal(mem[k].cpu().numpy(), want[k]) for k in want)
+        results[pattern] = ok
+        print(f"{role} round trip {pattern:12} {'OK' if ok else 'MISMATCH'}")
     return results
 
 
-def bandwidth(torch, ex, target):
-    plans = restore_plans(target)
-    mem = _memory(torch, plans["h2d contiguous merged"])  # every restore plan uses buffers "gpu" and "cpu" of these sizes
+def restore_memory(ck: Check) -> dict[str, Any]:
+    if ck.restore_mem is None:
+        ck.restore_mem = ck.dev.memory(restore_plans(ck.target, ck.sizes)["h2d contiguous merged"])
+    return ck.restore_mem
+
+
+def bandwidth(ck: Check) -> dict[str, Any]:
+    ex = ck.executor("dma")
+    mem = restore_memory(ck)
     rows = {}
-    for name, plan in plans.items():
-        copy_s, submit_s = _median_run(ex, plan, mem)
-        rows[name] = {"ranges": plan.num_ranges, "calls": plan.num_calls, "GB/s": plan.total_bytes / copy_s / 1e9,
-                      "copy_ms": copy_s * 1e3, "submit_ms": submit_s * 1e3,
-                      "submit_us_per_descriptor": submit_s * 1e6 / plan.num_ranges}
+    for i, (name, plan) in enumerate(restore_plans(ck.target, ck.sizes).items()):
+        rows[name] = measured(ck, ex, plan, mem, seed=100 + 10 * i)
+        r = rows[name]
+        print(f"{name:28} {r['ranges']:>7} ranges {r['GB/s']['median']:>8.2f} GB/s  submit {r['submit_ms']['median']:.3f} ms"
+              f"  bytes {'ok' if r['bytes_ok'] else 'WRONG'}")
     for d in ("h2d", "d2h"):
-        base = rows[f"{d} one-copy"]["GB/s"]
+        base = rows[f"{d} one-copy"]["GB/s"]["median"]
         for name, r in rows.items():
             if name.startswith(d):
-                r["vs_one_copy"] = r["GB/s"] / base
+                r["vs_one_copy"] = r["GB/s"]["median"] / base
     return rows
 
 
-def crossover(torch, dma, triton_ex, target):
-    rows = {}
-    for size, plan in crossover_plans(target).items():
-        mem = _memory(torch, plan)
-        d, _ = _median_run(dma, plan, mem)
-        t, _ = _median_run(triton_ex, plan, mem)
-        rows[size] = {"ranges": plan.num_ranges, "dma_GB/s": plan.total_bytes / d / 1e9,
-                      "triton_GB/s": plan.total_bytes / t / 1e9, "triton_over_dma": d / t}
+def submit_cost(ck: Check) -> dict[str, Any]:
+    """Host time inside run() over descriptor counts: intercept = fixed cost per run, slope = per descriptor."""
+    ex = ck.executor("dma")
+    mem = restore_memory(ck)
+    rows, xs, ys = {}, [], []
+    for n, plan in submit_plans(ck.target, ck.sizes).items():
+        bound = bind(ex, plan, mem)
+        try:
+            r = timed_runs(ex, plan, bound, ck.sizes.reps)
+        finally:
+            unbind(bound)
+        rows[n] = r
+        xs += [n] * len(r["submit_ms"]["samples"])
+        ys += r["submit_ms"]["samples"]
+    fixed_ms, per_desc_ms = fit_line(xs, ys)
+    out = {"per_descriptor_us": per_desc_ms * 1e3, "fixed_per_run_us": fixed_ms * 1e3, "by_descriptors": rows}
+    print(f"submit: {out['per_descriptor_us']:.3f} us per descriptor + {out['fixed_per_run_us']:.1f} us per run "
+          f"(fit over {len(rows)} descriptor counts)")
+    return out
+
+
+def compute_ops(ck: Check) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """The compute beside the copies: a decode-shaped memory-bound matmul and a compute-bound GEMM."""
+    if ck.ops is None:
+        s = ck.sizes
+        a, w = ck.dev.matmul_operands(s.decode, 1)
+        x, y = ck.dev.matmul_operands((s.gemm, s.gemm, s.gemm), 2)
+        mm = ck.dev.torch.matmul
+        ck.ops = {"decode": (lambda: mm(a, w), (a, w)), "gemm": (lambda: mm(x, y), (x, y))}
+    return ck.ops
+
+
+def queue_ops(ck: Check, op: Callable[[], Any], iters: int, group: int, stream: Any) -> list[Any]:
+    """Queue ``iters`` ops on ``stream`` with an event before the first and after every ``group`` ops."""
+    events = [ck.dev.event()]
+    with ck.dev.on(stream):
+        events[0].record(stream)
+        for i in range(iters):
+            op()
+            if (i + 1) % group == 0 or i == iters - 1:
+                events.append(ck.dev.event())
+                events[-1].record(stream)
+    return events
+
+
+def op_groups(events: list[Any], ref: Any, iters: int, group: int) -> list[tuple[float, float, int]]:
+    events[-1].synchronize()
+    t = [ref.elapsed_time(e) for e in events]
+    sizes = [group] * (len(t) - 2) + [iters - group * (len(t) - 2)]
+    return [(t[i], t[i + 1], sizes[i]) for i in range(len(t) - 1)]
+
+
+def alone_baselines(ck: Check) -> dict[str, Any]:
+    """Per-op time of each compute kind with no copies running (every group's sample kept)."""
+    if ck.alone is None:
+        ck.alone = {}
+        for name, (op, _) in compute_ops(ck).items():
+            stream = ck.dev.stream()
+            for _ in range(3):
+                op()
+            ck.dev.synchronize()
+            iters = ck.sizes.max_compute_ops // 4
+            ref = ck.dev.event()
+            ref.record(stream)
+            groups = op_groups(queue_ops(ck, op, iters, max(1, iters // 50), stream), ref, iters, max(1, iters // 50))
+            per_op = [(b - a) / n for a, b, n in groups]
+            ck.alone[name] = {"op_ms": statistics.median(per_op), "samples": per_op}
+    return ck.alone
+
+
+def copies_beside(ck: Check, role: str, plan_name: str = "h2d fragmented merged") -> dict[str, Any]:
+    """Each compute kind alone, then beside ``transfers_beside`` restore transfers on the ``role`` executor,
+    with compute and copies measured over the window where they overlap."""
+    ex = ck.executor(role)
+    plan = restore_plans(ck.target, ck.sizes)[plan_name]
+    mem = restore_memory(ck)
+    alone = alone_baselines(ck)
+    feed, compute, marker = ck.dev.stream(), ck.dev.stream(), ck.dev.stream()
+    k = ck.sizes.transfers_beside
+    bound = bind(ex, plan, mem)
+    try:
+        solo = _transfers(ck, ex, plan, bound, feed, marker, k, ref=None)
+        alone_gbps = sum(n for _, _, n in solo) / (sum(b - a for a, b, _ in solo) / 1e3) / 1e9
+        copy_ms = max(b for _, b, _ in solo) - min(a for a, _, _ in solo)
+        rows = {"plan": plan_name, "ranges": plan.num_ranges, "transfers": k, "copies_alone_ms": copy_ms}
+        for name, (op, _) in compute_ops(ck).items():
+            op_ms = alone[name]["op_ms"]
+            iters = max(1, min(ck.sizes.max_compute_ops, math.ceil(2.0 * copy_ms / max(op_ms, 1e-6))))
+            group = max(1, iters // 100)
+            ck.dev.synchronize()
+            ref = ck.dev.event()
+            ref.record(compute)
+            events = queue_ops(ck, op, iters, group, compute)  # compute first: the host then reaches the copies
+            copies = _transfers(ck, ex, plan, bound, feed, marker, k, ref=ref)
+            rows[name] = overlap_figures(copies, op_groups(events, ref, iters, group), op_ms, alone_gbps)
+            rows[name]["compute_ops"] = iters
+            r = rows[name]
+            print(f"{role:7} beside {name:6}: compute {_pct(r['slowdown_pct'])} per op, copies "
+                  f"{_num(r['copy_GB/s_during'])} GB/s during vs {alone_gbps:.2f} alone")
+    finally:
+        unbind(bound)
+    return rows
+
+
+def _transfers(ck: Check, ex: Any, plan: TransferPlan, bound: Any, feed: Any, marker: Any, k: int,
+               ref: Any) -> list[tuple[float, float, int]]:
+    """Queue ``k`` transfers back to back; (start, end, bytes) of each in ms on ``ref``'s clock. The end is an
+    event on an idle marker stream made to wait for the transfer; the start is that end minus the transfer's
+    own elapsed time."""
+    if ref is None:
+        ck.dev.synchronize()
+        ref = ck.dev.event()
+        ref.record(feed)
+    ends, transfers = [], []
+    for _ in range(k):
+        t = ex.run(plan, bound, feed)
+        t.stream_wait(marker)
+        e = ck.dev.event()
+        e.record(marker)
+        ends.append(e)
+        transfers.append(t)
+    out = []
+    ref.synchronize()
+    for t, e in zip(transfers, ends):
+        t.wait()
+        e.synchronize()
+        end = ref.elapsed_time(e)
+        out.append((end - t.elapsed_s * 1e3, end, plan.total_bytes))
+    return out
+
+
+def crossover(ck: Check) -> dict[str, Any]:
+    dma, tri = ck.executor("dma"), ck.executor("triton")
+    rows: dict[int, dict[str, Any]] = {}
+    for size, plan in crossover_plans(ck.target, ck.sizes).items():
+        mem = ck.dev.memory(plan, seed=size)
+        d = measured(ck, dma, plan, mem, seed=7)
+        t = measured(ck, tri, plan, mem, seed=8)
+        dm, tm = d["copy_ms"]["median"], t["copy_ms"]["median"]
+        rows[size] = {"ranges": plan.num_ranges, "dma": d, "triton": t, "dma_GB/s": d["GB/s"]["median"],
+                      "triton_GB/s": t["GB/s"]["median"], "triton_over_dma": dm / tm if tm > 0 else None,
+                      "bytes_ok": d["bytes_ok"] and t["bytes_ok"]}
         del mem
-    return rows
+        print(f"crossover {size:>8} B: DMA {rows[size]['dma_GB/s']:8.2f} GB/s, Triton {rows[size]['triton_GB/s']:8.2f} GB/s")
+    return {"rows": rows, "dma_from_bytes": crossover_size(rows),
+            "note": "Triton copy time is the transfer's events (start..end on its stream)"}
 
 
-def interference(torch, dma, triton_ex, target):
-    """GEMM loop time alone vs while h2d copies run on another stream (copy engines, then the SM kernel)."""
-    n, iters = 8192, 40
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    compute = torch.cuda.current_stream()
-    idle = torch.cuda.Stream()
-
-    def launch_gemms():
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(compute)
-        for _ in range(iters):
-            torch.matmul(a, b)
-        e.record(compute)
-        return s, e
-
-    def elapsed_ms(events):
-        events[1].synchronize()
-        return events[0].elapsed_time(events[1])
-
-    elapsed_ms(launch_gemms())
-    alone = statistics.median(elapsed_ms(launch_gemms()) for _ in range(3))
-    plan = restore_plans(target)["h2d fragmented merged"]
-    mem = _memory(torch, plan)
-    rows = {"gemm_alone_ms": alone}
-    for name, ex in (("cuda-batch", dma), ("triton", triton_ex)):
-        ex.run(plan, mem, idle).wait()
-        times, copy_s = [], []
-        for _ in range(3):
-            gemms = launch_gemms()  # queued on the compute stream; the copies go on other streams beside them
-            transfers = [ex.run(plan, mem, idle) for _ in range(4)]
-            times.append(elapsed_ms(gemms))
-            copy_s += [t.wait().elapsed_s for t in transfers]
-        busy = statistics.median(times)
-        rows[name] = {"gemm_ms": busy, "slowdown_pct": 100 * (busy / alone - 1),
-                      "copy_GB/s_during": plan.total_bytes / statistics.median(copy_s) / 1e9}
-    return rows
+def offload_jobs(ck: Check) -> dict[str, Any]:
+    """A short store/load job loop through the offload worker, when kvxfer.offload imports."""
+    try:
+        mod = importlib.import_module("kvxfer.offload")
+    except ImportError as e:
+        print(f"offload: skipped, kvxfer.offload does not import here ({e})")
+        return {"skipped": f"kvxfer.offload does not import here ({e})"}
+    from kvxfer.executors import NumpyExecutor
+    regions, blocks, moved, page = ck.sizes.roundtrip
+    layout = presets.kv_layout(regions, blocks, page, shared_device=True)
+    plan = plan_transfer(layout, presets.mapping("runs8", moved, blocks, "d2h"), ck.target)
+    mem = ck.dev.memory(plan, seed=5)
+    want = {k: v.cpu().numpy().copy() for k, v in mem.items()}
+    worker = make_worker(mod, layout, mem)
+    try:
+        results, t0 = [], time.perf_counter()
+        src, dst = presets.block_pattern("runs8", moved, blocks, 0)
+        for job in range(8):
+            submit = worker.submit_store if job % 2 == 0 else worker.submit_load
+            submit(job, src.tolist(), dst.tolist())
+            worker.wait({job})
+            results += worker.get_finished()
+        wall = time.perf_counter() - t0
+    finally:
+        worker.shutdown()
+    NumpyExecutor().run(plan, want)  # the stores' effect (the loads read back the same host blocks)
+    ok = all(getattr(r, "success", False) for r in results)
+    return {"jobs": len(results), "all_succeeded": ok, "wall_ms": wall * 1e3,
+            "results": [repr(r) for r in results], "host_bytes_ok": bool(np.array_equal(mem["cpu"].cpu().numpy(), want["cpu"]))}
 
 
-def main() -> int:
+def make_worker(mod: Any, layout: Any, mem: dict[str, Any]) -> Any:
+    """ONE place that builds the offload worker (adapt to kvxfer.offload's constructor when it lands)."""
+    return mod.OffloadWorker(layout, mem)
+
+
+SECTIONS: tuple[tuple[str, Callable[[Check], Any]], ...] = (
+    ("environment", environment),
+    ("dma-roundtrip", lambda ck: round_trips(ck, "dma")),
+    ("bandwidth", bandwidth),
+    ("submit", submit_cost),
+    ("dma-interference", lambda ck: copies_beside(ck, "dma")),
+    ("triton-roundtrip", lambda ck: round_trips(ck, "triton")),
+    ("crossover", crossover),
+    ("triton-interference", lambda ck: copies_beside(ck, "triton")),
+    ("offload", offload_jobs),
+)
+
+
+# ---- the table at the end -----------------------------------------------------------------------------------
+def _num(v: Any, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The figures the issue asks for, as a fixed-width table (sections that failed show their error)."""
+    lines = ["", "## summary", f"{'section':22} {'status':7} {'s':>7}"]
+    lines += [f"{k:22} {v['status']:7} {v['seconds']:>7.1f}" for k, v in report["sections"].items()]
+    bw = report.get("bandwidth", {})
+    if "error" not in bw and bw:
+        lines += ["", f"{'restore plan':28} {'ranges':>7} {'GB/s':>8} {'min':>8} {'max':>8} {'vs 1 copy':>9} {'bytes':>6}"]
+        for k, r in bw.items():
+            g = r["GB/s"]
+            lines.append(f"{k:28} {r['ranges']:>7} {g['median']:>8.2f} {g['min']:>8.2f} {g['max']:>8.2f} "
+                         f"{r['vs_one_copy']:>9.2f} {'ok' if r['bytes_ok'] else 'WRONG':>6}")
+    sub = report.get("submit", {})
+    if "error" not in sub and sub:
+        lines.append(f"\nsubmit: {sub['per_descriptor_us']:.3f} us per descriptor, "
+                     f"{sub['fixed_per_run_us']:.1f} us fixed per run")
+    co = report.get("crossover", {})
+    if "error" not in co and co:
+        lines += ["", f"{'range B':>8} {'ranges':>7} {'DMA GB/s':>9} {'Triton GB/s':>11} {'Triton/DMA':>10} {'bytes':>6}"]
+        for size, r in co["rows"].items():
+            lines.append(f"{size:>8} {r['ranges']:>7} {r['dma_GB/s']:>9.2f} {r['triton_GB/s']:>11.2f} "
+                         f"{_num(r['triton_over_dma']):>10} {'ok' if r['bytes_ok'] else 'WRONG':>6}")
+        lines.append(f"DMA at least as fast from {co['dma_from_bytes']} B ranges on")
+    rows = [(sec, kind, report[sec][kind]) for sec in ("dma-interference", "triton-interference")
+            if isinstance(report.get(sec), dict) and "error" not in report[sec] for kind in ("decode", "gemm")
+            if kind in report[sec]]
+    if rows:
+        lines += ["", f"{'copies beside':20} {'compute':7} {'op ms alone':>11} {'op ms with':>10} {'slowdown':>9} "
+                  f"{'copy GB/s with':>14} {'vs alone':>8}"]
+        for sec, kind, r in rows:
+            lines.append(f"{sec.split('-')[0]:20} {kind:7} {r['op_ms_alone']:>11.4f} {_num(r['op_ms_during'], '.4f'):>10} "
+                         f"{_pct(r['slowdown_pct']):>9} {_num(r['copy_GB/s_during']):>14} {_num(r['copy_vs_alone']):>8}")
+    rt = [(k, p, ok) for k in ("dma-roundtrip", "triton-roundtrip") if isinstance(report.get(k), dict)
+          and "error" not in report[k] for p, ok in report[k].items()]
+    if rt:
+        lines.append("\nround trips: " + ", ".join(f"{k.split('-')[0]} {p} {'ok' if ok else 'MISMATCH'}" for k, p, ok in rt))
+    return "\n".join(lines)
+
+
+def bytes_all_ok(report: dict[str, Any]) -> bool:
+    """False if any round trip or checked run got wrong bytes (sections that failed count separately)."""
+    ok = all(v for k in ("dma-roundtrip", "triton-roundtrip") if "error" not in report.get(k, {})
+             for v in report.get(k, {}).values())
+    ok &= all(r.get("bytes_ok", True) for r in report.get("bandwidth", {}).values() if isinstance(r, dict))
+    ok &= all(r.get("bytes_ok", True) for r in report.get("crossover", {}).get("rows", {}).values())
+    return ok
+
+
+def run_check(device: str, out: Path | None, skip: set[str] = frozenset(), cuda_stand_in: Any = None,
+              sizes: Sizes | None = None) -> dict[str, Any]:
+    """Run every section not in ``skip`` on ``device`` ("cuda" or "cpu"); returns the report (also written to
+    ``out`` after every section)."""
+    import torch
+    dev = Device(torch, device == "cuda")
+    ck = Check(dev, sizes or (GPU if dev.gpu else CPU), out, cuda_stand_in,
+               report={"sections": {}, "skipped": sorted(skip)})
+    faulthandler.enable()
+    for name, fn in SECTIONS:
+        if name in skip:
+            continue
+        print(f"\n## {name}", flush=True)
+        faulthandler.dump_traceback_later(120, exit=False)  # a hung section prints where it hangs
+        ck.section(name, fn)
+        faulthandler.cancel_dump_traceback_later()
+    for ex in (ck.executors or {}).values():
+        with contextlib.suppress(Exception):
+            ex.close()
+    ck.report["bytes_ok"] = bytes_all_ok(ck.report)
+    ck.save()
+    print(summary(ck.report))
+    return ck.report
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="plan everything on the CPU and stop")
-    ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: roundtrip,bandwidth,crossover,interference")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true", help="plan everything on the CPU, print the counts and stop")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: every section at small sizes on the CPU (plumbing and bytes only)")
+    ap.add_argument("--out", type=Path, default=None, help="write the report as JSON here (after every section)")
+    ap.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(n for n, _ in SECTIONS)}")
+    args = ap.parse_args(argv)
     if args.dry_run:
         dry_run(args.out)
         return 0
-    import torch
-
-    from kvxfer.executors.ops_cuda import CudaBatchExecutor
-    from kvxfer.executors.ops_triton import TritonExecutor
-    if not torch.cuda.is_available():
-        print("gpu_check: no GPU visible to torch; use --dry-run", file=sys.stderr)
-        return 2
     skip = set(filter(None, args.skip.split(",")))
-    torch.cuda.init()
-    dma, tri = CudaBatchExecutor(), TritonExecutor()
-    target = dma.target
-    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "target": target.label,
-              "torch": torch.__version__}
-    print(f"# {report['gpu']}, driver {target.label}, torch {report['torch']}")
-    t_start = time.perf_counter()
-    if "roundtrip" not in skip:
-        report["roundtrip"] = rt = round_trips(torch, {"cuda-batch": dma, "triton": tri}, target)
-        print("\n## byte-exact round trips (d2h then h2d vs the NumPy reference)")
-        for k, ok in rt.items():
-            print(f"{k:32} {'OK' if ok else 'MISMATCH'}")
-    if "bandwidth" not in skip:
-        report["bandwidth"] = bw = bandwidth(torch, dma, target)
-        print("\n## restore 118 x 256 x 32 KiB with cuda-batch (median of 5)")
-        print(f"{'plan':28} {'ranges':>7} {'calls':>5} {'GB/s':>7} {'vs 1 copy':>9} {'copy ms':>8} "
-              f"{'submit ms':>9} {'us/desc':>8}")
-        for k, r in bw.items():
-            print(f"{k:28} {r['ranges']:>7} {r['calls']:>5} {r['GB/s']:>7.1f} {r['vs_one_copy']:>9.2f} "
-                  f"{r['copy_ms']:>8.2f} {r['submit_ms']:>9.3f} {r['submit_us_per_descriptor']:>8.3f}")
-    if "crossover" not in skip:
-        report["crossover"] = co = crossover(torch, dma, tri, target)
-        print("\n## h2d crossover, 64 MiB in unmergeable ranges (median of 5)")
-        print(f"{'range':>8} {'ranges':>7} {'DMA GB/s':>9} {'Triton GB/s':>11} {'Triton/DMA':>10}")
-        for size, r in co.items():
-            print(f"{size:>8} {r['ranges']:>7} {r['dma_GB/s']:>9.1f} {r['triton_GB/s']:>11.1f} {r['triton_over_dma']:>10.2f}")
-    if "interference" not in skip:
-        report["interference"] = it = interference(torch, dma, tri, target)
-        print(f"\n## decode interference: 40 bf16 8192^3 GEMMs, alone {it['gemm_alone_ms']:.1f} ms")
-        for k in ("cuda-batch", "triton"):
-            print(f"{k:12} next to h2d copies: {it[k]['gemm_ms']:.1f} ms ({it[k]['slowdown_pct']:+.1f}%), "
-                  f"copies at {it[k]['copy_GB/s_during']:.1f} GB/s")
-    report["wall_s"] = time.perf_counter() - t_start
-    print(f"\nwall {report['wall_s']:.1f} s")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1, default=str))
-    ok = all(report.get("roundtrip", {}).values())
-    return 0 if ok else 1
+    unknown = skip - {n for n, _ in SECTIONS}
+    if unknown:
+        ap.error(f"--skip: unknown sections {sorted(unknown)}")
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read by triton at import, which comes later
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            print("gpu_check: no GPU visible to torch; use --device cpu or --dry-run", file=sys.stderr)
+            return 2
+    report = run_check(args.device, args.out, skip)
+    failed = [k for k, v in report["sections"].items() if v["status"] != "ok"]
+    return 1 if not report["bytes_ok"] else (3 if failed else 0)
 
 
 if __name__ == "__main__":
