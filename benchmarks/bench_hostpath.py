@@ -203,31 +203,27 @@ def plan_job(layout: Layout, job: Job) -> Any:
 def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> tuple[str, Callable[[Any], Any]]:
     """(how, lower): ``lower(plan)`` does an executor's per-job host work before its first copy.
 
-    With ``executor.bind`` (bind once): memory is bound here, once, and ``lower`` is the bound object's
-    lowering of a plan to addresses. Without it: today's per-run path (every buffer resolved and checked on
-    every run, then the vectorized base + offset). The fallback goes once every executor can bind.
+    With ``executor.bind`` (bind once): memory is bound here, once, and ``lower`` is the bound memory's
+    ``lower(plan, out)`` (every range checked, then one vectorized base + offset), what ``run`` does before
+    issuing. Without it: what ``run`` did per job before bind existed (every buffer resolved and checked on
+    every run, then the addresses). The fallback goes once every executor can bind.
     """
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def reserve(n: int) -> tuple[np.ndarray, np.ndarray]:  # reused address arrays, as the DMA executors keep
+        if not out or len(out[0][0]) < n:
+            out[:] = [(np.empty(n, np.uint64), np.empty(n, np.uint64))]
+        return out[0]
+
     if hasattr(executor, "bind"):
         bound = executor.bind(layout, bindings)
-        for name in ("lower", "addresses"):
-            fn = getattr(bound, name, None)
-            if callable(fn):
-                return f"bind() once + bound.{name}(plan)", fn
-        return "bind() once + run(plan, bound)", lambda plan: executor.run(plan, bound).wait()
-    from kvxfer.executors.base import bind_addresses, bind_views, check_location
+        return "bind() once, then bound.lower(plan) per job", lambda plan: bound.lower(plan, reserve(plan.num_ranges))
+    from kvxfer.executors.base import bind_addresses, bind_views
 
-    if hasattr(executor, "runtime"):  # a DMA executor: exactly what its run() does before issuing
-        out: list[tuple[np.ndarray, np.ndarray]] = []
-
-        def lower_dma(plan: Any) -> Any:
-            if not out or len(out[0][0]) < plan.num_ranges:
-                out[:] = [(np.empty(plan.num_ranges, np.uint64), np.empty(plan.num_ranges, np.uint64))]
-            executor._check_plan(plan)
-            return bind_addresses(plan, bindings, executor._check_memory, out[0])
-        return "run-time bind_addresses (no bind API)", lower_dma
-    if type(executor).__name__ == "NumpyExecutor":  # its run() binds byte views, then slices per range
-        return "run-time bind_views (no bind API)", lambda plan: bind_views(plan, bindings)
-    return "run-time bind_addresses (no bind API)", lambda plan: bind_addresses(plan, bindings, check_location)
+    if hasattr(executor, "runtime"):  # a DMA executor: its run() checked and lowered exactly this way
+        return ("bind_addresses(plan, bindings) per job (no bind API)",
+                lambda plan: bind_addresses(plan, bindings, executor._check_memory, reserve(plan.num_ranges)))
+    return "bind_views(plan, bindings) per job (no bind API)", lambda plan: bind_views(plan, bindings)
 
 
 def executors(shim_dir: Path) -> list[tuple[str, Any]]:
@@ -236,12 +232,21 @@ def executors(shim_dir: Path) -> list[tuple[str, Any]]:
 
     out: list[tuple[str, Any]] = [("numpy", NumpyExecutor())]
     try:
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+        from kvxfer.executors.ops_cuda import CudaBatchExecutor
         from tests.shims.build import build, compiler
 
         if compiler() is None:
             raise RuntimeError("no C compiler for the driver shim")
-        out.append(("cuda-shim", CudaBatchExecutor(ShimDriver(build("fake_cuda", shim_dir), cuda_version(13, 0)))))
+        lib = build("fake_cuda", shim_dir)
+        try:  # the shim runtime the tests inject through the constructor
+            from tests.shims.runtime import ShimCudaRuntime
+
+            runtime: Any = ShimCudaRuntime(lib, cuda_version(13, 0))
+        except ImportError:  # older trees: the executor's own shim driver
+            from kvxfer.executors.ops_cuda import ShimDriver
+
+            runtime = ShimDriver(lib, cuda_version(13, 0))
+        out.append(("cuda-shim", CudaBatchExecutor(runtime)))
     except Exception as e:  # report, and measure what can be measured
         print(f"# CUDA shim executor skipped: {e}", file=sys.stderr)
     return out
