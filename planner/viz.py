@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._views import block_bytes, count
+from ._views import block_bytes
 from .plan import TransferPlan, _fmt_bytes
 from .spec import Layout
 
@@ -55,7 +55,7 @@ def _buffer_ticks(ax: Any, spans: list[tuple[float, float, str]], axis: str) -> 
     longest = max(e - s for s, e, _ in spans)
     steps = MaxNLocator(nbins=max(2, 12 // len(spans)), integer=True, min_n_ticks=1).tick_values(0, longest)
     step = max(float(steps[1] - steps[0]) if len(steps) > 1 else longest, 1.0)
-    ticks = [(s + b, count(b)) for s, e, _ in spans for b in np.arange(0, e - s, step).tolist()]
+    ticks = [(s + b, f"{b:g}") for s, e, _ in spans for b in np.arange(0, e - s, step).tolist()]
     set_ticks = ax.set_xticks if axis == "x" else ax.set_yticks
     set_ticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
     set_ticks([(s + e) / 2 for s, e, _ in spans], [n for _, _, n in spans], minor=True, fontsize=7)
