@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -306,11 +306,29 @@ def check_same_copies(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...], page
 
 
 # ---- the shapes ------------------------------------------------------------------------------------------------
-def job_row(execs: list[tuple[str, Any]], n: int, k: int, pattern: str, direction: str, repeat: int, min_s: float,
-            page: int, how: dict[str, str]) -> dict[str, Any]:
+@dataclass
+class Run:
+    """What every shape is measured with: the executors, the sampling, the page size and the tensor count."""
+
+    execs: list[tuple[str, Any]]
+    repeat: int
+    min_s: float
+    page: int
+    tensors: int
+    how: dict[str, str] = field(default_factory=dict)  # executor name -> which lowering was measured
+
+    def lowering(self, layout: Layout, mem: dict[str, np.ndarray], plan: Any) -> dict[str, Callable[[], Any]]:
+        fns = {}
+        for name, ex in self.execs:
+            self.how[name], lower = bound_lowering(ex, layout, mem)
+            fns[f"lower_{name}"] = lambda lower=lower: lower(plan)
+        return fns
+
+
+def job_row(run: Run, n: int, k: int, pattern: str, direction: str) -> dict[str, Any]:
     """One shape: checked for equal copies, then plan, lowering per executor and the baseline, sampled in turn."""
     job, gpu_blocks, cpu_chunks = make_job(pattern, n, k, direction, seed=n + k)
-    layout = worker_layout(NUM_TENSORS, gpu_blocks, cpu_chunks, page, k)
+    layout = worker_layout(run.tensors, gpu_blocks, cpu_chunks, run.page, k)
     _ = layout.info  # per-layout work is done once, outside the per-job cost
     mem, tensors = memory_for(layout)
     pool = DescriptorPool()
@@ -319,43 +337,36 @@ def job_row(execs: list[tuple[str, Any]], n: int, k: int, pattern: str, directio
         "baseline": lambda: vllm_style_descriptors(tensors, job, pool, [n], [job.skip])}
     plan = plan_job(layout, job)
     descriptors = fns["baseline"]()
-    check_same_copies(plan_addresses(plan, mem), descriptors, page, f"{n} blocks k={k} {pattern} {direction}")
-    for name, ex in execs:
-        how[name], lower = bound_lowering(ex, layout, mem)
-        fns[f"lower_{name}"] = lambda lower=lower: lower(plan)
-    ms = median_times(fns, repeat, min_s)
-    return ({"case": f"{NUM_TENSORS}x{n} k={k} {pattern} {direction}", "descriptors": len(descriptors[0]),
+    check_same_copies(plan_addresses(plan, mem), descriptors, run.page, f"{n} blocks k={k} {pattern} {direction}")
+    ms = median_times(fns | run.lowering(layout, mem, plan), run.repeat, run.min_s)
+    return ({"case": f"{run.tensors}x{n} k={k} {pattern} {direction}", "descriptors": len(descriptors[0]),
              "ranges": plan.num_ranges} | {f"{key}_ms": v for key, v in ms.items()})
 
 
-def job_rows(execs: list[tuple[str, Any]], sizes: tuple[int, ...], repeat: int, min_s: float, page: int,
-             how: dict[str, str]) -> list[dict[str, Any]]:
-    return [job_row(execs, n, k, pattern, direction, repeat, min_s, page, how)
+def job_rows(run: Run, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    return [job_row(run, n, k, pattern, direction)
             for n, k, pattern, direction in itertools.product(sizes, (1, 4), ("contiguous", "runs8", "fragmented"),
                                                                ("h2d", "d2h"))]
 
 
-def c32_rows(execs: list[tuple[str, Any]], repeat: int, min_s: float, page: int,
-             how: dict[str, str]) -> list[dict[str, Any]]:
+def c32_rows(run: Run, blocks: int = C32_BLOCKS) -> list[dict[str, Any]]:
     """A C32-sized restore (118 x 16,128 blocks): fragmented lowering vs planning, and the contiguous plan vs a
     run-based coalescing build of the same descriptors."""
     rows = []
     for pattern in ("fragmented", "contiguous"):
-        job, gpu_blocks, cpu_chunks = make_job(pattern, C32_BLOCKS, 1, "h2d", seed=32)
-        layout = worker_layout(NUM_TENSORS, gpu_blocks, cpu_chunks, page, 1)
+        job, gpu_blocks, cpu_chunks = make_job(pattern, blocks, 1, "h2d", seed=32)
+        layout = worker_layout(run.tensors, gpu_blocks, cpu_chunks, run.page, 1)
         _ = layout.info
         mem, tensors = memory_for(layout)
         plan = plan_job(layout, job)
-        fns = {"plan": lambda: plan_job(layout, job)}
+        fns: dict[str, Callable[[], Any]] = {"plan": lambda: plan_job(layout, job)}
         if pattern == "contiguous":
             fns["runs"] = lambda: run_based_descriptors(tensors, job)
-            check_same_copies(plan_addresses(plan, mem), fns["runs"](), page, "C32 contiguous")
+            check_same_copies(plan_addresses(plan, mem), fns["runs"](), run.page, "C32 contiguous")
         else:
-            for name, ex in execs:
-                how[name], lower = bound_lowering(ex, layout, mem)
-                fns[f"lower_{name}"] = lambda lower=lower: lower(plan)
-        ms = median_times(fns, repeat, min_s)
-        rows.append({"case": f"{NUM_TENSORS}x{C32_BLOCKS} {pattern} h2d", "ranges": plan.num_ranges}
+            fns |= run.lowering(layout, mem, plan)
+        ms = median_times(fns, run.repeat, run.min_s)
+        rows.append({"case": f"{run.tensors}x{blocks} {pattern} h2d", "ranges": plan.num_ranges}
                     | {f"{key}_ms": v for key, v in ms.items()})
         del mem
     return rows
@@ -376,7 +387,7 @@ def format_tables(rows: list[dict[str, Any]], c32: list[dict[str, Any]], names: 
         line += f"{r['baseline_ms']:>10.3f}"
         line += "".join(f"{(r['plan_ms'] + r[f'lower_{n}_ms']) / r['baseline_ms']:>16.2f}" for n in names)
         lines.append(line)
-    lines += ["", "C32-sized restore (118 x 16,128 blocks, k=1, h2d)"]
+    lines += ["", "C32-sized restore (k=1, h2d)"]
     for r in c32:
         if "runs_ms" in r:
             lines.append(f"{r['case']:<34} ranges {r['ranges']:>8}  plan {r['plan_ms']:8.3f} ms  run-based build "
@@ -393,20 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer, shorter samples (same shapes)")
     ap.add_argument("--page-bytes", type=int, default=256, help="page size of the layouts (costs do not depend on it)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 2048], help="job sizes in blocks")
-    ap.add_argument("--no-c32", action="store_true", help="skip the 118 x 16,128-block shapes")
+    ap.add_argument("--tensors", type=int, default=NUM_TENSORS, help="KV tensors per layout")
+    ap.add_argument("--c32-blocks", type=int, default=C32_BLOCKS, help="blocks of the C32-sized restore (0: skip it)")
     args = ap.parse_args(argv)
     repeat, min_s = (3, 0.01) if args.quick else (7, 0.04)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        execs = executors(Path(tmp))
-        how: dict[str, str] = {}
-        rows = job_rows(execs, tuple(args.sizes), repeat, min_s, args.page_bytes, how)
-        c32 = [] if args.no_c32 else c32_rows(execs, repeat, min_s, args.page_bytes, how)
-        for _, ex in execs:
+        run = Run(executors(Path(tmp)), repeat, min_s, args.page_bytes, args.tensors)
+        rows = job_rows(run, tuple(args.sizes))
+        c32 = c32_rows(run, args.c32_blocks) if args.c32_blocks else []
+        for _, ex in run.execs:
             ex.close()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, numpy {np.__version__}, "
           f"page_bytes {args.page_bytes}, {'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f} s")
-    print(format_tables(rows, c32, [n for n, _ in execs], how))
+    print(format_tables(rows, c32, [n for n, _ in run.execs], run.how))
     return 0
 
 
