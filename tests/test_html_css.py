@@ -1,13 +1,15 @@
 """The HTML views keep their alignment inside JupyterLab: kvxfer's table rules outrank JupyterLab's on specificity.
 
-JupyterLab's table rules are written out below as facts (from @jupyterlab/rendermime, style/base.css). A small
-cascade resolves, per element of kvxfer's markup, the value each property gets; kvxfer's stylesheet is placed
-*before* JupyterLab's, so only specificity can make kvxfer's rules win.
+JupyterLab's table rules are written out below as facts (from @jupyterlab/rendermime, style/base.css); where
+nbconvert's lab template is installed, JupyterLab's whole stylesheet as it ships there is checked too. A small
+cascade resolves, per element of kvxfer's markup, the value each property gets, with kvxfer's stylesheet placed
+both before and after JupyterLab's, so only specificity can make kvxfer's rules win.
 """
 from __future__ import annotations
 
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -96,19 +98,39 @@ def matches(selector: str, path: list[tuple[str, frozenset[str]]]) -> bool:
     return True
 
 
-def parse_style(css: str) -> list[tuple[str, dict[str, str]]]:
-    """Rules of a ``<style>`` block as (selector, declarations), one entry per selector of a selector list."""
-    body = re.fullmatch(r"<style>(.*)</style>", css, re.S)[1]
-    rules = []
-    for selectors, decls in re.findall(r"([^{}]+)\{([^}]*)\}", body):
-        d = {}
-        for decl in filter(None, (x.strip() for x in decls.split(";"))):
+def parse_css(css: str) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
+    """Top-level rules of a stylesheet as (selector, declarations), one entry per selector of a selector list,
+    and the selectors this test cannot read (combinators other than descendant, odd syntax). @-rules
+    (media queries, keyframes, font faces) are skipped."""
+    css = re.sub(r"/\*.*?\*/", "", re.sub(r"^\s*<style>|</style>\s*$", "", css), flags=re.S)
+    rules, unread, pos = [], [], 0
+    while (brace := css.find("{", pos)) >= 0:
+        depth, end = 1, brace + 1
+        while depth:
+            depth += {"{": 1, "}": -1}.get(css[end], 0)
+            end += 1
+        head, body, pos = css[pos:brace].strip(), css[brace + 1:end - 1], end
+        if head.startswith("@"):
+            continue
+        decls = {}
+        body = re.sub(r"[^;{}]*\{[^{}]*\}", "", body)  # nested rules (CSS nesting): not read
+        for decl in (x.strip() for x in body.split(";")):
+            if ":" not in decl:
+                continue
             prop, value = (x.strip() for x in decl.split(":", 1))
-            if prop == "margin":  # the one per-side shorthand used here
-                d |= {f"margin-{side}": x for side, x in zip(SIDES, _sides(value))}
+            if prop == "margin":  # the one per-side shorthand that matters here
+                decls |= {f"margin-{side}": x for side, x in zip(SIDES, _sides(value))}
             else:
-                d[prop] = value
-        rules += [(sel.strip(), d) for sel in selectors.split(",")]
+                decls[prop] = value
+        for sel in (x.strip() for x in head.split(",")):
+            readable = all(_COMPOUND.fullmatch(c) for c in sel.split())
+            (rules.append((sel, decls)) if readable else unread.append(sel))
+    return rules, unread
+
+
+def parse_style(css: str) -> list[tuple[str, dict[str, str]]]:
+    rules, unread = parse_css(css)
+    assert not unread, f"selectors this test cannot read: {unread}"
     return rules
 
 
@@ -183,14 +205,12 @@ def _views():
     return {"plan": a._repr_html_(), "diff": diff_plans(a, b).to_html()}
 
 
-@pytest.mark.parametrize("view", ["plan", "diff"])
-def test_kvxfer_rules_win_in_jupyterlab_on_specificity(view):
-    html = _views()[view]
+def check_views_win(html: str, jupyterlab: list[tuple[str, dict[str, str]]]) -> None:
     ours = parse_style(re.search(r"<style>.*?</style>", html, re.S)[0])
     cells = [p for p in elements(html) if p[-1][0] in ("td", "th")]
     tables = [p for p in elements(html) if p[-1][0] == "table"]
     assert cells and tables
-    for sheets in ([ours, JUPYTERLAB_RULES], [JUPYTERLAB_RULES, ours]):  # either order: specificity decides
+    for sheets in ([ours, jupyterlab], [jupyterlab, ours]):  # either order: specificity decides
         for path in cells:
             got = resolve(path, sheets)
             numeric = "n" in path[-1][1]
@@ -199,3 +219,34 @@ def test_kvxfer_rules_win_in_jupyterlab_on_specificity(view):
         for path in tables:
             got = resolve(path, sheets)
             assert (got["margin-left"], got["margin-right"], got["table-layout"]) == ("0", "0", "auto")
+
+
+@pytest.mark.parametrize("view", ["plan", "diff"])
+def test_kvxfer_rules_win_over_jupyterlabs_table_rules_on_specificity(view):
+    check_views_win(_views()[view], JUPYTERLAB_RULES)
+
+
+def _lab_stylesheet() -> Path | None:
+    """JupyterLab's stylesheet as nbconvert's lab template ships it (nbconvert is in the dev extra)."""
+    try:
+        from jupyter_core.paths import jupyter_path
+    except ImportError:
+        return None
+    for root in jupyter_path("nbconvert", "templates"):
+        css = Path(root) / "lab" / "static" / "index.css"
+        if css.is_file():
+            return css
+    return None
+
+
+@pytest.mark.parametrize("view", ["plan", "diff"])
+def test_kvxfer_rules_win_over_the_whole_jupyterlab_stylesheet(view):
+    css = _lab_stylesheet()
+    if css is None:
+        pytest.skip("nbconvert's lab template (JupyterLab's stylesheet) is not installed: pip install 'kvxfer[dev]'")
+    rules, unread = parse_css(css.read_text())
+    table_rules = [sel for sel, _ in rules if re.search(r"\b(table|td|th|tr)\b", sel.split()[-1])]
+    assert len(table_rules) >= 10, "JupyterLab's table rules were not found in the stylesheet"
+    # a table rule this test cannot read would escape the check: there must be none
+    assert not [sel for sel in unread if re.search(r"\b(table|td|th|tr)\b", re.split(r"[\s>+~]+", sel)[-1])]
+    check_views_win(_views()[view], rules)
