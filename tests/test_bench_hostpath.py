@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .shims.build import compiler
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_hostpath.py"
 
@@ -51,5 +53,6 @@ def test_the_script_runs_every_shape_and_checks_it_against_the_baseline():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("3x16 ")]
     assert len(rows) == 2 * 3 * 2  # k in (1, 4) x 3 patterns x 2 directions
-    assert "lower[numpy]:" in out.stdout and "lower[cuda-shim]:" in out.stdout
+    assert "lower[numpy]:" in out.stdout
+    assert ("lower[cuda-shim]:" in out.stdout) == (compiler() is not None)  # the shim needs a C compiler
     assert "3x32 fragmented h2d" in out.stdout and "run-based build" in out.stdout
