@@ -114,8 +114,16 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric:
     return lines
 
 
-STYLE = ("<style>.kvxfer td,.kvxfer th{padding:1px 8px;font-family:monospace;text-align:left}"
-          ".kvxfer td.n,.kvxfer th.n{text-align:right}.kvxfer .elided{font-style:italic;color:#888}</style>")
+# Notebook front ends style every output table; JupyterLab right-aligns cells with
+# ``:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`` (specificity 0,2,1) and centres tables. The class is
+# doubled (``.kvxfer.kvxfer``) so each rule here outranks those on specificity alone, wherever the stylesheets
+# sit in the document (tests/test_html_css.py checks it against JupyterLab's rules).
+STYLE = ("<style>"
+         ".kvxfer.kvxfer table{margin:0 0 1em 0;border-collapse:collapse;table-layout:auto}"
+         ".kvxfer.kvxfer table td,.kvxfer.kvxfer table th{padding:1px 8px;font-family:monospace;text-align:left;"
+         "white-space:nowrap;vertical-align:top}"
+         ".kvxfer.kvxfer table td.n,.kvxfer.kvxfer table th.n{text-align:right}"
+         ".kvxfer.kvxfer .elided{font-style:italic;color:#888}</style>")
 
 
 def html_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,

@@ -42,14 +42,25 @@ def _axis(plan: TransferPlan, bufs: np.ndarray, unit: float) -> tuple[np.ndarray
 
 
 def _buffer_ticks(ax: Any, spans: list[tuple[float, float, str]], axis: str) -> None:
+    """Block numbers along one axis. One buffer: the plain numeric ticks are its block numbers. A few buffers:
+    block numbers counted within each buffer, and the buffer names under them. Many: positions only (the
+    axis label says the buffers are laid back to back)."""
+    from matplotlib.ticker import MaxNLocator
+
     line = ax.axvline if axis == "x" else ax.axhline
     for s, _, _ in spans[1:]:
         line(s, color="0.85", linewidth=0.6, zorder=0)
-    if 1 < len(spans) <= _LABELLED_BUFFERS:  # one buffer: its name is in the axis label, keep numeric ticks
-        mids = [(s + e) / 2 for s, e, _ in spans]
-        names = [n for _, _, n in spans]
-        (ax.set_xticks if axis == "x" else ax.set_yticks)(mids, names, fontsize=7,
-                                                          rotation=30 if axis == "x" else 0)
+    if not 1 < len(spans) <= _LABELLED_BUFFERS:
+        return
+    longest = max(e - s for s, e, _ in spans)
+    steps = MaxNLocator(nbins=max(2, 12 // len(spans)), integer=True, min_n_ticks=1).tick_values(0, longest)
+    step = max(float(steps[1] - steps[0]) if len(steps) > 1 else longest, 1.0)
+    ticks = [(s + b, f"{b:g}") for s, e, _ in spans for b in np.arange(0, e - s, step).tolist()]
+    set_ticks = ax.set_xticks if axis == "x" else ax.set_yticks
+    set_ticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
+    set_ticks([(s + e) / 2 for s, e, _ in spans], [n for _, _, n in spans], minor=True, fontsize=7)
+    widest = max(len(lab) for _, lab in ticks)  # names sit beyond the numbers: pad by the numbers' extent
+    ax.tick_params(axis=axis, which="minor", length=0, pad=14 if axis == "x" else 6 + 4.5 * widest)
 
 
 def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = None,
@@ -78,28 +89,34 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = 
     starts = plan.call_offsets[:-1]
     if plan.num_ranges:
         ax.scatter(x0[starts], y0[starts], marker="o", s=28, facecolors="none", edgecolors="black",
-                   zorder=3, label="first range of a call")
+                   zorder=3, label="start of a call\n(its first range)")
         for c, i in enumerate(starts.tolist()[:_LABELLED_CALLS]):
             ax.annotate(f"call {c}", (x0[i], y0[i]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     _buffer_ticks(ax, xspans, "x")
     _buffer_ticks(ax, yspans, "y")
-    ax.set_xlim(0, max(xspans[-1][1], 1) if xspans else 1)
-    ax.set_ylim(0, max(yspans[-1][1], 1) if yspans else 1)
+    for set_lim, spans in ((ax.set_xlim, xspans), (ax.set_ylim, yspans)):
+        top = max(spans[-1][1], 1) if spans else 1
+        set_lim(-0.02 * top, 1.02 * top)  # a margin: bands and markers at block 0 stay off the axis lines
+
     def label(side: str, spans: list[tuple[float, float, str]]) -> str:
-        return f"{side} block" + (f" of {spans[0][2]}" if len(spans) == 1 else "")
+        if len(spans) == 1:
+            return f"{side} block of {spans[0][2]}"
+        if len(spans) > _LABELLED_BUFFERS:
+            return f"{side} block, {len(spans)} buffers back to back"
+        return f"{side} block"
 
     ax.set_xlabel(label(f"source ({plan.direction.src_side})", xspans) + f", {format_bytes(int(unit))} each")
     ax.set_ylabel(label(f"destination ({plan.direction.dst_side})", yspans))
     ax.set_title(title or repr(plan), fontsize=9)
+    from matplotlib.lines import Line2D
+
     regions = np.unique(plan.region).tolist()
-    if len(regions) <= _LEGEND_REGIONS:
-        from matplotlib.lines import Line2D
-        handles = [Line2D([], [], color=cmap((r % 20) / 19.0), linewidth=linewidth, label=plan.regions[r])
-                   for r in regions]
-        ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, loc="best")
-    else:
-        ax.text(0.01, 0.99, f"colour: region ({len(regions)} regions, tab20 cycled)", transform=ax.transAxes,
-                va="top", fontsize=7)
+    shown = regions if len(regions) <= _LEGEND_REGIONS else []
+    handles = [Line2D([], [], color=cmap((r % 20) / 19.0), linewidth=linewidth, label=plan.regions[r]) for r in shown]
+    note = None if shown or not regions else f"colour: region\n({len(regions)} regions,\ntab20 cycled)"
+    # outside the axes, so it never covers a band
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], title=note, title_fontsize=7, fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return fig
 
 
