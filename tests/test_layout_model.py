@@ -20,8 +20,8 @@ from kvxfer.planner import (
     Region,
     plan_transfer,
 )
-
 from kvxfer.testing import apply_copies, expected_copies, min_ranges, random_buffers
+
 from .test_layouts import fragment_tables
 
 

@@ -21,7 +21,6 @@ import pytest
 from kvxfer.executors import BindingError, ExecutorError
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV
 from kvxfer.planner import BlockMapping, Layout, PlanOptions, plan_transfer, presets
-
 from kvxfer.testing import apply_copies, expected_copies
 
 for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports it lazily)
