@@ -22,7 +22,7 @@ from kvxfer.planner import (
 )
 
 from .reference import apply_copies, expected_copies, filled_buffers, min_ranges
-from .test_layouts import fragment_tables
+from .test_layouts import fragment_tables, group_mappings
 
 
 def run_against_oracle(layout: Layout, mapping: BlockMapping, options: PlanOptions = PlanOptions()):
@@ -228,17 +228,7 @@ def model_cases(draw):
             off_h += 16 * stride_h
     regions = draw(st.permutations(regions))
     layout = Layout(buffers=buffers, regions=regions, num_groups=ngroups)
-    direction = draw(st.sampled_from(["h2d", "d2h"]))
-    sizes, starts, dev_ids, host_ids = [], [], [], []
-    for g in range(ngroups):
-        count, start = draw(st.integers(0, 7)), draw(st.integers(0, 9))
-        sizes.append(count)
-        starts.append(start)
-        for k, out, n_chunks in ((k_dev[g], dev_ids, 16 * 4 // k_dev[g]), (k_host[g], host_ids, 16)):
-            need = -(-(start % k + count) // k) if count else 0
-            out += draw(st.lists(st.integers(0, n_chunks - 1), min_size=need, max_size=need, unique=True))
-    src, dst = (host_ids, dev_ids) if direction == "h2d" else (dev_ids, host_ids)
-    m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
+    m = draw(group_mappings(k_dev, k_host))
     writers = draw(st.sampled_from([1, 1, 2, 3]))
     options = PlanOptions(num_writers=writers, writer_index=draw(st.integers(0, writers - 1)),
                           coalesce=draw(st.sampled_from([True, True, False])),
