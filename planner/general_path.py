@@ -64,7 +64,7 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
     Chunk c with k pages enumerates pages c*k .. c*k+k-1; the group's pages are that flattened list from
     ``start % k`` on, ``count`` long (the first and last chunks may be partial).
     """
-    k = group_chunk_size(info, regs, side, group)
+    k = info.cached(("chunk_size", group, side.value), lambda: group_chunk_size(info, regs, side, group))
     skip = start % k
     need = -(-(skip + count) // k) if count else 0
     if used + need > len(ids):
@@ -167,7 +167,7 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     repeated_page = False
     top_s = top_d = requested = used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
-        group_regs = np.flatnonzero(info.group == g)
+        group_regs = info.cached(("group_regions", g), lambda: np.flatnonzero(info.group == g))
         sp_all, si_all, used_s = group_pages(info, group_regs, s_ids, used_s, count, start, src_side, "src_ids", g)
         dp_all, di_all, used_d = group_pages(info, group_regs, d_ids, used_d, count, start, dst_side, "dst_ids", g)
         for regs, writers, index in _writer_sets(info, group_regs, direction, options) if len(group_regs) else ():
