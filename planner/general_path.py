@@ -64,7 +64,7 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
     Chunk c with k pages enumerates pages c*k .. c*k+k-1; the group's pages are that flattened list from
     ``start % k`` on, ``count`` long (the first and last chunks may be partial).
     """
-    k = group_chunk_size(info, regs, side, group)
+    k = info.cached(("chunk_size", group, side.value), lambda: group_chunk_size(info, regs, side, group))
     skip = start % k
     need = -(-(skip + count) // k) if count else 0
     if used + need > len(ids):
@@ -162,11 +162,12 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
         raise MappingError("group_sizes", list(sizes), f"the layout has {info.num_groups} KV-cache groups")
     call_group = info.call_group(options.regions_per_call)
     kinds, tables = region_kinds(info, direction, options.coalesce)
-    part_of: dict[int, Part] = {}
+    parts: list[Part] = []  # each region's ranges: parts[part_of[r]] (-1: none)
+    part_of = np.full(info.nregions, -1, dtype=np.int64)
     repeated_page = False
     top_s = top_d = requested = used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
-        group_regs = np.flatnonzero(info.group == g)
+        group_regs = info.cached(("group_regions", g), lambda: np.flatnonzero(info.group == g))
         sp_all, si_all, used_s = group_pages(info, group_regs, s_ids, used_s, count, start, src_side, "src_ids", g)
         dp_all, di_all, used_d = group_pages(info, group_regs, d_ids, used_d, count, start, dst_side, "dst_ids", g)
         for regs, writers, index in _writer_sets(info, group_regs, direction, options) if len(group_regs) else ():
@@ -186,18 +187,20 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
             dense = info.side[src_side].dense[page_regs] & info.side[dst_side].dense[page_regs]
             for sel, joins in ((page_regs[dense], options.coalesce), (page_regs[~dense], False)):
                 if len(sel):
-                    part_of |= dict.fromkeys(sel.tolist(), PageRuns(info, direction, sp, dp, joins))
+                    part_of[sel] = len(parts)
+                    parts.append(PageRuns(info, direction, sp, dp, joins))
             piece_regs = regs[kinds[regs] != RegionKind.PAGE].tolist()
             if piece_regs:
                 o = np.argsort(dp, kind="stable")  # pages in destination order
                 S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], dp[o]
-                part_of |= {r: Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs}
+                part_of[piece_regs] = np.arange(len(parts), len(parts) + len(piece_regs))
+                parts += [Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs]
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
                                f"consume {used} ids; the lists must add up exactly")
     order, disjoint = info.dst_order(direction, top_d, options.regions_per_call)
-    r = assemble(info, direction, _consecutive(order, part_of))
+    r = assemble(info, direction, _consecutive(order, part_of, parts))
     # Regions in (call group, destination) order, each in destination order: canonical already when the
     # transfer keeps regions' destinations apart; then only a repeated page could write a byte twice.
     if not (disjoint and not info.shared_buffers(direction) and not repeated_page):
@@ -212,15 +215,11 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     return r, requested, calls_by_group(r["region"], call_group, cap)
 
 
-def _consecutive(order: np.ndarray, part_of: dict[int, Part]) -> list[tuple[np.ndarray, Part]]:
+def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> list[tuple[np.ndarray, Part]]:
     """Regions in ``order`` that have ranges, as (regions, part) with consecutive regions sharing a part joined."""
-    out: list[tuple[list[int], Part]] = []
-    for r in order.tolist():
-        p = part_of.get(r)
-        if p is None:
-            continue
-        if out and out[-1][1] is p:
-            out[-1][0].append(r)
-        else:
-            out.append(([r], p))
-    return [(np.array(rs, dtype=np.int64), p) for rs, p in out]
+    regs = order[part_of[order] >= 0]
+    ids = part_of[regs]
+    if not len(ids):
+        return []
+    cut = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1], [True])))
+    return [(regs[a:b], parts[int(ids[a])]) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]

@@ -22,7 +22,7 @@ from kvxfer.planner import (
 )
 from kvxfer.testing import apply_copies, expected_copies, min_ranges, random_buffers
 
-from .test_layouts import fragment_tables
+from .test_layouts import fragment_tables, group_mappings
 
 
 def run_against_oracle(layout: Layout, mapping: BlockMapping, options: PlanOptions = PlanOptions()):
@@ -228,17 +228,7 @@ def model_cases(draw):
             off_h += 16 * stride_h
     regions = draw(st.permutations(regions))
     layout = Layout(buffers=buffers, regions=regions, num_groups=ngroups)
-    direction = draw(st.sampled_from(["h2d", "d2h"]))
-    sizes, starts, dev_ids, host_ids = [], [], [], []
-    for g in range(ngroups):
-        count, start = draw(st.integers(0, 7)), draw(st.integers(0, 9))
-        sizes.append(count)
-        starts.append(start)
-        for k, out, n_chunks in ((k_dev[g], dev_ids, 16 * 4 // k_dev[g]), (k_host[g], host_ids, 16)):
-            need = -(-(start % k + count) // k) if count else 0
-            out += draw(st.lists(st.integers(0, n_chunks - 1), min_size=need, max_size=need, unique=True))
-    src, dst = (host_ids, dev_ids) if direction == "h2d" else (dev_ids, host_ids)
-    m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
+    m = draw(group_mappings(k_dev, k_host))
     writers = draw(st.sampled_from([1, 1, 2, 3]))
     options = PlanOptions(num_writers=writers, writer_index=draw(st.integers(0, writers - 1)),
                           coalesce=draw(st.sampled_from([True, True, False])),
@@ -263,3 +253,30 @@ def test_layout_model_equals_per_piece_copies_with_fewest_ranges(case):
     aliases = {a for a, _ in plan.aliases}
     once = layout.model_copy(update={"regions": tuple(r for r in layout.regions if r.name not in aliases)})
     assert plan.requested_copies == len(expected_copies(once, mapping, options))  # aliases' copies are made once
+
+
+# ---- the general path refuses what the fast path refuses --------------------------------------------------
+def chunk_layout(k: int = 2) -> Layout:
+    return Layout(buffers=(Buffer(name="g", nbytes=8 * 64), Buffer(name="h", nbytes=8 * 64, location=Location.HOST)),
+                  regions=(Region(name="r", page_bytes=8, device=Placement(buffer="g"),
+                                  host=Placement(buffer="h", blocks_per_chunk=k)),))
+
+
+def test_general_path_refuses_a_repeated_destination_chunk():
+    m = BlockMapping(direction="d2h", src_ids=[0, 1, 2, 3], dst_ids=[5, 5], group_sizes=[4])
+    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 5: destination block is written twice \(also dst_ids\[0\]\)"):
+        plan_transfer(chunk_layout(), m)
+    with pytest.raises(MappingError, match=r"written twice"):
+        plan_transfer(chunk_layout(), m, options=PlanOptions(regions_per_call=1, coalesce=False))
+
+
+def test_general_path_refuses_destinations_over_its_own_sources():
+    layout = Layout(buffers=(Buffer(name="m", nbytes=8 * 64, location=Location.HOST),),
+                    regions=(Region(name="r", page_bytes=8, device=Placement(buffer="m"),
+                                    host=Placement(buffer="m", byte_offset=8 * 32, blocks_per_chunk=2)),))
+    ok = BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[1], group_sizes=[2])
+    plan, _ = run_against_oracle(layout, ok)  # one buffer, disjoint halves: fine
+    assert plan.num_ranges == 1
+    bad = BlockMapping(direction="h2d", src_ids=[0], dst_ids=[32, 33], group_sizes=[2])  # device pages 32-33 = host chunk 0
+    with pytest.raises(LayoutError, match=r"overlap source bytes of the same transfer"):
+        plan_transfer(layout, bad)

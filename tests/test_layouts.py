@@ -271,9 +271,18 @@ def chunked_cases(draw):
             off_d += 16 * 4 * page
             off_h += 16 * stride_h
     layout = Layout(buffers=buffers, regions=regions)
+    m = draw(group_mappings(k_dev, k_host))
+    writers = draw(st.sampled_from([1, 1, 2, 3]))
+    return layout, m, PlanOptions(num_writers=writers, writer_index=draw(st.integers(0, writers - 1)))
+
+
+@st.composite
+def group_mappings(draw, k_dev: list[int], k_host: list[int]) -> BlockMapping:
+    """Per group: a size, a logical start (so a skip) and distinct chunk ids on each side (64 device pages and
+    16 host chunks per region), in either direction."""
     direction = draw(st.sampled_from(["h2d", "d2h"]))
     sizes, starts, dev_ids, host_ids = [], [], [], []
-    for g in range(ngroups):
+    for g in range(len(k_dev)):
         count, start = draw(st.integers(0, 7)), draw(st.integers(0, 9))
         sizes.append(count)
         starts.append(start)
@@ -281,9 +290,7 @@ def chunked_cases(draw):
             need = -(-(start % k + count) // k) if count else 0
             out += draw(st.lists(st.integers(0, n_chunks - 1), min_size=need, max_size=need, unique=True))
     src, dst = (host_ids, dev_ids) if direction == "h2d" else (dev_ids, host_ids)
-    m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
-    writers = draw(st.sampled_from([1, 1, 2, 3]))
-    return layout, m, PlanOptions(num_writers=writers, writer_index=draw(st.integers(0, writers - 1)))
+    return BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
 
 
 @given(chunked_cases())

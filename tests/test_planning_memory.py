@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from kvxfer.planner import PlanOptions, Target, hip_version, plan_transfer, presets
@@ -73,3 +74,37 @@ def test_fingerprint_is_the_same_for_run_length_and_expanded_columns(layout):
     again = TransferPlan.from_dict(plan.to_dict())  # every column dense
     assert not any(isinstance(v, Runs) for v in again._store.values())
     assert again.fingerprint == plan.fingerprint
+
+
+@pytest.mark.parametrize("column", ["src_buf", "src_offset", "dst_buf", "dst_offset", "nbytes", "region", "attr",
+                                    "call_offsets"])
+def test_changing_any_one_column_changes_the_fingerprint(column):
+    """Each column, run-length or dense, feeds the hash: one changed entry gives another fingerprint."""
+    from kvxfer.planner import COLUMNS, Buffer, CopyAttributes, TransferPlan
+    from kvxfer.planner.plan import LocationHint
+
+    buffers = (Buffer(name="a", nbytes=1 << 20), Buffer(name="b", nbytes=1 << 20))
+    hint = LocationHint(location="device")
+    attrs = (CopyAttributes(src_access_order="any", src_location=hint, dst_location=hint),) * 2
+    n = 300_000  # more than one streamed piece of a run-length column
+
+    def plan(change: bool) -> TransferPlan:
+        cols = {"src_buf": Runs(np.array([0, 1]), np.array([n // 2, n // 2])), "src_offset": np.arange(n) * 2,
+                "dst_buf": Runs(np.array([1, 0]), np.array([n // 2, n // 2])), "dst_offset": np.arange(n) * 2 + 1,
+                "nbytes": Runs(np.array([1]), np.array([n])), "region": Runs(np.array([0, 1]), np.array([n - 1, 1])),
+                "attr": Runs(np.array([0, 1]), np.array([n - 1, 1]))}
+        offsets = np.array([0, n // 2, n])
+        if change and column == "call_offsets":
+            offsets = np.array([0, n // 2 + 1, n])
+        elif change:
+            col = cols[column]
+            dense = col.dense() if isinstance(col, Runs) else col.copy()
+            dense[-1] = (dense[-1] + 1) % 2 if column.endswith("buf") or column in ("region", "attr") else dense[-1] + 1
+            cols[column] = dense
+        return TransferPlan(direction="h2d", target=Target(), options=PlanOptions(), buffers=buffers,
+                            regions=("r0", "r1"), attrs=attrs, requested_copies=n, call_offsets=offsets, columns=cols)
+
+    assert set(COLUMNS) | {"call_offsets"} >= {column}
+    base, changed = plan(False), plan(True)
+    assert base.fingerprint == plan(False).fingerprint
+    assert base.fingerprint != changed.fingerprint
