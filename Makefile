@@ -78,7 +78,7 @@ wheels: .whl/.complete
 .whl/.complete: Makefile
 	rm -rf .whl && mkdir -p .whl
 	for v in $(WHEEL_PYTHONS); do \
-	  $(PY) -m pip download -q --only-binary=:all: --implementation cp --python-version $$v $(WHEEL_PLATFORMS) \
+	  $(PY) -m pip download $(PIP_FLAGS) --only-binary=:all: --implementation cp --python-version $$v $(WHEEL_PLATFORMS) \
 	    -d .whl "$(PYDANTIC_PIN)" || { echo "make wheels: download for Python $$v failed; .whl/ left empty"; rm -f .whl/*.whl; exit 0; }; \
 	done
 	ls .whl/*.whl >/dev/null 2>&1 && touch $@ || true
@@ -90,7 +90,7 @@ triton-aot: build/triton-aot/.complete
 
 build/triton-aot/.complete: Makefile
 	rm -rf build/triton-aot
-	$(PY) -m pip install -q --no-deps --only-binary=:all: --target build/triton-aot "$(TRITON_IMAGE_PIN)" \
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps --only-binary=:all: --target build/triton-aot "$(TRITON_IMAGE_PIN)" \
 	  && touch $@ || { echo "make triton-aot: install of $(TRITON_IMAGE_PIN) failed; the AOT test under it will skip"; rm -rf build/triton-aot; }
 
 # On the GPU machine (see benchmarks/NOTES.md for the device command, what it carries and its timeout).

@@ -62,13 +62,22 @@ class ExecutorConfig(Options):
         if source is None:
             source = env.get("KVXFER_EXECUTOR_CONFIG") or None
         data: dict[str, Any] = {} if source is None else (dict(source) if isinstance(source, Mapping) else read_file(source))
+        from_env: dict[str, str] = {}  # dotted path -> the variable that set it
         for var, path in ENV_VARS.items():
             if env.get(var) not in (None, ""):
                 _set(data, path, _env_value(var, env[var]))
+                from_env[path] = var
         for key, value in overrides.items():
             if value is not None:
                 _set(data, key.replace("__", "."), value)
-        return cls.model_validate(data)
+                from_env.pop(key.replace("__", "."), None)
+        try:
+            return cls.model_validate(data)
+        except ConfigError as e:
+            var = from_env.get(e.field)
+            if var is None:
+                raise
+            raise ConfigError(var, e.value, f"{e.reason} (environment variable {var} sets {e.field})") from None
 
 
 ENV_VARS: dict[str, str] = {
@@ -99,14 +108,14 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
 def read_file(path: str | Path) -> dict[str, Any]:
     """A config file: TOML (.toml) or JSON. A TOML file may hold the settings under [executor]."""
     path = Path(path)
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError("config", str(path), f"unknown config file type {path.suffix or '(no suffix)'!r}: "
+                          "use a .toml or .json file")
     if not path.is_file():
         raise ConfigError("config", str(path), "no such file")
     try:
         if path.suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
+            import tomllib
             data = tomllib.loads(path.read_text())
         else:
             data = json.loads(path.read_text())
@@ -194,11 +203,16 @@ def build_executor(kind: ExecutorKind | str, config: ExecutorConfig) -> Executor
     return executor_class(kind).from_options(config.options_for(kind))
 
 
-def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None = None) -> Executor:
+def get_executor(config: ExecutorConfig | Mapping[str, Any] | str | Path | None = None, **overrides: Any) -> Executor:
     """An executor for ``config``: a model (used as is), or a dict / file path / None, which are read with
-    ``ExecutorConfig.load`` (defaults < dict or file < KVXFER_* environment)."""
-    if not isinstance(config, ExecutorConfig):
-        config = ExecutorConfig.load(config)
+    ``ExecutorConfig.load`` (defaults < dict or file < KVXFER_* environment < ``overrides``, dotted keys
+    written ``cuda__device``). Overrides cannot be combined with a model."""
+    if isinstance(config, ExecutorConfig):
+        if overrides:
+            raise ConfigError("overrides", sorted(overrides), "an ExecutorConfig model is used as is; pass a dict, "
+                              "a file path or None to combine it with keyword overrides")
+    else:
+        config = ExecutorConfig.load(config, **overrides)
     if config.kind is ExecutorKind.AUTO:
         return AutoExecutor(config)
     return build_executor(config.kind, config)

@@ -9,13 +9,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvxfer.planner import PlanError
+from kvxfer.planner.files import shorten, suggest
 
 
 class ConfigError(PlanError):
     """Bad executor configuration; names the field and value (a PlanError so validation reports it as is)."""
 
 
-def _config_error(err: ValidationError) -> ConfigError:
+def _config_error(err: ValidationError, model: Any = None) -> ConfigError:
     """pydantic's first error as a ConfigError whose field is the dotted path to the bad value."""
     first = err.errors(include_url=False)[0]
     path = ".".join(str(p) for p in first["loc"])
@@ -23,8 +24,21 @@ def _config_error(err: ValidationError) -> ConfigError:
     if isinstance(cause, ConfigError):  # raised by a validator, or by a nested model naming its own field
         field = path if not cause.field or path.endswith(cause.field) else ".".join(p for p in (path, cause.field) if p)
         return ConfigError(field, cause.value, cause.reason)
+    if first["type"] == "extra_forbidden":
+        known = _known_keys(model, first["loc"][:-1])
+        return ConfigError(path, shorten(first.get("input")), f"unknown key {first['loc'][-1]!r}{suggest(first['loc'][-1], known)}")
     msg = first["msg"]
-    return ConfigError(path or "config", first.get("input"), msg[0].lower() + msg[1:])
+    return ConfigError(path or "config", shorten(first.get("input")), msg[0].lower() + msg[1:])
+
+
+def _known_keys(model: Any, parents: tuple[Any, ...]) -> list[str]:
+    """The field names of the (nested) options model at ``parents``, for "did you mean" hints."""
+    for p in parents:
+        field = getattr(model, "model_fields", {}).get(p)
+        ann = getattr(field, "annotation", None)
+        model = next((a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)),
+                     None)
+    return list(getattr(model, "model_fields", {}))
 
 
 class Options(BaseModel):
@@ -36,14 +50,14 @@ class Options(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise _config_error(e) from None
+            raise _config_error(e, type(self)) from None
 
     @classmethod
     def model_validate(cls, obj: Any, **kw: Any) -> Any:  # type: ignore[override]
         try:
             return super().model_validate(obj, **kw)
         except ValidationError as e:
-            raise _config_error(e) from None
+            raise _config_error(e, cls) from None
 
 
 class NumpyOptions(Options):

@@ -64,6 +64,8 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
     Chunk c with k pages enumerates pages c*k .. c*k+k-1; the group's pages are that flattened list from
     ``start % k`` on, ``count`` long (the first and last chunks may be partial).
     """
+    if count == 0 and len(regs) == 0:  # a group with no regions and no ids consumes nothing, whatever its chunks
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), used
     k = info.cached(("chunk_size", group, side.value), lambda: group_chunk_size(info, regs, side, group))
     skip = start % k
     need = -(-(skip + count) // k) if count else 0

@@ -146,7 +146,7 @@ def expected_copies(layout: Layout, mapping: BlockMapping, options: PlanOptions 
         regions = [r for r in layout.regions if r.group == g]
         pages = {}
         for key, side in (("src", src_side), ("dst", dst_side)):
-            k = _side_k(layout, regions, side, g)
+            k = _side_k(layout, regions, side, g) if count or regions else 1  # no ids: no chunk size needed
             pages[key], need = _group_pages(ids[key], used[key], count, start, k, f"{key}_ids", g)
             used[key] += need
         pages_of[g] = np.array(pages["src"], np.int64), np.array(pages["dst"], np.int64)

@@ -75,6 +75,16 @@ CLI_EXIT = SystemExit  # CLI rows: exit status 2, checked with stderr below
 
 
 # ---- building blocks ---------------------------------------------------------------------------------------
+def _torch_over_bytes(n: int) -> Any:
+    """A CPU tensor whose storage is an immutable ``bytes`` object (torch warns that it is not writable)."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(bytes(n), dtype=torch.uint8)
+
+
 def layout_with(path: str, value: Any) -> Callable[[Env], Any]:
     """Replace one field of LAYOUT's JSON form (``regions.0.page_bytes``), plan and run."""
     def act(env: Env) -> None:
@@ -296,9 +306,16 @@ CATALOGUE: list[Bad] = [
     Bad("binding read-only", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv0": np.frombuffer(
         bytes(1024), np.uint8)}), ValueError, "read-only"),
     Bad("binding a string", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv0": "x" * 1024}), ValueError,
-        "expected a numpy array"),
+        "bindings['gpu.kv0'] = str: expected a torch tensor, numpy array"),
     Bad("binding immutable bytes", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv1": bytes(1024)}),
-        ValueError, "expected a numpy array"),
+        ValueError, "bindings['gpu.kv1'] = bytes: expected a torch tensor, numpy array"),
+    Bad("binding a list", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv0": [0] * 1024}), ValueError,
+        "bindings['gpu.kv0'] = list: expected"),
+    Bad("binding an object array", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv0": np.zeros(1024, object)}),
+        ValueError, "of dtype object: an array of Python objects holds pointers"),
+    Bad("binding a torch tensor over bytes", lambda env: NumpyExecutor().run(PLAN, {**env.bufs, "gpu.kv0": _torch_over_bytes(
+        1024)}), ValueError, "read-only"),
+    Bad("bindings as a list", lambda env: NumpyExecutor().run(PLAN, list(env.bufs.values())), ValueError, "bindings"),
     # ---- CLI ----------------------------------------------------------------------------------------------
     Bad("kvxfer plan on a list", cli("plan", "l.json", files={"l.json": "[]"}), CLI_EXIT, "JSON object"),
     Bad("kvxfer plan on a missing file", cli("plan", "absent.json"), CLI_EXIT, "no such file"),

@@ -50,7 +50,7 @@ def test_sources_and_precedence(tmp_path):
     assert (c.kind, c.max_descriptors, c.hip.library) == (ExecutorKind.HIP_BATCH, 2048, "/a.so")
     c = ExecutorConfig.load(env=dict(env, KVXFER_EXECUTOR="triton"), kind="numpy", hip__library="/b.so")  # env < args
     assert (c.kind, c.max_descriptors, c.hip.library) == (ExecutorKind.NUMPY, 2048, "/b.so")
-    with pytest.raises(ConfigError, match="max_descriptors = 'lots'"):
+    with pytest.raises(ConfigError, match="KVXFER_MAX_DESCRIPTORS = 'lots': .*environment variable KVXFER_MAX_DESCRIPTORS sets max_descriptors"):
         ExecutorConfig.load(env={"KVXFER_MAX_DESCRIPTORS": "lots"})
     with pytest.raises(ConfigError, match="KVXFER_REPLAN = 'maybe'"):
         ExecutorConfig.load(env={"KVXFER_REPLAN": "maybe"})
@@ -69,7 +69,7 @@ def test_name_table_is_lazy_and_complete():
     assert isinstance(get_executor({"kind": "numpy"}), NumpyExecutor)
     with pytest.raises(ConfigError, match="kind = 'auto': no executor class"):
         executor_class("auto")
-    with pytest.raises(ConfigError, match="cuda.driver_lib = '/x.so': extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match="cuda.driver_lib = '/x.so': unknown key 'driver_lib'"):
         ExecutorConfig(cuda={"driver_lib": "/x.so"})  # test doubles are not configuration
 
 
@@ -167,3 +167,25 @@ def test_auto_binds_once_for_the_executor_it_chooses():
     assert ex.last_choice[0] is ExecutorKind.NUMPY and ExecutorKind.NUMPY in bound.extra  # bound once for numpy
     bound.close()
     assert bound.extra[ExecutorKind.NUMPY].closed
+
+
+def test_config_files_of_unknown_type_are_refused_by_suffix(tmp_path):
+    path = tmp_path / "executor.yaml"
+    path.write_text("kind: numpy\n")
+    with pytest.raises(ConfigError, match=r"executor.yaml.*unknown config file type '.yaml': use a .toml or .json file"):
+        ExecutorConfig.load(path)
+
+
+def test_get_executor_takes_keyword_overrides_over_file_and_environment(tmp_path, monkeypatch):
+    path = tmp_path / "executor.json"
+    path.write_text('{"kind": "auto", "max_descriptors": 4}')
+    monkeypatch.setenv("KVXFER_EXECUTOR", "auto")
+    ex = get_executor(path, kind="numpy")
+    assert type(ex).__name__ == "NumpyExecutor"
+    with pytest.raises(ConfigError, match="overrides"):
+        get_executor(ExecutorConfig(), kind="numpy")
+
+
+def test_unknown_option_key_suggests_the_known_one():
+    with pytest.raises(ConfigError, match=r"triton.small_range_byte = 1: unknown key 'small_range_byte' \(did you mean 'small_range_bytes'\?\)"):
+        ExecutorConfig.model_validate({"triton": {"small_range_byte": 1}})

@@ -36,7 +36,7 @@ def test_demo_installs_the_cli_extra_only(tmp_path):
     lines = dry_run("demo", tmp_path)
     assert extras(lines) == {"cli"}
     assert not any("torch" in line or "triton" in line or "nixl" in line for line in installs(lines))
-    assert lines[-1].endswith("kvxfer demo")
+    assert lines[-2].endswith("kvxfer demo") and lines[-1].endswith("python examples/offload_loop.py")
 
 
 def test_test_installs_every_extra_the_tests_exercise_with_torch_pinned(tmp_path):
