@@ -390,6 +390,20 @@ def test_general_path_merges_across_region_boundaries():
     assert plan is not None and plan.num_ranges == 1 and plan.nbytes.tolist() == [64]
 
 
+def test_fragments_of_one_repeated_source_page_chain_across_destination_pages():
+    """Found by the merged property: a page cut in two pieces whose device halves swap places on the host, and
+    one device page stored to four host pages. The second piece of host page c and the first of page c+1 are
+    contiguous on both sides (device bytes [0, 4), host bytes [8c + 6, 8c + 10)), so 5 ranges suffice."""
+    def piece(local: int, canonical: int) -> Fragment:
+        return Fragment(local_offset=local, local_stride=0, canonical_offset=canonical, canonical_stride=0, fragment_bytes=2)
+    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")],
+                    regions=[Region(name="r", page_bytes=4, host_page_bytes=8, fragments=(piece(2, 0), piece(0, 6)),
+                                    device=Placement(buffer="d", stride_bytes=8), host=Placement(buffer="h"))])
+    m = BlockMapping(direction="d2h", src_ids=[0, 0, 0, 0], dst_ids=[0, 1, 2, 3])
+    assert min_ranges(expected_copies(layout, m)) == 5
+    check_case(layout, m)
+
+
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
 def _rebuild(plan: TransferPlan, **changes) -> TransferPlan:
     cols = {c: getattr(plan, c).copy() for c in COLUMNS}
