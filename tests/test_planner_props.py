@@ -297,7 +297,10 @@ def check_case(layout: Layout, mapping: BlockMapping, options: PlanOptions = Pla
             assert len(set((plan.region[sl] // options.regions_per_call).tolist())) == 1
     if not options.coalesce and not options.max_range_bytes:
         assert plan.num_ranges == len(copies)
-    if options.coalesce and not options.max_range_bytes and not options.regions_per_call:
+    # Known gap, pinned deterministically by test_fragments_of_one_repeated_source_page_chain_across_destination_pages:
+    # the planner does not chain the fragments of one repeated source page. Drop this exemption when that passes.
+    known_gap = any(r.fragments for r in layout.regions) and len(np.unique(mapping.src_ids)) < len(mapping.src_ids)
+    if options.coalesce and not options.max_range_bytes and not options.regions_per_call and not known_gap:
         assert plan.num_ranges == min_ranges(copies)
     return plan
 
@@ -401,7 +404,8 @@ def test_fragments_of_one_repeated_source_page_chain_across_destination_pages():
                                     device=Placement(buffer="d", stride_bytes=8), host=Placement(buffer="h"))])
     m = BlockMapping(direction="d2h", src_ids=[0, 0, 0, 0], dst_ids=[0, 1, 2, 3])
     assert min_ranges(expected_copies(layout, m)) == 5
-    check_case(layout, m)
+    plan = check_case(layout, m)
+    assert plan is not None and plan.num_ranges == 5
 
 
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
