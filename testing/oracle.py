@@ -191,7 +191,8 @@ def _as_copies(copies: Copies | Iterable[tuple[str, int, str, int, int]]) -> Cop
 
 def independent(copies: Copies) -> bool:
     """True when no destination byte is written twice and no piece reads a byte that any piece writes (itself
-    included): then the order of the pieces cannot change the result. The planner refuses any other transfer."""
+    included): then the order of the pieces cannot change the result. The planner refuses any other transfer,
+    except aliased regions (the same copies listed twice), which this check counts as dependent."""
     c = copies
     for b in np.unique(c.dst_buf).tolist():
         w = c.dst_buf == b

@@ -9,6 +9,7 @@ refused; any other case must plan and match the oracle byte for byte.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -37,30 +38,43 @@ from kvxfer.testing import assert_plan_matches, expected_copies, independent, mi
 from .budget import MERGED_EXAMPLES
 
 
+@functools.lru_cache(maxsize=None, typed=True)
+def pick(*values: object) -> st.SearchStrategy:
+    """``st.sampled_from(values)``, built once: strategies are drawn from tens of times per example."""
+    return st.sampled_from(values)
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def ints(lo: int, hi: int) -> st.SearchStrategy:
+    """``st.integers(lo, hi)``, built once."""
+    return st.integers(lo, hi)
+
+
+@functools.cache  # one strategy object per argument set
 @st.composite
 def layouts(draw, max_regions: int = 8) -> tuple[Layout, int, int]:
     """Random plain layouts: 1-8 regions, mixed page sizes, strides >= page, separate / back-to-back /
     interleaved buffers per side, or both sides back to back in one buffer (possibly overlapping)."""
-    nreg = draw(st.integers(1, max_regions))
-    pages = draw(st.lists(st.integers(1, 12), min_size=nreg, max_size=nreg))
-    nblocks = {"device": draw(st.integers(4, 24)), "host": draw(st.integers(4, 24))}
-    if draw(st.sampled_from([False, False, False, True])):
+    nreg = draw(ints(1, max_regions))
+    pages = draw(st.lists(ints(1, 12), min_size=nreg, max_size=nreg))
+    nblocks = {"device": draw(ints(4, 24)), "host": draw(ints(4, 24))}
+    if draw(pick(False, False, False, True)):
         return one_buffer_layout(draw, pages, nblocks), nblocks["device"], nblocks["host"]
     buffers: list[Buffer] = []
     places: dict[str, list[Placement]] = {}
     for side in ("device", "host"):
         loc = Location.DEVICE if side == "device" else Location.HOST
-        mode = draw(st.sampled_from(["separate", "sequential", "interleaved"]))
+        mode = draw(pick("separate", "sequential", "interleaved"))
         nb = nblocks[side]
-        pads = draw(st.lists(st.integers(0, 3), min_size=nreg, max_size=nreg))
+        pads = draw(st.lists(ints(0, 3), min_size=nreg, max_size=nreg))
         if mode == "separate":
             strides = [p + pad for p, pad in zip(pages, pads)]
-            lead = draw(st.lists(st.integers(0, 5), min_size=nreg, max_size=nreg))
+            lead = draw(st.lists(ints(0, 5), min_size=nreg, max_size=nreg))
             for r in range(nreg):
-                buffers.append(Buffer(name=f"{side}{r}", nbytes=lead[r] + strides[r] * nb + draw(st.integers(0, 4)), location=loc))
+                buffers.append(Buffer(name=f"{side}{r}", nbytes=lead[r] + strides[r] * nb + draw(ints(0, 4)), location=loc))
             places[side] = [Placement(buffer=f"{side}{r}", byte_offset=lead[r], stride_bytes=strides[r]) for r in range(nreg)]
         elif mode == "sequential":  # regions back to back (gap >= 0) in one allocation, as views of one tensor
-            gaps = draw(st.lists(st.sampled_from([0, 0, 0, 1, 7]), min_size=nreg, max_size=nreg))
+            gaps = draw(st.lists(pick(0, 0, 0, 1, 7), min_size=nreg, max_size=nreg))
             off, ps = 0, []
             for r in range(nreg):
                 stride = pages[r] + pads[r]
@@ -69,7 +83,7 @@ def layouts(draw, max_regions: int = 8) -> tuple[Layout, int, int]:
             buffers.append(Buffer(name=side, nbytes=off, location=loc))
             places[side] = ps
         else:  # page-first: block b of every region is contiguous
-            row = sum(pages) + draw(st.sampled_from([0, 0, 3]))
+            row = sum(pages) + draw(pick(0, 0, 3))
             offs = np.concatenate(([0], np.cumsum(pages)[:-1])).tolist()
             buffers.append(Buffer(name=side, nbytes=row * nb, location=loc))
             places[side] = [Placement(buffer=side, byte_offset=offs[r], stride_bytes=row) for r in range(nreg)]
@@ -82,7 +96,7 @@ def one_buffer_layout(draw, pages: list[int], nblocks: dict[str, int]) -> Layout
     """Source and destination in one buffer: the device regions back to back from 0, the host regions back to
     back from an offset that may overlap them (then some mappings read bytes they write, and are refused)."""
     dev_end = sum(pages) * nblocks["device"]
-    host_base = draw(st.sampled_from([dev_end, dev_end, dev_end // 2, 0]))
+    host_base = draw(pick(dev_end, dev_end, dev_end // 2, 0))
     places: dict[str, list[Placement]] = {"device": [], "host": []}
     for side, off in (("device", 0), ("host", host_base)):
         for p in pages:
@@ -94,6 +108,7 @@ def one_buffer_layout(draw, pages: list[int], nblocks: dict[str, int]) -> Layout
     return Layout(buffers=[Buffer(name="m", nbytes=end)], regions=regions)
 
 
+@functools.cache  # one strategy object per argument set
 @st.composite
 def mappings(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
     """Ascending and descending runs, gaps, repeated sources and interleavings; now and then a repeated
@@ -101,14 +116,14 @@ def mappings(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
     free = list(range(n_dst))
     src: list[int] = []
     dst: list[int] = []
-    for _ in range(draw(st.integers(0, 5))):
+    for _ in range(draw(ints(0, 5))):
         if not free:
             break
-        length = draw(st.integers(1, 6))
+        length = draw(ints(1, 6))
         d0 = draw(st.sampled_from(free))
-        s0 = draw(st.integers(0, n_src - 1))
-        step_d = draw(st.sampled_from([1, 1, -1, 2]))
-        step_s = draw(st.sampled_from([1, 1, -1, 0, 3]))
+        s0 = draw(ints(0, n_src - 1))
+        step_d = draw(pick(1, 1, -1, 2))
+        step_s = draw(pick(1, 1, -1, 0, 3))
         for k in range(length):
             d, s = d0 + k * step_d, s0 + k * step_s
             if d not in free or not 0 <= s < n_src:
@@ -116,10 +131,10 @@ def mappings(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
             free.remove(d)
             src.append(s)
             dst.append(d)
-    if dst and draw(st.sampled_from([False] * 9 + [True])):
-        src.append(draw(st.integers(0, n_src - 1)))
+    if dst and draw(pick(*[False] * 9, True)):
+        src.append(draw(ints(0, n_src - 1)))
         dst.append(draw(st.sampled_from(dst)))
-    order = draw(st.sampled_from(["as-is", "reversed", "shuffled"]))
+    order = draw(pick("as-is", "reversed", "shuffled"))
     idx = np.arange(len(src))
     if order == "reversed":
         idx = idx[::-1]
@@ -132,24 +147,25 @@ def mappings(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
 def cases(draw) -> tuple[Layout, BlockMapping]:
     """Plain cases (the fast path): a plain layout and a mapping in one direction."""
     layout, nb_dev, nb_host = draw(layouts())
-    direction = draw(st.sampled_from(["h2d", "d2h"]))
+    direction = draw(pick("h2d", "d2h"))
     n_src, n_dst = (nb_host, nb_dev) if direction == "h2d" else (nb_dev, nb_host)
     s, d = draw(mappings(n_src, n_dst))
     return layout, BlockMapping(direction=direction, src_ids=s, dst_ids=d)
 
 
 # ---- the general path: groups, chunks, skips, padded rows, fragments, writers --------------------------------
+@functools.cache  # one strategy object per argument set
 @st.composite
 def fragment_table(draw, page: int) -> tuple[tuple[Fragment, ...], int]:
     """No fragments (the whole page); single pieces at distinct slots of a canonical page 1-3x as large (in
     order or shuffled); or one strided run, as a tensor-parallel rank's slice of every token."""
-    kind = draw(st.sampled_from(["whole", "whole", "slots", "run"]))
+    kind = draw(pick("whole", "whole", "slots", "run"))
     if kind == "whole":
         return (), page
-    piece = draw(st.sampled_from([p for p in (1, 2, 4) if page % p == 0]))
-    n, scale = page // piece, draw(st.integers(1, 3))
+    piece = draw(pick(*[p for p in (1, 2, 4) if page % p == 0]))
+    n, scale = page // piece, draw(ints(1, 3))
     if kind == "run":
-        off = draw(st.integers(0, scale - 1)) * piece
+        off = draw(ints(0, scale - 1)) * piece
         return (Fragment(local_offset=0, local_stride=piece, canonical_offset=off, canonical_stride=scale * piece,
                          fragment_bytes=piece, count=n),), n * scale * piece
     slots = draw(st.permutations(list(range(n * scale))))[:n]
@@ -171,17 +187,17 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
     boundaries), or both sides in one buffer; group starts that skip into a chunk; repeated ids on either
     side; writer rotation (per region too, once regions carry it); options that cap calls, split ranges,
     cut calls per region, or keep every piece."""
-    ngroups = draw(st.integers(1, 3))
-    k = {"device": [draw(st.sampled_from([1, 1, 2])) for _ in range(ngroups)],
-         "host": [draw(st.sampled_from([1, 2, 3, 4])) for _ in range(ngroups)]}
-    nchunks = {"device": draw(st.integers(3, 8)), "host": draw(st.integers(3, 8))}
-    mode = draw(st.sampled_from(["separate", "back-to-back", "back-to-back", "one-buffer"]))
+    ngroups = draw(ints(1, 3))
+    k = {"device": [draw(pick(1, 1, 2)) for _ in range(ngroups)],
+         "host": [draw(pick(1, 2, 3, 4)) for _ in range(ngroups)]}
+    nchunks = {"device": draw(ints(3, 8)), "host": draw(ints(3, 8))}
+    mode = draw(pick("separate", "back-to-back", "back-to-back", "one-buffer"))
     specs = []  # (group, page, fragments, host page, device stride, host stride)
     for g in range(ngroups):
-        for _ in range(draw(st.integers(1, 3))):
-            page = draw(st.sampled_from([4, 8, 12]))
+        for _ in range(draw(ints(1, 3))):
+            page = draw(pick(4, 8, 12))
             frags, host_page = draw(fragment_table(page))
-            pads = {side: draw(st.sampled_from([0, 0, 0, 4])) for side in ("device", "host")}
+            pads = {side: draw(pick(0, 0, 0, 4)) for side in ("device", "host")}
             specs.append((g, page, frags, host_page, k["device"][g] * page + pads["device"],
                           k["host"][g] * host_page + pads["host"]))
     places: dict[str, list[Placement]] = {"device": [], "host": []}
@@ -195,7 +211,7 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
                 off = 0
             places[side].append(Placement(buffer=name, byte_offset=off, stride_bytes=spec[col],
                                           blocks_per_chunk=k[side][spec[0]]))
-            off += nchunks[side] * spec[col] + (draw(st.sampled_from([0, 0, 0, 3])) if mode == "back-to-back" else 0)
+            off += nchunks[side] * spec[col] + (draw(pick(0, 0, 0, 3)) if mode == "back-to-back" else 0)
             if mode == "separate":
                 buffers.append(Buffer(name=name, nbytes=off, location=Location(side)))
         ends[side] = off
@@ -209,52 +225,53 @@ def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
     for r, (g, page, frags, host_page, _, _) in enumerate(specs):
         extra = {}
         if HAS_REGION_WRITERS and draw(st.booleans()):
-            n = draw(st.sampled_from([1, 2, 3]))
-            extra = {"num_writers": n, "writer_index": draw(st.integers(0, n - 1))}
+            n = draw(pick(1, 2, 3))
+            extra = {"num_writers": n, "writer_index": draw(ints(0, n - 1))}
         regions.append(Region(name=f"g{g}r{r}", page_bytes=page, group=g, fragments=frags,
                               host_page_bytes=host_page if frags else None,
                               device=places["device"][r], host=places["host"][r], **extra))
-    direction = draw(st.sampled_from(["h2d", "d2h"]))
+    direction = draw(pick("h2d", "d2h"))
     sizes, starts, ids = [], [], {"device": [], "host": []}
     wrap = mode == "back-to-back" and draw(st.booleans())  # last chunk then chunk 0: ranges cross regions
     for g in range(ngroups):
-        count, start = draw(st.integers(0, 7)), draw(st.integers(0, 9))
+        count, start = draw(ints(0, 7)), draw(ints(0, 9))
         sizes.append(count)
         starts.append(start)
         for side in ("device", "host"):
             kk, n = k[side][g], nchunks[side]
             need = -(-(start % kk + count) // kk) if count else 0
             if wrap and 0 < need <= n:
-                tail = draw(st.integers(1, need))
+                tail = draw(ints(1, need))
                 ids[side] += [(n - tail + i) % n for i in range(need)]
                 continue
-            unique = need <= n and draw(st.sampled_from([True, True, True, False]))
-            ids[side] += draw(st.lists(st.integers(0, n - 1), min_size=need, max_size=need, unique=unique))
+            unique = need <= n and draw(pick(True, True, True, False))
+            ids[side] += draw(st.lists(ints(0, n - 1), min_size=need, max_size=need, unique=unique))
     extra_layout = {}
-    if HAS_DECLARED_GROUPS and draw(st.sampled_from([False, False, True])):  # a group with no regions
+    if HAS_DECLARED_GROUPS and draw(pick(False, False, True)):  # a group with no regions
         extra_layout = {"num_groups": ngroups + 1}
         ks = {side: {p.blocks_per_chunk for p in places[side]} for side in ("device", "host")}
-        count = draw(st.integers(0, 5)) if all(len(v) == 1 for v in ks.values()) else 0  # else its ids are undefined
+        count = draw(ints(0, 5)) if all(len(v) == 1 for v in ks.values()) else 0  # else its ids are undefined
         sizes.append(count)
         starts.append(0)
         for side in ("device", "host"):
             need = -(-count // min(ks[side]))
-            ids[side] += draw(st.lists(st.integers(0, nchunks[side] - 1), min_size=need, max_size=need))
+            ids[side] += draw(st.lists(ints(0, nchunks[side] - 1), min_size=need, max_size=need))
     layout = Layout(buffers=buffers, regions=regions, **extra_layout)
     src, dst = (ids["host"], ids["device"]) if direction == "h2d" else (ids["device"], ids["host"])
     mapping = BlockMapping(direction=direction, src_ids=src, dst_ids=dst, group_sizes=sizes, group_starts=starts)
     return layout, mapping, draw(plan_options())
 
 
+@functools.cache  # one strategy object per argument set
 @st.composite
 def plan_options(draw, plain: bool = False) -> PlanOptions:
     """Merging on or off, call caps (0 = unlimited), range splitting, per-region calls, writer rotation."""
-    writers = 1 if plain else draw(st.sampled_from([1, 1, 2, 3]))
-    return PlanOptions(coalesce=draw(st.sampled_from([True, True, True, False])),
-                       max_descriptors=draw(st.sampled_from([None, None, 0, 1, 2, 5])),
-                       max_range_bytes=draw(st.sampled_from([None, None, None, 3, 8, 13])),
-                       regions_per_call=draw(st.sampled_from([None, None, 1, 2])),
-                       num_writers=writers, writer_index=draw(st.integers(0, writers - 1)))
+    writers = 1 if plain else draw(pick(1, 1, 2, 3))
+    return PlanOptions(coalesce=draw(pick(True, True, True, False)),
+                       max_descriptors=draw(pick(None, None, 0, 1, 2, 5)),
+                       max_range_bytes=draw(pick(None, None, None, 3, 8, 13)),
+                       regions_per_call=draw(pick(None, None, 1, 2)),
+                       num_writers=writers, writer_index=draw(ints(0, writers - 1)))
 
 
 def check_case(layout: Layout, mapping: BlockMapping, options: PlanOptions = PlanOptions()) -> TransferPlan | None:
@@ -280,7 +297,10 @@ def check_case(layout: Layout, mapping: BlockMapping, options: PlanOptions = Pla
             assert len(set((plan.region[sl] // options.regions_per_call).tolist())) == 1
     if not options.coalesce and not options.max_range_bytes:
         assert plan.num_ranges == len(copies)
-    if options.coalesce and not options.max_range_bytes and not options.regions_per_call:
+    # Known gap, pinned deterministically by test_fragments_of_one_repeated_source_page_chain_across_destination_pages:
+    # the planner does not chain the fragments of one repeated source page. Drop this exemption when that passes.
+    known_gap = any(r.fragments for r in layout.regions) and len(np.unique(mapping.src_ids)) < len(mapping.src_ids)
+    if options.coalesce and not options.max_range_bytes and not options.regions_per_call and not known_gap:
         assert plan.num_ranges == min_ranges(copies)
     return plan
 
@@ -371,6 +391,21 @@ def test_general_path_merges_across_region_boundaries():
     m = BlockMapping(direction="h2d", src_ids=[1, 0], dst_ids=[2, 3, 0, 1], group_sizes=[4])
     plan = check_case(layout, m)
     assert plan is not None and plan.num_ranges == 1 and plan.nbytes.tolist() == [64]
+
+
+def test_fragments_of_one_repeated_source_page_chain_across_destination_pages():
+    """Found by the merged property: a page cut in two pieces whose device halves swap places on the host, and
+    one device page stored to four host pages. The second piece of host page c and the first of page c+1 are
+    contiguous on both sides (device bytes [0, 4), host bytes [8c + 6, 8c + 10)), so 5 ranges suffice."""
+    def piece(local: int, canonical: int) -> Fragment:
+        return Fragment(local_offset=local, local_stride=0, canonical_offset=canonical, canonical_stride=0, fragment_bytes=2)
+    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")],
+                    regions=[Region(name="r", page_bytes=4, host_page_bytes=8, fragments=(piece(2, 0), piece(0, 6)),
+                                    device=Placement(buffer="d", stride_bytes=8), host=Placement(buffer="h"))])
+    m = BlockMapping(direction="d2h", src_ids=[0, 0, 0, 0], dst_ids=[0, 1, 2, 3])
+    assert min_ranges(expected_copies(layout, m)) == 5
+    plan = check_case(layout, m)
+    assert plan is not None and plan.num_ranges == 5
 
 
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
