@@ -26,7 +26,8 @@ def _config_error(err: ValidationError, model: Any = None) -> ConfigError:
         return ConfigError(field, cause.value, cause.reason)
     if first["type"] == "extra_forbidden":
         known = _known_keys(model, first["loc"][:-1])
-        return ConfigError(path, shorten(first.get("input")), f"unknown key {first['loc'][-1]!r}{suggest(first['loc'][-1], known)}")
+        key = first["loc"][-1]
+        return ConfigError(path, shorten(first.get("input")), f"unknown key {key!r}{suggest(key, known)}")
     msg = first["msg"]
     return ConfigError(path or "config", shorten(first.get("input")), msg[0].lower() + msg[1:])
 
