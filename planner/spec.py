@@ -61,7 +61,7 @@ class Buffer(Spec):
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:
         """The default alignment is left out, so plans, goldens and fingerprints without one are unchanged."""
-        d = handler(self)
+        d: dict[str, Any] = handler(self)
         if self.align_bytes == 1:
             d.pop("align_bytes", None)
         return d
