@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvxfer.planner import Layout
+
 from kvxfer.offload import SharedRegion, SharedRegionError, TPRank, build_layout, find_stale, make_geometry, remove_stale
 
 from . import offload_cases as oc
@@ -62,6 +64,12 @@ def _layout(names, tp, rank, geometry):
     return build_layout(dev.buffers, dev.tensors, geometry, TPRank(size=tp, rank=rank)), dev
 
 
+def _everyone_writes(layout):
+    """``layout`` with every region stored by every rank (no writer rotation)."""
+    regions = [r.model_dump() | {"num_writers": 1, "writer_index": 0} for r in layout.regions]
+    return Layout.model_validate(layout.model_dump() | {"regions": regions})
+
+
 def test_tp_round_trip_across_processes(ctx, shim_path, region_name, tmp_path):
     all3, indep = ["rep", "shard", "priv"], ["rep", "shard"]
     creator = oc.rank_device(all3, 2, 0, "data")
@@ -81,8 +89,8 @@ def test_tp_round_trip_across_processes(ctx, shim_path, region_name, tmp_path):
             layout, _ = _layout(all3, 2, r, geometry)
             dev = oc.rank_device(all3, 2, r, "data")
             arrays = {**{k: np.asarray(v) for k, v in dev.bindings.items()}, **want_host}
-            copies = oc.store_oracle(layout, oc.store_mapping(), [n == "rep" for n in all3], 2, r)
-            assert int(res["nbytes"]) == sum(c[4] for c in copies)  # each rank writes only its share of the replicas
+            copies = oc.oracle(layout, oc.store_mapping())  # the layout's replicated region rotates writers
+            assert int(res["nbytes"]) == copies.total_bytes < oc.oracle(_everyone_writes(layout), oc.store_mapping()).total_bytes  # each rank writes only its share of the replicas
             oc.apply(copies, arrays)
         np.testing.assert_array_equal(region.data, want_host["host"])
         host_after_store = region.data.copy()
@@ -96,7 +104,7 @@ def test_tp_round_trip_across_processes(ctx, shim_path, region_name, tmp_path):
             layout, dev = _layout(names, tp, r, geometry)
             arrays = {**{k: np.asarray(v).copy() for k, v in dev.bindings.items()}, "host": host_after_store.copy()}
             copies = oc.oracle(layout, oc.load_mapping())
-            assert int(res["nbytes"]) == sum(c[4] for c in copies)
+            assert int(res["nbytes"]) == copies.total_bytes
             oc.apply(copies, arrays)
             for name in names:
                 np.testing.assert_array_equal(res[f"dev.{name}"], arrays[f"dev.{name}"], err_msg=f"tp {tp} rank {r} {name}")
