@@ -26,6 +26,12 @@ def oracle(layout: Layout, mapping: BlockMapping) -> Any:
     return expected_copies(layout, mapping, PlanOptions())
 
 
+def everyone_writes(layout: Layout) -> Layout:
+    """``layout`` with every region stored by every rank (no writer rotation)."""
+    regions = [r.model_dump() | {"num_writers": 1, "writer_index": 0} for r in layout.regions]
+    return Layout.model_validate(layout.model_dump() | {"regions": regions})
+
+
 def apply(copies: Any, arrays: dict[str, np.ndarray]) -> None:
     """Apply oracle copies in order to ``arrays`` ({buffer name: uint8 array})."""
     apply_copies(copies, arrays)

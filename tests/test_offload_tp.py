@@ -14,8 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvxfer.planner import Layout
-
 from kvxfer.offload import SharedRegion, SharedRegionError, TPRank, build_layout, find_stale, make_geometry, remove_stale
 
 from . import offload_cases as oc
@@ -64,12 +62,6 @@ def _layout(names, tp, rank, geometry):
     return build_layout(dev.buffers, dev.tensors, geometry, TPRank(size=tp, rank=rank)), dev
 
 
-def _everyone_writes(layout):
-    """``layout`` with every region stored by every rank (no writer rotation)."""
-    regions = [r.model_dump() | {"num_writers": 1, "writer_index": 0} for r in layout.regions]
-    return Layout.model_validate(layout.model_dump() | {"regions": regions})
-
-
 def test_tp_round_trip_across_processes(ctx, shim_path, region_name, tmp_path):
     all3, indep = ["rep", "shard", "priv"], ["rep", "shard"]
     creator = oc.rank_device(all3, 2, 0, "data")
@@ -90,7 +82,7 @@ def test_tp_round_trip_across_processes(ctx, shim_path, region_name, tmp_path):
             dev = oc.rank_device(all3, 2, r, "data")
             arrays = {**{k: np.asarray(v) for k, v in dev.bindings.items()}, **want_host}
             copies = oc.oracle(layout, oc.store_mapping())  # the layout's replicated region rotates writers
-            assert int(res["nbytes"]) == copies.total_bytes < oc.oracle(_everyone_writes(layout), oc.store_mapping()).total_bytes  # each rank writes only its share of the replicas
+            assert int(res["nbytes"]) == copies.total_bytes < oc.oracle(oc.everyone_writes(layout), oc.store_mapping()).total_bytes  # each rank writes only its share of the replicas
             oc.apply(copies, arrays)
         np.testing.assert_array_equal(region.data, want_host["host"])
         host_after_store = region.data.copy()

@@ -20,7 +20,7 @@ from kvxfer.offload import (
     WorkerClosedError,
     create_worker,
 )
-from kvxfer.planner import BlockMapping, Buffer, Layout, Location, Target
+from kvxfer.planner import BlockMapping, Buffer, Location, Target
 
 from . import offload_cases as oc
 from .shims.build import build, compiler
@@ -319,8 +319,7 @@ def test_stores_rotate_writers_over_replicated_regions_in_one_plan():
         oc.apply(copies, want)
         np.testing.assert_array_equal(w.host, want["host"])
         replicated_pieces.append({c for c in copies if c[0] == "d1"})
-        everyone = oc.oracle(Layout.model_validate(w.layout.model_dump() | {"regions": [
-            r.model_dump() | {"num_writers": 1, "writer_index": 0} for r in w.layout.regions]}), m)
+        everyone = oc.oracle(oc.everyone_writes(w.layout), m)
         assert {c for c in copies if c[0] != "d1"} == {c for c in everyone if c[0] != "d1"}
         w.shutdown()
     assert replicated_pieces[0] and replicated_pieces[1] and not replicated_pieces[0] & replicated_pieces[1]
