@@ -13,7 +13,9 @@ on the C driver shim, whose copies are synchronous memmoves on the caller's thre
 Throughput: 256-block jobs of 4 KiB pages through the worker (NumPy executor; submit + wait, best of R)
 against one memcpy (``np.copyto``, best of R) of the same number of bytes; ratio = memcpy time / worker time.
 
-    python benchmarks/bench_worker.py [--reps 8] [--shim]
+    python benchmarks/bench_worker.py [--reps 8] [--shim] [--quick]
+
+``--quick``: a smoke run (3 reps, 256-block jobs, contiguous and fragmented ids only); its figures are not for notes.
 """
 from __future__ import annotations
 
@@ -23,28 +25,24 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.executors import CompletedTransfer, Executor
 from kvxfer.offload import DeviceKV, HostTier, KVTensor, create_worker
 from kvxfer.planner import Buffer, Location
 
 TENSORS = 118
 
 
-class NoCopy:
-    """An executor that copies nothing and finishes at once: the worker's own host cost, with no copy running."""
+class NoCopy(Executor):
+    """An executor that copies nothing and finishes at once: the worker's own host cost, with no copy running.
+    It binds like any executor (once, at worker construction) and accepts any memory, since it touches none."""
 
     name = "none"
 
-    @property
-    def target(self) -> Any:
-        from kvxfer.planner import Target
-        return Target()
+    def check_memory(self, buf: Any, mem: Any) -> None:
+        pass
 
     def run(self, plan: Any, bindings: Any, stream: Any = None) -> Any:
-        from kvxfer.executors import Transfer
-        return Transfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, elapsed_s=0.0)
-
-    def close(self) -> None:
-        pass
+        return CompletedTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, elapsed_s=0.0)
 
 
 def ids(pattern: str, n: int, space: int, run: int, rng: np.random.Generator) -> np.ndarray:
@@ -139,7 +137,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--shim", action="store_true", help="also the CUDA batch executor on the C driver shim (needs cc)")
     p.add_argument("--executors", default="none,numpy", help="comma list of: none (no copies), numpy")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 reps, 256-block jobs, two id patterns")
     a = p.parse_args()
+    sizes, patterns = ((256,), ("contiguous", "fragmented")) if a.quick else ((256, 2048), ("contiguous", "runs8", "fragmented"))
+    if a.quick:
+        a.reps = min(a.reps, 3)
     known = {"none": NoCopy, "numpy": {"kind": "numpy"}}
     executors: list[tuple[str, Any]] = [(e, known[e]) for e in a.executors.split(",") if e]
     if a.shim:
@@ -148,23 +150,24 @@ def main() -> None:
         from pathlib import Path
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for tests.shims
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+        from kvxfer.executors.ops_cuda import CudaBatchExecutor
         from tests.shims.build import build  # the test shim: a host-memory stand-in for the driver
+        from tests.shims.runtime import ShimCudaRuntime
         lib = str(build("fake_cuda", tempfile.mkdtemp()))
-        executors.append(("cuda-shim", lambda: CudaBatchExecutor(ShimDriver(lib, 13000))))
+        executors.append(("cuda-shim", lambda: CudaBatchExecutor(ShimCudaRuntime(lib, 13000))))
     print(f"{'executor':10} {'blocks':>6} {'k':>2} {'pattern':11} {'dir':4} {'ranges':>7} {'MiB':>6} "
           f"{'host us/job':>11} {'plan us':>8} {'jobs/s':>8}")
     for name, ex in executors:
-        for n in (256, 2048):
+        for n in sizes:
             for k in (1, 4):
-                for pattern in ("contiguous", "runs8", "fragmented"):
+                for pattern in patterns:
                     for direction in ("d2h", "h2d"):
                         r = bench_jobs(n, k, pattern, direction, ex, a.reps)
                         print(f"{name:10} {n:6d} {k:2d} {pattern:11} {direction:4} {r['ranges']:7d} {r['mib']:6.1f} "
                               f"{r['host_us']:11.0f} {r['plan_us']:8.0f} {r['jobs_s']:8.1f}", flush=True)
     print("\nthroughput, 118 x 256 blocks x 4 KiB per job (NumPy executor) vs one memcpy of the same bytes")
     print(f"{'pattern':11} {'dir':4} {'MiB/job':>7} {'worker GB/s':>11} {'memcpy GB/s':>11} {'ratio':>6}")
-    for pattern in ("contiguous", "runs8", "fragmented"):
+    for pattern in patterns:
         for direction in ("d2h", "h2d"):
             r = bench_throughput(pattern, direction, a.reps)
             print(f"{pattern:11} {direction:4} {r['mib']:7.1f} {r['worker_gbs']:11.2f} {r['memcpy_gbs']:11.2f} "

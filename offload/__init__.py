@@ -3,16 +3,15 @@ completion, shared host memory across TP ranks), and a drop-in for the simple on
 
 Imports kvxfer.planner and kvxfer.executors only.
 """
-from .binding import Pool, bind_memory, release_memory
 from .build import DeviceKV, create_worker, device_from_tensors, host_memory
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
 from .simple import CopyParams, build_params, copy_blocks, pin_tensor
 from .tier import Cell, Geometry, HostLayout, HostTier, KVTensor, SharedSpec, Sharing, TPRank, build_layout, make_geometry
-from .worker import JobResult, OffloadError, OffloadWorker, SubmissionError, WorkerClosedError
+from .worker import JobResult, OffloadError, OffloadWorker, Pool, SubmissionError, WorkerClosedError
 
 __all__ = [
     "Cell", "CopyParams", "DeviceKV", "Geometry", "HostLayout", "HostTier", "JobResult", "KVTensor", "OffloadError",
     "OffloadWorker", "Pool", "SharedRegion", "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank",
-    "WorkerClosedError", "bind_memory", "build_layout", "build_params", "copy_blocks", "create_worker",
-    "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "release_memory", "remove_stale",
+    "WorkerClosedError", "build_layout", "build_params", "copy_blocks", "create_worker",
+    "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "remove_stale",
 ]

@@ -15,7 +15,7 @@ import numpy as np
 from kvxfer.planner import Buffer, Location
 
 from .shared import SharedRegion
-from .tier import Geometry, HostTier, KVTensor, LayoutError, Sharing, TPRank, build_layout, make_geometry, replicated
+from .tier import Geometry, HostTier, KVTensor, LayoutError, Sharing, TPRank, build_layout, make_geometry
 from .worker import OffloadWorker
 
 
@@ -113,8 +113,7 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: Any = None, *, tp:
                 raise RuntimeError(f"pinning the host tier failed: {pinned.reason}")
         if region is not None:
             closers.append(region.close)
-        worker = OffloadWorker(layout, {**device.bindings, "host": memory}, executor, tp=tp,
-                               replicated=replicated(device.tensors, tier.layout), on_close=closers, **kw)
+        worker = OffloadWorker(layout, {**device.bindings, "host": memory}, executor, tp=tp, on_close=closers, **kw)
     except BaseException:
         for c in closers:
             c()

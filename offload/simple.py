@@ -14,8 +14,6 @@ from typing import Any
 
 from kvxfer.planner import BlockMapping, Direction, Layout, PlanOptions, plan_transfer
 
-from .binding import bind_memory, release_memory
-
 
 @dataclass
 class CopyParams:
@@ -28,7 +26,7 @@ class CopyParams:
     options: PlanOptions
 
     def close(self) -> None:
-        release_memory(self.executor, self.bound)
+        self.bound.close()
         self.executor.close()
 
 
@@ -53,7 +51,7 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
         from kvxfer.executors import get_executor
         executor = get_executor(executor)
     return CopyParams(layout, Direction.H2D if load else Direction.D2H, executor,
-                      bind_memory(executor, layout, bindings), options or PlanOptions())
+                      executor.bind(layout, bindings), options or PlanOptions())
 
 
 def copy_blocks(src_ids: Any, dst_ids: Any, params: CopyParams, stream: Any = None) -> Any:

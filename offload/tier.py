@@ -164,8 +164,11 @@ def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks
 
 
 def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
-    """The Region for tensor ``t`` on rank ``tp.rank``: its device placement and its cell in the host rows."""
+    """The Region for tensor ``t`` on rank ``tp.rank``: its device placement, its cell in the host rows and
+    who stores it: a replicated tensor in shared canonical cells rotates writers over the ranks (rank r
+    writes canonical pages ``page % tp.size == r``); every other tensor is written by each rank."""
     shared = _shared(t, geometry.layout)
+    rotate = shared and t.sharing is Sharing.REPLICATED
     cell = geometry.cell(t.name, None if shared else tp.rank)
     want = canonical_page(t, tp) if shared else t.page_bytes
     if cell.page_bytes != want:
@@ -178,6 +181,7 @@ def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
                               canonical_stride=piece * tp.size, fragment_bytes=piece, count=t.shard_rows),)
     return Region(name=t.name, page_bytes=t.page_bytes, group=t.group, fragments=fragments,
                   host_page_bytes=cell.page_bytes if fragments else None,
+                  num_writers=tp.size if rotate else 1, writer_index=tp.rank if rotate else 0,
                   device=Placement(buffer=t.buffer, byte_offset=t.byte_offset, stride_bytes=t.stride_bytes),
                   host=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
                                  stride_bytes=cell.stride_bytes or geometry.row_stride_bytes,
@@ -189,7 +193,3 @@ def build_layout(device_buffers: Sequence[Buffer], tensors: Sequence[KVTensor], 
     host = Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST)
     return Layout(buffers=(*device_buffers, host), regions=tuple(host_region(t, geometry, tp) for t in tensors))
 
-
-def replicated(tensors: Sequence[KVTensor], layout: HostLayout) -> list[bool]:
-    """Per tensor: whether stores rotate writers over it (a replicated tensor in shared canonical cells)."""
-    return [layout is HostLayout.CANONICAL and t.sharing is Sharing.REPLICATED for t in tensors]

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, Direction, Layout, PlanError, PlanOptions, Region, TransferPlan, plan_transfer
+from kvxfer.executors.dma import check, stream_handle
+from kvxfer.planner import BlockMapping, Direction, Layout, PlanError, PlanOptions, TransferPlan, plan_transfer
 
-from .binding import Pool, bind_memory, release_memory, stream_handle
 from .tier import TPRank
 
 STORE, LOAD = Direction.D2H, Direction.H2D
@@ -64,12 +64,42 @@ class JobResult:
     error: BaseException | None = None
 
 
+class Pool:
+    """Reusable handles (streams, events): ``acquire`` takes a free one or makes a new one, so it never
+    blocks; ``release`` returns it; ``clear`` destroys every handle made. ``made`` counts creations."""
+
+    def __init__(self, make: Callable[[], Any], destroy: Callable[[Any], Any] = lambda h: None):
+        self._make, self._destroy = make, destroy
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+
+    @property
+    def made(self) -> int:
+        return len(self._all)
+
+    def acquire(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        h = self._make()
+        self._all.append(h)
+        return h
+
+    def release(self, handle: Any) -> None:
+        self._free.append(handle)
+
+    def clear(self) -> None:
+        for h in self._all:
+            self._destroy(h)
+        self._all.clear()
+        self._free.clear()
+
+
 @dataclass(eq=False)
 class _Job:
     job_id: int
     seq: int
     direction: Direction
-    plans: list[TransferPlan]
+    plan: TransferPlan
     device_ids: np.ndarray  # sorted unique: the job's device and host extents, for conflict checks
     host_ids: np.ndarray
     after: _Job | None = None
@@ -119,10 +149,9 @@ class _ThreadLane:
             try:
                 if job.after is not None and job.after.finished is not None:
                     job.after.finished.wait()
-                for plan in job.plans:
-                    t = self.executor.run(plan, self.bound).wait()
-                    job.transfers.append(t)
-                    job.elapsed_s += t.elapsed_s or 0.0
+                t = self.executor.run(job.plan, self.bound).wait()
+                job.transfers.append(t)
+                job.elapsed_s += t.elapsed_s or 0.0
             except BaseException as e:  # reported on the job, never raised on this thread
                 job.error = e
             finally:
@@ -172,7 +201,8 @@ class _StreamLane:
             return self.runtime.event_create()
 
     def _event_destroy(self, e: int) -> None:
-        self.runtime.event_destroy(e)
+        with self.runtime.current():
+            self.runtime.event_destroy(e)
 
     def submit(self, job: _Job, stream: Any) -> None:
         self.jobs.append(job)
@@ -184,22 +214,20 @@ class _StreamLane:
                 gate, ready = self.streams.acquire(), self.events.acquire()
                 job.pooled += [(self.streams, gate), (self.events, ready)]
                 with rt.current():  # gate: the caller's compute so far, then the other direction's job
-                    rt.check(rt.event_record(ready, stream_handle(stream)), "event record (compute stream)")
-                    rt.check(rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
+                    check(rt, rt.event_record(ready, stream_handle(stream, rt.device)), "event record (compute stream)")
+                    check(rt, rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
                 dep.transfers[-1].stream_wait(gate, -1)
             except Exception as e:  # nothing issued: the job fails without copying
                 job.error = e
                 return
-        for plan in job.plans:
-            try:
-                job.transfers.append(self.executor.run(plan, self.bound, stream=gate))
-            except Exception as e:
-                job.error = e
-                try:  # an empty run: its end follows whatever the failed run issued, so successors can order on it
-                    job.transfers.append(self.executor.run(self.barrier, self.bound, stream=gate))
-                except Exception:
-                    pass
-                break
+        try:
+            job.transfers.append(self.executor.run(job.plan, self.bound, stream=gate))
+        except Exception as e:
+            job.error = e
+            try:  # an empty run: its end follows whatever the failed run issued, so successors can order on it
+                job.transfers.append(self.executor.run(self.barrier, self.bound, stream=gate))
+            except Exception:
+                pass
 
     def done(self, job: _Job) -> bool:
         return _done_quietly(job)
@@ -259,59 +287,6 @@ def _done_quietly(job: _Job) -> bool:
     return True
 
 
-class _WriterParts:
-    """Stores over a layout that mixes replicated regions (one writer per canonical page, rotating over
-    ranks) with regions every rank writes: one plan per writer setting, over the regions that use it.
-
-    The planner is gaining per-region writer settings (``Region.num_writers/writer_index``); with them this
-    becomes one plan over the whole layout with those fields set, and this class goes away.
-    """
-
-    def __init__(self, layout: Layout, replicated: Sequence[bool], tp: TPRank, base: PlanOptions):
-        self.parts: list[tuple[Layout, list[int], PlanOptions]] = []
-        info = layout.info
-        self.k = {side: [int(info.side[side]["k"][info.group == g][0]) if np.any(info.group == g) else 1
-                         for g in range(info.num_groups)] for side in ("device", "host")}
-        for flag in (True, False):
-            regs = [r for r, rep in zip(layout.regions, replicated) if rep == flag]
-            if not regs:
-                continue
-            groups = sorted({r.group for r in regs})
-            renum = {g: i for i, g in enumerate(groups)}
-            sub = Layout(buffers=layout.buffers, regions=tuple(
-                Region.model_validate(r.model_dump() | {"group": renum[r.group]}) for r in regs))
-            opts = base.model_copy(update={"num_writers": tp.size, "writer_index": tp.rank} if flag else {})
-            self.parts.append((sub, groups, opts))
-        self.num_groups = info.num_groups
-
-    def plans(self, m: BlockMapping, target: Any) -> list[TransferPlan]:
-        if len(self.parts) == 1 and len(self.parts[0][1]) == self.num_groups:
-            layout, _, opts = self.parts[0]
-            return [plan_transfer(layout, m, target, opts)]
-        sizes = m.group_sizes if m.group_sizes is not None else (len(m.src_ids),)
-        starts = m.group_starts if m.group_starts is not None else (0,) * len(sizes)
-        if len(sizes) != self.num_groups:
-            raise PlanError("group_sizes", list(sizes), f"the layout has {self.num_groups} KV-cache groups")
-        cuts = {}
-        for key, side, ids in (("src", "device", m.src_ids), ("dst", "host", m.dst_ids)):
-            need = [-(-(s % k + n) // k) if n else 0 for n, s, k in zip(sizes, starts, self.k[side])]
-            bounds = np.concatenate(([0], np.cumsum(need))).tolist()
-            if bounds[-1] != len(ids):
-                field = "src_ids" if key == "src" else "dst_ids"
-                raise PlanError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
-                                f"consume {bounds[-1]} ids; the lists must add up exactly")
-            cuts[key] = (ids, bounds)
-        out = []
-        for layout, groups, opts in self.parts:
-            def take(key: str) -> np.ndarray:
-                ids, b = cuts[key]
-                return np.concatenate([ids[b[g]:b[g + 1]] for g in groups]) if groups else ids[:0]
-            sub = BlockMapping(direction=m.direction, src_ids=take("src"), dst_ids=take("dst"),
-                               group_sizes=tuple(sizes[g] for g in groups), group_starts=tuple(starts[g] for g in groups))
-            out.append(plan_transfer(layout, sub, target, opts))
-        return out
-
-
 class OffloadWorker:
     """Store and load jobs over one layout (device buffers and the host tier), bound once.
 
@@ -319,13 +294,14 @@ class OffloadWorker:
     both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
     ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
     factories and configs build one executor per direction, closed by ``shutdown``.
-    ``replicated``: per region, whether stores rotate writers over ``tp`` ranks. ``regions_per_layer``:
+    Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a replicated region
+    rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan. ``regions_per_layer``:
     regions per layer for per-layer load completion (None: whole jobs only). ``on_close``: callables run
     last by ``shutdown`` (releasing host memory).
     """
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: Any = None, *,
-                 replicated: Sequence[bool] | None = None, tp: TPRank | None = None, regions_per_layer: int | None = 1,
+                 tp: TPRank | None = None, regions_per_layer: int | None = 1,
                  max_descriptors: int | None = None, on_close: Sequence[Any] = ()):
         self.layout = layout
         self.tp = tp or TPRank()
@@ -335,19 +311,15 @@ class OffloadWorker:
         self.target = self._executors[STORE].target
         self.regions_per_layer = regions_per_layer
         base = PlanOptions(max_descriptors=max_descriptors)
-        self._load_options = base.model_copy(update={"regions_per_call": regions_per_layer})
-        replicated = list(replicated) if replicated is not None else [False] * len(layout.regions)
-        if len(replicated) != len(layout.regions):
-            raise ValueError(f"replicated: {len(replicated)} flags for {len(layout.regions)} regions")
-        self._writers = _WriterParts(layout, replicated, self.tp, base)
+        self._options = {STORE: base, LOAD: base.model_copy(update={"regions_per_call": regions_per_layer})}
         self._on_close = list(on_close)
-        self._chunked = any(int(c["k"].max(initial=1)) > 1 for c in layout.info.side.values())
+        self._chunked = any(int(c.k.max(initial=1)) > 1 for c in layout.info.side.values())
         self._bound: dict[Direction, Any] = {}
         self._lanes: dict[Direction, _ThreadLane | _StreamLane] = {}
         groups = (0,) * layout.info.num_groups
         for d in (STORE, LOAD):
             ex = self._executors[d]
-            self._bound[d] = bind_memory(ex, layout, bindings)
+            self._bound[d] = ex.bind(layout, bindings)
             runtime = getattr(ex, "runtime", None)
             if runtime is not None and hasattr(runtime, "event_record"):
                 barrier = plan_transfer(layout, BlockMapping(direction=d, src_ids=[], dst_ids=[], group_sizes=groups),
@@ -406,10 +378,7 @@ class OffloadWorker:
             m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst,
                              group_sizes=None if sizes is None else tuple(sizes),
                              group_starts=None if starts is None else tuple(starts))
-            if direction is LOAD:
-                plans = [plan_transfer(self.layout, m, self.target, self._load_options)]
-            else:
-                plans = self._writers.plans(m, self.target)
+            plan = plan_transfer(self.layout, m, self.target, self._options[direction])
         except PlanError as e:
             head, _, rest = e.field.partition(".")
             raise SubmissionError(job_id, names.get(head, head) + (f".{rest}" if rest else ""), e.value, e.reason,
@@ -417,7 +386,7 @@ class OffloadWorker:
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
         dev, host = (m.dst_ids, m.src_ids) if direction is LOAD else (m.src_ids, m.dst_ids)
-        job = _Job(job_id, self._seq, direction, plans, np.unique(dev), np.unique(host))
+        job = _Job(job_id, self._seq, direction, plan, np.unique(dev), np.unique(host))
         other = self._lanes[LOAD if direction is STORE else STORE]
         for prev in reversed(other.jobs):  # newest first: the lane is in order, so the newest conflict suffices
             if _overlap(job.device_ids, prev.device_ids) or _overlap(job.host_ids, prev.host_ids):
@@ -425,9 +394,8 @@ class OffloadWorker:
                     job.after = prev
                 break
         if direction is LOAD and self.regions_per_layer:
-            p = plans[0]
-            job.layer_calls = p.region[p.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
-                if p.num_calls else np.zeros(0, np.int64)
+            job.layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
+                if plan.num_calls else np.zeros(0, np.int64)
         self._seq += 1
         self._pending[job_id] = job
         self._lanes[direction].submit(job, stream)
@@ -436,8 +404,8 @@ class OffloadWorker:
     # ---- completion -----------------------------------------------------------------------------------------
     def _result(self, job: _Job) -> JobResult:
         ok = job.error is None
-        return JobResult(job.job_id, job.direction, ok, sum(p.total_bytes for p in job.plans) if ok else 0,
-                         job.elapsed_s, sum(p.num_ranges for p in job.plans), job.error)
+        return JobResult(job.job_id, job.direction, ok, job.plan.total_bytes if ok else 0, job.elapsed_s,
+                         job.plan.num_ranges, job.error)
 
     def _retire_ready(self) -> list[_Job]:
         out = []
@@ -506,7 +474,7 @@ class OffloadWorker:
         try:
             for d, lane in self._lanes.items():
                 lane.close()
-                release_memory(self._executors[d], self._bound[d])
+                self._bound[d].close()
             if self._owned:
                 for ex in {id(e): e for e in self._executors.values()}.values():
                     ex.close()

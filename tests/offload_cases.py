@@ -10,12 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, Buffer, Layout, Location
-
-try:  # the single test oracle, once the testing package has it
-    from kvxfer.testing import expected_copies as _expected_copies
-except ImportError:  # until then: the per-piece oracle written out from the spec in test_layouts
-    _expected_copies = None
+from kvxfer.planner import BlockMapping, Buffer, Layout, Location, PlanOptions
+from kvxfer.testing import apply_copies, expected_copies
 
 SHARD_ROWS = 4
 PAGE = {"rep": 256, "shard": 512, "priv": 128}  # canonical pages (shard: split over ranks)
@@ -24,27 +20,21 @@ K = 2
 NUM_CHUNKS = 12
 
 
-def oracle(layout: Layout, mapping: BlockMapping, num_writers: int = 1, writer_index: int = 0) -> list:
-    """Per-piece copies (src buf, src off, dst buf, dst off, nbytes) for ``mapping`` over ``layout``."""
-    if _expected_copies is not None:
-        from kvxfer.planner import PlanOptions
-        return list(_expected_copies(layout, mapping, PlanOptions(num_writers=num_writers, writer_index=writer_index)))
-    from .test_layouts import oracle_copies
-    return oracle_copies(layout, mapping, num_writers, writer_index)
+def oracle(layout: Layout, mapping: BlockMapping) -> Any:
+    """Per-piece copies (src buf, src off, dst buf, dst off, nbytes) for ``mapping`` over ``layout``, from the
+    single test oracle. Writer rotation is the layout's (each region's ``num_writers/writer_index``)."""
+    return expected_copies(layout, mapping, PlanOptions())
 
 
-def apply(copies: list, arrays: dict[str, np.ndarray]) -> None:
-    for sb, so, db, do, n in copies:
-        arrays[db][do:do + n] = arrays[sb][so:so + n]
+def everyone_writes(layout: Layout) -> Layout:
+    """``layout`` with every region stored by every rank (no writer rotation)."""
+    regions = [r.model_dump() | {"num_writers": 1, "writer_index": 0} for r in layout.regions]
+    return Layout.model_validate(layout.model_dump() | {"regions": regions})
 
 
-def store_oracle(layout: Layout, mapping: BlockMapping, replicated: list[bool], tp_size: int, rank: int) -> list:
-    """Store copies region by region, each with its own writer setting (replicated: rotating writers)."""
-    out = []
-    for reg, rep in zip(layout.regions, replicated):
-        one = Layout(buffers=layout.buffers, regions=(reg,))
-        out += oracle(one, mapping, tp_size if rep else 1, rank if rep else 0)
-    return out
+def apply(copies: Any, arrays: dict[str, np.ndarray]) -> None:
+    """Apply oracle copies in order to ``arrays`` ({buffer name: uint8 array})."""
+    apply_copies(copies, arrays)
 
 
 # ---- the shim ---------------------------------------------------------------------------------------------------
@@ -53,9 +43,20 @@ def shim_factory(shim_path: str | None, version: int = 13000) -> Any:
     NumPy executor. Shim injection lives here only."""
     if shim_path is None:
         return None
-    from kvxfer.executors.ops_cuda import CudaBatchExecutor, ShimDriver
+    from kvxfer.executors.ops_cuda import CudaBatchExecutor
 
-    return lambda: CudaBatchExecutor(ShimDriver(shim_path, version))
+    from .shims.runtime import ShimCudaRuntime
+
+    return lambda: CudaBatchExecutor(ShimCudaRuntime(shim_path, version))
+
+
+def shim_state(shim_path: str) -> Any:
+    """The shim's controls and record (the same loaded library the executors' runtimes call into)."""
+    import ctypes
+
+    from .shims.build import ShimState
+
+    return ShimState(ctypes.CDLL(shim_path))
 
 
 # ---- TP ranks -----------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from kvxfer.offload import (
 from kvxfer.planner import BlockMapping, Buffer, Location, Target
 
 from . import offload_cases as oc
-from .shims.build import ShimState, build, compiler
+from .shims.build import build, compiler
 
 COMPUTE = 77  # the caller's compute stream handle on the shim
 NB, NCH, K, PAGE = 32, 12, 2, 64
@@ -63,9 +63,7 @@ def backend(request, shim_lib):
     if request.param == "numpy":
         seeds = iter(range(100))
         return (lambda: SlowNumpy(next(seeds))), None
-    from kvxfer.executors.ops_cuda import ShimDriver
-
-    state = ShimState(ShimDriver(shim_lib, 13000).lib)
+    state = oc.shim_state(shim_lib)
     state.reset()
     return oc.shim_factory(shim_lib), state
 
@@ -294,26 +292,38 @@ def test_pools_grow_on_demand_and_are_reused(shim_lib):
     w.shutdown()
 
 
-def test_writer_split_slices_groups_like_one_plan():
-    """Mixed replicated and private regions over two groups with skips: with one rank the split plans give
-    exactly the bytes of one plan over the whole layout."""
-    dev = _device(5, n=3, groups=(0, 1, 0))
+def test_stores_rotate_writers_over_replicated_regions_in_one_plan():
+    """Mixed replicated and private regions over two groups with skips, on both ranks of two: each job is one
+    plan, its bytes are the oracle's for the layout's per-region writers, and the two ranks together write
+    every replicated piece exactly once while each writes all of its private pieces."""
     from kvxfer.offload import HostLayout, Sharing
+    dev = _device(5, n=3, groups=(0, 1, 0))
     tensors = tuple(t.model_copy(update={"sharing": Sharing.REPLICATED if i == 1 else Sharing.PRIVATE})
                     for i, t in enumerate(dev.tensors))
-    dev = DeviceKV(dev.buffers, tensors, dev.bindings)
-    w = create_worker(dev, HostTier(num_chunks=NCH, blocks_per_chunk=K, layout=HostLayout.CANONICAL, pin=False),
-                      lambda: NumpyExecutor(), tp=TPRank(size=1))
-    assert len(w._writers.parts) == 2
-    want = {**{k: v.copy() for k, v in dev.bindings.items()}, "host": w.host.copy()}
     m = BlockMapping(direction="d2h", src_ids=[3, 4, 5, 9, 10, 11, 12], dst_ids=[2, 7, 4, 0], group_sizes=(3, 4),
                      group_starts=(1, 2))
-    w.submit_store(1, m.src_ids, m.dst_ids, m.group_sizes, m.group_starts)
-    w.wait([1])
-    assert w.get_finished()[0].success
-    oc.apply(oc.oracle(w.layout, m), want)
-    np.testing.assert_array_equal(w.host, want["host"])
-    w.shutdown()
+    replicated_pieces = []
+    for rank in range(2):
+        d = DeviceKV(dev.buffers, tensors, {k: v.copy() for k, v in dev.bindings.items()})
+        w = create_worker(d, HostTier(num_chunks=NCH, blocks_per_chunk=K, layout=HostLayout.CANONICAL, pin=False),
+                          lambda: NumpyExecutor(), tp=TPRank(size=2, rank=rank))
+        writers = {r.name: (r.num_writers, r.writer_index) for r in w.layout.regions}
+        assert writers == {"L0": (1, 0), "L1": (2, rank), "L2": (1, 0)}
+        want = {**{k: v.copy() for k, v in d.bindings.items()}, "host": w.host.copy()}
+        w.submit_store(1, m.src_ids, m.dst_ids, m.group_sizes, m.group_starts)
+        assert len(w._pending[1].plan.buffers_used("src")) == 3  # one plan reads every region
+        w.wait([1])
+        (res,) = w.get_finished()
+        copies = oc.oracle(w.layout, m)
+        assert res.success and res.nbytes == copies.total_bytes
+        oc.apply(copies, want)
+        np.testing.assert_array_equal(w.host, want["host"])
+        replicated_pieces.append({c for c in copies if c[0] == "d1"})
+        everyone = oc.oracle(oc.everyone_writes(w.layout), m)
+        assert {c for c in copies if c[0] != "d1"} == {c for c in everyone if c[0] != "d1"}
+        w.shutdown()
+    assert replicated_pieces[0] and replicated_pieces[1] and not replicated_pieces[0] & replicated_pieces[1]
+    assert replicated_pieces[0] | replicated_pieces[1] == {c for c in everyone if c[0] == "d1"}
 
 
 def test_target_of_numpy_worker_is_cpu():
