@@ -205,8 +205,8 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
 
     With ``executor.bind`` (bind once): memory is bound here, once, and ``lower`` is the bound memory's
     ``lower(plan, out)`` (every range checked, then one vectorized base + offset), what ``run`` does before
-    issuing. Without it: what ``run`` did per job before bind existed (every buffer resolved and checked on
-    every run, then the addresses). The fallback goes once every executor can bind.
+    issuing. (The BEFORE table in NOTES.md was measured on the code before bind existed, where every run
+    resolved and checked every buffer.)
     """
     out: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -215,15 +215,8 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
             out[:] = [(np.empty(n, np.uint64), np.empty(n, np.uint64))]
         return out[0]
 
-    if hasattr(executor, "bind"):
-        bound = executor.bind(layout, bindings)
-        return "bind() once, then bound.lower(plan) per job", lambda plan: bound.lower(plan, reserve(plan.num_ranges))
-    from kvxfer.executors.base import bind_addresses, bind_views
-
-    if hasattr(executor, "runtime"):  # a DMA executor: its run() checked and lowered exactly this way
-        return ("bind_addresses(plan, bindings) per job (no bind API)",
-                lambda plan: bind_addresses(plan, bindings, executor._check_memory, reserve(plan.num_ranges)))
-    return "bind_views(plan, bindings) per job (no bind API)", lambda plan: bind_views(plan, bindings)
+    bound = executor.bind(layout, bindings)
+    return "bind() once, then bound.lower(plan) per job", lambda plan: bound.lower(plan, reserve(plan.num_ranges))
 
 
 def executors(shim_dir: Path) -> list[tuple[str, Any]]:
@@ -238,14 +231,9 @@ def executors(shim_dir: Path) -> list[tuple[str, Any]]:
         if compiler() is None:
             raise RuntimeError("no C compiler for the driver shim")
         lib = build("fake_cuda", shim_dir)
-        try:  # the shim runtime the tests inject through the constructor
-            from tests.shims.runtime import ShimCudaRuntime
+        from tests.shims.runtime import ShimCudaRuntime  # the shim runtime the tests inject through the constructor
 
-            runtime: Any = ShimCudaRuntime(lib, cuda_version(13, 0))
-        except ImportError:  # older trees: the executor's own shim driver
-            from kvxfer.executors.ops_cuda import ShimDriver
-
-            runtime = ShimDriver(lib, cuda_version(13, 0))
+        runtime: Any = ShimCudaRuntime(lib, cuda_version(13, 0))
         out.append(("cuda-shim", CudaBatchExecutor(runtime)))
     except Exception as e:  # report, and measure what can be measured
         print(f"# CUDA shim executor skipped: {e}", file=sys.stderr)

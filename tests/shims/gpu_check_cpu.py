@@ -6,11 +6,7 @@ import sys
 from pathlib import Path
 
 from build import ShimState  # tests/shims, this script's folder
-
-try:  # the shim as a Runtime for the executor's constructor (tests/shims/runtime.py, where the executors take one)
-    from runtime import ShimCudaRuntime as CudaStandIn
-except ImportError:  # the shim as a driver provider (kvxfer.executors.ops_cuda.ShimDriver)
-    from kvxfer.executors.ops_cuda import ShimDriver as CudaStandIn
+from runtime import ShimCudaRuntime as CudaStandIn  # the shim as a Runtime for the executor's constructor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_check
