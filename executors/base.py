@@ -65,9 +65,11 @@ class Transfer:
         return call % self.calls
 
     def done(self) -> bool:
+        """Whether every call has finished (polls; never blocks)."""
         raise NotImplementedError
 
     def wait(self) -> Transfer:
+        """Block until every call has finished, set ``elapsed_s`` where the backend measures it, and return self."""
         raise NotImplementedError
 
     def call_done(self, call: int) -> bool:
@@ -88,24 +90,30 @@ class CompletedTransfer(Transfer):
     """A transfer that finished before ``run`` returned (synchronous executors)."""
 
     def done(self) -> bool:
+        """Always True."""
         return True
 
     def wait(self) -> CompletedTransfer:
+        """Return self: nothing left to wait for."""
         return self
 
     def call_done(self, call: int) -> bool:
+        """True for any valid call index; IndexError outside ``-calls..calls-1``."""
         self._call(call)
         return True
 
     def wait_call(self, call: int) -> CompletedTransfer:
+        """Return self for any valid call index; IndexError outside ``-calls..calls-1``."""
         self._call(call)
         return self
 
     def stream_wait(self, stream: Any, call: int = -1) -> None:
+        """Nothing to wait for (the copies finished on return); IndexError for an invalid call index."""
         self._call(call)  # finished on return: nothing left to wait for
 
 
 def completed(plan: TransferPlan, t0: float) -> CompletedTransfer:
+    """A CompletedTransfer for ``plan`` whose ``elapsed_s`` is the time since ``t0`` (a ``time.perf_counter()`` value)."""
     return CompletedTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
                              elapsed_s=time.perf_counter() - t0)
 
@@ -129,6 +137,7 @@ class Executor:
 
     @property
     def target(self) -> Target:
+        """The platform and runtime version this executor runs on (base: the default Target)."""
         return Target()
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
@@ -143,6 +152,7 @@ class Executor:
         return bound
 
     def unbind(self, bound: BoundMemory) -> None:
+        """Release ``bound`` (same as ``bound.close()``)."""
         bound.close()
 
     def _attach(self, bound: BoundMemory) -> None:
@@ -159,6 +169,8 @@ class Executor:
                     bound_by=type(self).__name__)
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None) -> Transfer:
+        """Run ``plan`` on ``memory`` (a BoundMemory from ``bind``, or ``{name: memory}`` for one run) after ``stream``'s
+        pending work, and return its Transfer. Each backend implements it."""
         raise NotImplementedError
 
     def run_case(self, case: Case | dict | str, bindings: BoundMemory | Bindings, stream: Any = None, *,

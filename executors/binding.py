@@ -188,6 +188,7 @@ class BoundMemory:
         return f"BoundMemory({n} of {len(self.buffers)} buffers, by {self.bound_by}{', closed' if self.closed else ''})"
 
     def on_close(self, fn: Callable[[], None]) -> None:
+        """Register ``fn`` to run on ``close()``; hooks run once, last registered first."""
         self._on_close.append(fn)
 
     def close(self) -> None:
@@ -217,6 +218,7 @@ class BoundMemory:
                                    f"changed since bind (was [{m.address:#x}, +{m.nbytes})); bind it again")
 
     def owners(self) -> list[Any]:
+        """The objects bound (arrays, tensors, ...), for keeping them alive while copies are in flight."""
         return [m.owner for m in self.memory if m is not None]
 
     def check_table(self, plan: TransferPlan) -> None:

@@ -248,14 +248,17 @@ class AutoExecutor(Executor):
 
     @property
     def target(self) -> Target:
+        """The target of the platform's DMA executor (CUDA or HIP batch), or the default Target on a host without a GPU."""
         kind = {Platform.CUDA: ExecutorKind.CUDA_BATCH, Platform.ROCM: ExecutorKind.HIP_BATCH}.get(self.platform)
         return self._get(kind).target if kind else Target()
 
     def explain(self, plan: TransferPlan | None = None, bindings: Mapping[str, Any] | None = None) -> str:
+        """One line naming the executor ``choose_executor`` picks for ``plan`` and ``bindings``, and why."""
         kind, reason = choose_executor(self.config, plan, bindings, self.platform)
         return f"executor: {kind.value} ({reason})"
 
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
+        """Resolve ``bindings`` once and keep them; each sub-executor binds (and checks) them the first time it is chosen."""
         bound = bind(buffers, bindings, check=_checked_by_the_chosen_executor, bound_by=type(self).__name__)
         bound.extra["bindings"] = dict(bindings)
         return bound
@@ -272,6 +275,8 @@ class AutoExecutor(Executor):
         return memory.extra[kind]
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None) -> Transfer:
+        """Choose an executor for ``plan`` (recorded in ``last_choice``), wait on the host for the previous transfer if it ran
+        on another one, and run ``plan`` there. Raises BindingError for memory bound by another executor kind."""
         with self._lock:
             raw = memory.extra["bindings"] if isinstance(memory, BoundMemory) else memory
             kind, reason = self.last_choice = choose_executor(self.config, plan, raw, self.platform)
@@ -282,6 +287,7 @@ class AutoExecutor(Executor):
             return transfer
 
     def close(self) -> None:
+        """Close every sub-executor built or passed in so far."""
         with self._lock:
             for ex in self._executors.values():
                 ex.close()

@@ -86,23 +86,55 @@ class Runtime(Protocol):
     version: int
     device: int
 
-    def api_available(self, api: CopyApi) -> bool: ...
+    def api_available(self, api: CopyApi) -> bool:
+        """Whether the driver has an entry point for ``api`` (a NULL or missing symbol counts as unavailable)."""
+
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
-              attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int: ...
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int: ...
-    def stream_create(self) -> int: ...
-    def stream_destroy(self, stream: int) -> int: ...
-    def event_create(self) -> int: ...
-    def event_destroy(self, event: int) -> int: ...
-    def event_record(self, event: int, stream: int) -> int: ...
-    def stream_wait_event(self, stream: int, event: int) -> int: ...
-    def event_query(self, event: int) -> int: ...
-    def event_synchronize(self, event: int) -> int: ...
-    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]: ...
-    def error_name(self, code: int) -> str: ...
-    def current(self) -> contextlib.AbstractContextManager[None]: ...
-    def check_memory(self, buf: Buffer, mem: Memory) -> None: ...
-    def close(self) -> None: ...
+              attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
+        """Issue one batch copy of ``count`` descriptors on ``stream``; the arrays are passed by address. Returns the driver's
+        code; on failure an ABI that reports it writes the failing descriptor's index (within the call) to ``fail_idx``."""
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        """Issue one asynchronous copy of ``nbytes`` from address ``src`` to ``dst`` on ``stream``; returns the driver's code."""
+
+    def stream_create(self) -> int:
+        """A new non-blocking stream's handle; raises ExecutorError naming the driver call on failure."""
+
+    def stream_destroy(self, stream: int) -> int:
+        """Destroy ``stream``; returns the driver's code."""
+
+    def event_create(self) -> int:
+        """A new event's handle; raises ExecutorError naming the driver call on failure."""
+
+    def event_destroy(self, event: int) -> int:
+        """Destroy ``event``; returns the driver's code."""
+
+    def event_record(self, event: int, stream: int) -> int:
+        """Record ``event`` on ``stream``; returns the driver's code."""
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        """Make ``stream`` wait on the device until ``event`` completes; returns the driver's code."""
+
+    def event_query(self, event: int) -> int:
+        """Poll ``event``: 0 once complete, NOT_READY while pending, else the driver's error code."""
+
+    def event_synchronize(self, event: int) -> int:
+        """Block the host until ``event`` completes; returns the driver's code."""
+
+    def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        """``(code, milliseconds)`` between two recorded events."""
+
+    def error_name(self, code: int) -> str:
+        """The driver's name for error ``code`` (for messages)."""
+
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        """A context manager that makes this runtime's device current for the block and restores the caller's after it."""
+
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Refuse, with BindingError naming the buffer, memory this runtime cannot address for ``buf``."""
+
+    def close(self) -> None:
+        """Release what the runtime holds (a retained context); called once, by the executor that made the runtime."""
 
 
 def check(rt: Runtime, code: int, call: str) -> None:
@@ -128,6 +160,7 @@ class DescriptorBuffers:
         self.dst = np.zeros(0, dtype=np.uint64)
 
     def reserve(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(src, dst)`` address arrays, each at least ``n`` long (reallocated, not copied, when too short)."""
         if len(self.src) < n:
             size = max(n, 2 * len(self.src), 1024)
             self.src, self.dst = np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64)
@@ -146,9 +179,11 @@ class DmaTransfer(Transfer):
     keep: tuple[Any, ...] = field(repr=False, default=())
 
     def done(self) -> bool:
+        """Whether the transfer's end event has completed; ExecutorError if the driver reports an error."""
         return _query(self.runtime, self.end)
 
     def wait(self) -> DmaTransfer:
+        """Block until every call is done and set ``elapsed_s`` from the start/end events; returns self. Raises ExecutorError."""
         rt = self.runtime
         check(rt, rt.event_synchronize(self.end), "event synchronize")
         code, ms = rt.event_elapsed_ms(self.start, self.end)
@@ -157,13 +192,16 @@ class DmaTransfer(Transfer):
         return self
 
     def call_done(self, call: int) -> bool:
+        """Whether call ``call`` has completed (IndexError outside the calls; ExecutorError from the driver)."""
         return _query(self.runtime, self.marks[self._call(call)])
 
     def wait_call(self, call: int) -> DmaTransfer:
+        """Block the host until call ``call`` has completed; returns self. Raises IndexError or ExecutorError."""
         check(self.runtime, self.runtime.event_synchronize(self.marks[self._call(call)]), "event synchronize (call)")
         return self
 
     def stream_wait(self, stream: Any, call: int = -1) -> None:
+        """Make ``stream`` (see ``stream_handle``) wait on the device until call ``call`` (default: the last) is done."""
         rt = self.runtime
         check(rt, rt.stream_wait_event(stream_handle(stream, rt.device), self.marks[self._call(call)]),
               "stream wait (consumer)")
@@ -192,12 +230,16 @@ class DmaExecutor(Executor):
 
     @property
     def target(self) -> Target:
+        """The platform and runtime version of the runtime this executor drives."""
         return Target(platform=self.runtime.platform, runtime_version=self.runtime.version)
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Delegate to the runtime's ``check_memory`` (BindingError for memory it cannot address)."""
         self.runtime.check_memory(buf, mem)
 
     def close(self) -> None:
+        """Wait for the last transfer, destroy the copy stream and close a runtime the executor made; later runs raise
+        ExecutorError. Safe to call twice."""
         with self._lock:
             if self._stream is not None:
                 if self._last is not None:

@@ -127,6 +127,7 @@ class FileBinding:
     # ---- NIXL ----------------------------------------------------------------------------------------------
     @property
     def segment(self) -> Segment:
+        """The opened file as one of this agent's FILE segments (file offset, length, fd); BindingError if it is not open."""
         fd, buf = self._opened()
         return Segment(self.offset, buf.nbytes, fd, "FILE", not self.readonly)
 

@@ -29,6 +29,7 @@ class Segment:
     writeable: bool = True
 
     def covers(self, other: Segment) -> bool:
+        """Whether ``other`` lies entirely inside this segment (same memory type and device)."""
         return (self.mem == other.mem and self.dev == other.dev and self.addr <= other.addr
                 and other.addr + other.nbytes <= self.addr + self.nbytes)
 
@@ -86,6 +87,7 @@ class Registration:
         self.usable = True  # False once a transfer over it outlived its drain: never used or deregistered again
 
     def covers(self, seg: Segment) -> bool:
+        """Whether one registered segment contains all of ``seg``."""
         return any(s.covers(seg) for s in self.segments.values())
 
     def mark_unusable(self) -> None:
@@ -94,6 +96,7 @@ class Registration:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The buffer names registered."""
         return tuple(self.segments)
 
     def deregister(self) -> None:

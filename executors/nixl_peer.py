@@ -126,6 +126,7 @@ class PeerProcess:
         return self._ask("read", name)
 
     def write(self, name: str, data: np.ndarray) -> None:
+        """Overwrite the peer's buffer ``name`` with ``data`` (as bytes); RuntimeError if the peer fails or does not answer."""
         self._ask("write", name, np.asarray(data, dtype=np.uint8))
 
     def wait_notifs(self, notifs: Any, timeout_s: float | None = None) -> None:

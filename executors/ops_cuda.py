@@ -67,47 +67,60 @@ class CudaRuntime:
         return name.decode() if name else f"CUresult {int(err)}"
 
     def error_name(self, code: int) -> str:
+        """cuGetErrorName for ``code``."""
         return self._name(self._cu.CUresult(code))
 
     def api_available(self, api: CopyApi) -> bool:
+        """Per-range copies always; a batch ABI when cuGetProcAddress returned its entry point."""
         return api is CopyApi.CUDA_PER_RANGE or api in self._batch
 
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
               attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
+        """cuMemcpyBatchAsync through the ABI of ``api`` (the 13.0 ABI takes no ``fail_idx``)."""
         fn = self._batch[api]
         if api is CopyApi.CUDA_BATCH_V2:
             return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream)
         return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        """cuMemcpyAsync."""
         cu = self._cu
         return int(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, cu.CUstream(stream))[0])
 
     def stream_create(self) -> int:
+        """cuStreamCreate (non-blocking)."""
         return int(self._ok(self._cu.cuStreamCreate(CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
 
     def stream_destroy(self, stream: int) -> int:
+        """cuStreamDestroy."""
         return int(self._cu.cuStreamDestroy(self._cu.CUstream(stream))[0])
 
     def event_create(self) -> int:
+        """cuEventCreate."""
         return int(self._ok(self._cu.cuEventCreate(0), "cuEventCreate"))
 
     def event_destroy(self, event: int) -> int:
+        """cuEventDestroy."""
         return int(self._cu.cuEventDestroy(self._cu.CUevent(event))[0])
 
     def event_record(self, event: int, stream: int) -> int:
+        """cuEventRecord."""
         return int(self._cu.cuEventRecord(self._cu.CUevent(event), self._cu.CUstream(stream))[0])
 
     def stream_wait_event(self, stream: int, event: int) -> int:
+        """cuStreamWaitEvent."""
         return int(self._cu.cuStreamWaitEvent(self._cu.CUstream(stream), self._cu.CUevent(event), 0)[0])
 
     def event_query(self, event: int) -> int:
+        """cuEventQuery."""
         return int(self._cu.cuEventQuery(self._cu.CUevent(event))[0])
 
     def event_synchronize(self, event: int) -> int:
+        """cuEventSynchronize."""
         return int(self._cu.cuEventSynchronize(self._cu.CUevent(event))[0])
 
     def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        """cuEventElapsedTime."""
         err, ms = self._cu.cuEventElapsedTime(self._cu.CUevent(start), self._cu.CUevent(end))
         return int(err), float(ms)
 
@@ -121,6 +134,7 @@ class CudaRuntime:
             self._cu.cuCtxPopCurrent()
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Location check only (BindingError when the memory's location differs from the buffer's)."""
         check_location(buf, mem)
 
     def close(self) -> None:
@@ -140,4 +154,5 @@ class CudaBatchExecutor(DmaExecutor):
 
     @classmethod
     def from_options(cls, options: CudaOptions) -> CudaBatchExecutor:
+        """An executor on a new CudaRuntime for ``options.device``, with ``options.max_descriptors``."""
         return cls(device=options.device, max_descriptors=options.max_descriptors)

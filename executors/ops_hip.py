@@ -72,48 +72,61 @@ class HipRuntime:
         return driver_result(result, call, self.error_name)
 
     def error_name(self, code: Any) -> str:
+        """hipGetErrorName for ``code``."""
         name = self._hip.hipGetErrorName(code)
         name = name[0] if isinstance(name, tuple) else name
         return name.decode() if isinstance(name, bytes) else str(name or f"hipError_t {int(code)}")
 
     def api_available(self, api: CopyApi) -> bool:
+        """Per-range copies always; the batch call when libamdhip64 has hipMemcpyBatchAsync (ROCm 7.1+)."""
         return api is CopyApi.HIP_PER_RANGE or (api is CopyApi.HIP_BATCH and self._batch is not None)
 
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
               attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
+        """hipMemcpyBatchAsync through ctypes."""
         return self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
 
     def _code(self, result: Any) -> int:
         return int(result[0] if isinstance(result, tuple) else result)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        """hipMemcpyAsync (hipMemcpyDefault)."""
         return self._code(self._hip.hipMemcpyAsync(dst, src, nbytes, HIP_MEMCPY_DEFAULT, stream))
 
     def stream_create(self) -> int:
+        """hipStreamCreateWithFlags (non-blocking)."""
         return int(self._ok(self._hip.hipStreamCreateWithFlags(HIP_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags"))
 
     def stream_destroy(self, stream: int) -> int:
+        """hipStreamDestroy."""
         return self._code(self._hip.hipStreamDestroy(stream))
 
     def event_create(self) -> int:
+        """hipEventCreateWithFlags."""
         return int(self._ok(self._hip.hipEventCreateWithFlags(0), "hipEventCreateWithFlags"))
 
     def event_destroy(self, event: int) -> int:
+        """hipEventDestroy."""
         return self._code(self._hip.hipEventDestroy(event))
 
     def event_record(self, event: int, stream: int) -> int:
+        """hipEventRecord."""
         return self._code(self._hip.hipEventRecord(event, stream))
 
     def stream_wait_event(self, stream: int, event: int) -> int:
+        """hipStreamWaitEvent."""
         return self._code(self._hip.hipStreamWaitEvent(stream, event, 0))
 
     def event_query(self, event: int) -> int:
+        """hipEventQuery."""
         return self._code(self._hip.hipEventQuery(event))
 
     def event_synchronize(self, event: int) -> int:
+        """hipEventSynchronize."""
         return self._code(self._hip.hipEventSynchronize(event))
 
     def event_elapsed_ms(self, start: int, end: int) -> tuple[int, float]:
+        """hipEventElapsedTime."""
         err, ms = self._hip.hipEventElapsedTime(start, end)
         return int(err), float(ms)
 
@@ -129,6 +142,7 @@ class HipRuntime:
                 self._hip.hipSetDevice(int(prev))
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Location check only (BindingError when the memory's location differs from the buffer's)."""
         check_location(buf, mem)
 
     def close(self) -> None:
@@ -146,5 +160,7 @@ class HipBatchExecutor(DmaExecutor):
 
     @classmethod
     def from_options(cls, options: HipOptions) -> HipBatchExecutor:
+        """An executor on a new HipRuntime for ``options.device`` and ``options.library``; ``max_descriptors`` None means the
+        ROCm default cap."""
         cap = HIP_MAX_DESCRIPTORS if options.max_descriptors is None else options.max_descriptors
         return cls(device=options.device, library=options.library, max_descriptors=cap)

@@ -48,9 +48,12 @@ class NixlTransfer(Transfer):
     notifs: tuple[bytes, ...] = ()
 
     def done(self) -> bool:
+        """Whether every call is done; raises ExecutorError for a call that failed."""
         return self.flight is None or self.flight.poll()
 
     def wait(self) -> NixlTransfer:
+        """Poll until every call is done and set ``elapsed_s``; returns self. ExecutorError on failure or after the poll
+        timeout."""
         if self.flight is not None:
             t = self.flight.wait()
             if t is not None:
@@ -58,16 +61,19 @@ class NixlTransfer(Transfer):
         return self
 
     def call_done(self, call: int) -> bool:
+        """Whether call ``call`` is done (calls finish independently). IndexError or ExecutorError."""
         call = self._call(call)
         return self.flight is None or self.flight.call_done(call)
 
     def wait_call(self, call: int) -> NixlTransfer:
+        """Poll until call ``call`` is done; returns self. IndexError, or ExecutorError on failure or timeout."""
         call = self._call(call)
         if self.flight is not None:
             self.flight.wait_call(call)
         return self
 
     def stream_wait(self, stream: Any, call: int = -1) -> None:
+        """Always raises ValueError: NIXL transfers are not stream-ordered; wait on the host instead."""
         raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; wait_call({call}) on the host")
 
 
@@ -118,10 +124,12 @@ class NixlExecutor(Executor):
 
     @classmethod
     def from_options(cls, options: NixlOptions) -> NixlExecutor:
+        """An executor with a new agent made from ``options``."""
         return cls(options)
 
     @property
     def agent_name(self) -> str:
+        """The name of this executor's NIXL agent."""
         return self.agent.name
 
     # ---- memory and peers --------------------------------------------------------------------------------
@@ -164,6 +172,7 @@ class NixlExecutor(Executor):
         return remote
 
     def remove_peer(self, peer: str) -> None:
+        """Forget the remote agent ``peer`` (its metadata loaded by ``add_peer``)."""
         self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
@@ -194,6 +203,7 @@ class NixlExecutor(Executor):
         return any(r.covers(seg) for reg in self._registrations if reg.usable for r in reg.segments.values())
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Accept remote buffers; refuse (BindingError) local memory NIXL cannot describe as DRAM or VRAM."""
         if not isinstance(mem.owner, RemoteBuffer):
             segment_of(mem, buf.name)  # local memory NIXL can describe: host (DRAM) or a CUDA tensor (VRAM)
 
@@ -219,6 +229,7 @@ class NixlExecutor(Executor):
         return super().bind(buffers, self._files_as_segments(buffers, bindings))
 
     def memory_for(self, plan: TransferPlan, memory: BoundMemory | Bindings) -> BoundMemory:
+        """As Executor.memory_for; FileBinding values of a one-off run are opened and bound as FILE segments."""
         if not isinstance(memory, BoundMemory):
             memory = self._files_as_segments(plan.buffers, memory)
         return super().memory_for(plan, memory)

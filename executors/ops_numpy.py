@@ -18,6 +18,7 @@ class NumpyExecutor(Executor):
     """Copies each range with numpy slicing. Bindings: buffer name -> contiguous numpy array or CPU tensor."""
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Refuse (BindingError) memory that is not host memory numpy can view."""
         check_host_view(buf, mem)
 
     def _attach(self, bound: BoundMemory) -> None:

@@ -79,21 +79,26 @@ class TritonTransfer(Transfer):
     torch: Any = field(repr=False, default=None)
 
     def done(self) -> bool:
+        """Whether the end event has completed."""
         return bool(self.end.query())
 
     def wait(self) -> TritonTransfer:
+        """Block until the kernels finish and set ``elapsed_s`` from the start/end events; returns self."""
         self.end.synchronize()
         self.elapsed_s = self.start.elapsed_time(self.end) / 1e3
         return self
 
     def call_done(self, call: int) -> bool:
+        """Whether call ``call`` has completed (IndexError outside the calls)."""
         return bool(self.marks[self._call(call)].query())
 
     def wait_call(self, call: int) -> TritonTransfer:
+        """Block the host until call ``call`` has completed; returns self. IndexError outside the calls."""
         self.marks[self._call(call)].synchronize()
         return self
 
     def stream_wait(self, stream: Any, call: int = -1) -> None:
+        """Make ``stream`` (a torch stream or a raw handle) wait on the device until call ``call`` (default: the last) is done."""
         cuda = self.torch.cuda
         (stream if isinstance(stream, cuda.Stream) else cuda.ExternalStream(int(stream))).wait_event(self.marks[self._call(call)])
 
@@ -134,13 +139,17 @@ class TritonExecutor(Executor):
 
     @classmethod
     def from_options(cls, options: TritonOptions) -> TritonExecutor:
+        """An executor built from ``options`` (device, tile_bytes, num_programs)."""
         return cls(device=options.device, tile_bytes=options.tile_bytes, num_programs=options.num_programs)
 
     @property
     def target(self) -> Target:
+        """The GPU's platform and runtime version as torch reports them; the default Target under the interpreter."""
         return self._target
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """Refuse (BindingError) memory the kernel cannot reach: anything but host memory under the interpreter; on a GPU a
+        location mismatch, or host memory that is pageable or of unknown kind (it must be pinned)."""
         if self.interpret:  # the interpreter runs on host memory: every buffer is host memory there
             if mem.location is not None and mem.location is not Location.HOST:
                 raise BindingError(buf.name, f"{mem.location.value} memory", "the Triton interpreter copies host memory")

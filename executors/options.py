@@ -55,6 +55,7 @@ class Options(BaseModel):
 
     @classmethod
     def model_validate(cls, obj: Any, **kw: Any) -> Any:  # type: ignore[override]
+        """As pydantic's ``model_validate``, but a validation error is raised as a ConfigError naming the field."""
         try:
             return super().model_validate(obj, **kw)
         except ValidationError as e:

@@ -12,6 +12,8 @@ import triton.language as tl
 @triton.jit
 def copy_ranges(src_addr, dst_addr, nbytes, tile_range, tile_start, num_tiles,
                 ELEM: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr, ALIGN16: tl.constexpr):
+    """Copy every range (addresses ``src_addr``/``dst_addr``, sizes ``nbytes``) tile by tile: ``num_tiles`` tiles, each
+    ``BLOCK`` elements of ``WORD`` bytes starting ``tile_start`` bytes into range ``tile_range``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
