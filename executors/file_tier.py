@@ -54,6 +54,7 @@ FAILED = np.uint64(2**64 - 1)  # expected epoch of a chunk whose last spill fail
 class Durability(StrEnum):
     """When a spill counts as done: ``none`` once NIXL reports the writes complete, ``fdatasync`` once files and records are
     synced."""
+
     NONE = "none"  # done once NIXL reports the writes complete (page cache; O_DIRECT: the device)
     FDATASYNC = "fdatasync"  # done once each touched file and its records are fdatasync'ed
 

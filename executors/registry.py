@@ -13,6 +13,7 @@ from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOpt
 
 class ExecutorKind(StrEnum):
     """The executor backends by config name; ``auto`` chooses one per plan."""
+
     AUTO = "auto"
     CUDA_BATCH = "cuda-batch"
     HIP_BATCH = "hip-batch"

@@ -24,6 +24,8 @@ class Case(Spec):
     options: PlanOptions = PlanOptions()
 
     def plan(self) -> TransferPlan:
+        """The plan for this case: ``plan_transfer(layout, mapping, target, options)``. Raises what it raises (PlanError
+        subclasses)."""
         return plan_transfer(self.layout, self.mapping, self.target, self.options)
 
     def to_dict(self) -> dict[str, Any]:
@@ -33,9 +35,11 @@ class Case(Spec):
                 "options": self.options.model_dump(mode="json", exclude_defaults=True)}
 
     def to_json(self, indent: int | None = 1) -> str:
+        """``to_dict()`` as JSON text (``indent`` None: one line)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> Path:
+        """Write ``to_json()`` to ``path`` (replacing it) and return the path."""
         path = Path(path)
         path.write_text(self.to_json())
         return path

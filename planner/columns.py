@@ -24,15 +24,18 @@ INT_COLUMNS = ("src_buf", "dst_buf", "region")
 
 
 def empty_ranges() -> DenseRanges:
+    """A column set with no ranges (int64 offsets and sizes, int32 buffer and region ids)."""
     r = {k: np.zeros(0, dtype=np.int64) for k in ("src_offset", "dst_offset", "nbytes")}
     return r | {k: np.zeros(0, dtype=np.int32) for k in INT_COLUMNS}
 
 
 def take(r: Ranges, sel: Any) -> DenseRanges:
+    """The ranges ``sel`` (an index, mask or slice) of ``r``, every column dense."""
     return {k: dense(v)[sel] for k, v in r.items()}
 
 
 def concat(parts: Sequence[Ranges]) -> DenseRanges:
+    """The column sets ``parts`` one after another, every column dense (``parts`` must not be empty)."""
     return {k: np.concatenate([dense(p[k]) for p in parts]) for k in parts[0]}
 
 
@@ -128,15 +131,18 @@ class PageRuns:
         return bool(np.any(self.rd[:-1] + self.rl[:-1] > self.rd[1:]))
 
     def counts(self, regs: np.ndarray) -> np.ndarray:
+        """Ranges per region: the number of runs, the same for every region of ``regs``."""
         return np.full(len(regs), len(self.rs), dtype=np.int64)
 
     def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
+        """Per region of ``regs``: page bytes times the run length when every run has one length, else None."""
         if not self.uniform:
             return None
         out: np.ndarray = self.page[regs] * (int(self.rl[0]) if len(self.rl) else 0)
         return out
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
+        """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
         shape = (len(regs), len(self.rs))
         so2, do2 = so.reshape(shape), do.reshape(shape)
         S, D = self.S, self.D
@@ -168,12 +174,15 @@ class Pieces:
         self.size = int(table[2][0]) if len(table[2]) == 1 else None
 
     def counts(self, regs: np.ndarray) -> list[int]:
+        """Ranges per region: pages times pieces, the same for every region of ``regs``."""
         return [self.count] * len(regs)
 
     def uniform_nbytes(self, regs: np.ndarray) -> list[int] | None:
+        """The piece size per region of ``regs`` when the table has one piece per page, else None."""
         return None if self.size is None else [self.size] * len(regs)
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
+        """Write every page's pieces (offsets, and sizes unless ``nb`` is None) into the output columns, page-major."""
         fs, fd, fb = self.table
         shape = (len(self.so), len(fb))
         np.add(self.so[:, None], fs, out=so.reshape(shape))
@@ -295,6 +304,8 @@ def _split_uniform(r: Ranges, cap: int, pieces: int) -> Ranges:
 
 
 def in_canonical_order(r: Ranges, call_group: np.ndarray | None = None) -> bool:
+    """Whether ``r`` is already sorted by (call group of its region, when ``call_group`` marks any, destination buffer,
+    destination offset)."""
     d = dense_all({k: r[k] for k in ("dst_buf", "dst_offset", "region")})
     db, do = d["dst_buf"], d["dst_offset"]
     up = (db[1:] > db[:-1]) | ((db[1:] == db[:-1]) & (do[1:] >= do[:-1]))

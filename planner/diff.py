@@ -187,6 +187,7 @@ class PlanDiff:
 
     @property
     def changed_ranges(self) -> int:
+        """Number of ranges in only one of the two plans."""
         return len(self._side)
 
     def _rows(self, max_rows: int | None) -> tuple[list[tuple[str, ...]], list[str], int, int]:

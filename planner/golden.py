@@ -136,6 +136,7 @@ def _read(path: str | Path) -> dict[str, Any]:
 
 
 def loads(text: str, source: str = "golden file") -> Golden:
+    """A golden file's content from its JSON text; ``source`` names it in errors. Raises GoldenError."""
     return from_dict(_parse(text, source), source)
 
 
@@ -179,6 +180,7 @@ class GoldenCheck:
 
     @property
     def ok(self) -> bool:
+        """Whether the plan matches the golden file."""
         return self.status == "ok"
 
 

@@ -53,6 +53,7 @@ class Layout(Spec):
 
     @functools.cached_property
     def info(self) -> LayoutInfo:
+        """The derived per-region columns (LayoutInfo), built on first use and cached."""
         return LayoutInfo(self.buffers, self.regions, self.num_groups)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Layout:
@@ -64,4 +65,5 @@ class Layout(Spec):
         return copy
 
     def buffer_index(self, name: str) -> int:
+        """The index of buffer ``name`` in ``buffers``; KeyError for an unknown name."""
         return self.info.buffer_index[name]

@@ -31,6 +31,8 @@ class SideColumns:
     @classmethod
     def of(cls, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], index: dict[str, int],
            side: Location) -> SideColumns:
+        """The columns of ``side`` (host or device placement) for ``regions``; ``index`` maps buffer names to indices. The
+        arrays are read-only."""
         places = [r.placement(side) for r in regions]
         buf = np.array([index[p.buffer] for p in places], dtype=np.int32)
         base = np.array([p.byte_offset for p in places], dtype=np.int64)

@@ -30,6 +30,7 @@ class LocationHint(Spec):
 
     @property
     def code(self) -> int:
+        """The C location type: 1 (device) or 2 (host)."""
         return 1 if self.location is Location.DEVICE else 2
 
 
@@ -42,6 +43,7 @@ class CopyAttributes(Spec):
     flags: int = Field(default=0, ge=0, lt=2**32)  # C unsigned int
 
     def short(self) -> str:
+        """One line for tables, e.g. ``any host->dev0 flags 0x0``."""
         def loc(h: LocationHint) -> str:
             return f"dev{h.id}" if h.location is Location.DEVICE else "host"
         return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"
@@ -218,10 +220,12 @@ class TransferPlan:
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def num_ranges(self) -> int:
+        """Number of ranges in the plan."""
         return len(self._store["nbytes"])
 
     @property
     def num_calls(self) -> int:
+        """Number of driver calls in the plan."""
         return len(self.call_offsets) - 1
 
     @property
@@ -234,14 +238,17 @@ class TransferPlan:
 
     @property
     def call_sizes(self) -> np.ndarray:
+        """Ranges per call."""
         return np.diff(self.call_offsets)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes moved by all ranges together."""
         values, lengths = self.column_runs("nbytes")
         return int((values * lengths.astype(np.uint64)).sum(dtype=np.uint64))
 
     def calls(self) -> Iterator[slice]:
+        """One slice of the range columns per call, in order."""
         for i in range(self.num_calls):
             yield slice(int(self.call_offsets[i]), int(self.call_offsets[i + 1]))
 
@@ -314,11 +321,13 @@ class TransferPlan:
         return to_rich(self)
 
     def stats(self) -> dict[str, Any]:
+        """Numbers about the plan as JSON-ready values; see kvxfer.planner.render.stats."""
         from .render import stats
         return stats(self)
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: the header, ``call_offsets``, every column as a list, and the fingerprint."""
         d = self._header()
         d["call_offsets"] = self.call_offsets.tolist()
         d["columns"] = {name: self.column(name).tolist() for name in COLUMNS}
@@ -326,6 +335,7 @@ class TransferPlan:
         return d
 
     def to_json(self, indent: int | None = None) -> str:
+        """``to_dict()`` as JSON text (``indent`` None: one line)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
@@ -359,9 +369,11 @@ class TransferPlan:
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str | None = None) -> TransferPlan:
+        """A plan from ``to_json()`` text, checked as ``from_dict``; raises PlanFileError."""
         return cls.from_dict(files.parse_json(text, source), source)
 
     def to_npz_bytes(self) -> bytes:
+        """The plan as a compressed numpy archive: the JSON header (with fingerprint), ``call_offsets`` and every column."""
         buf = io.BytesIO()
         header = json.dumps(self._header() | {"fingerprint": self.fingerprint})
         np.savez_compressed(buf, header=np.frombuffer(header.encode(), dtype=np.uint8),
@@ -370,6 +382,7 @@ class TransferPlan:
 
     @classmethod
     def from_npz_bytes(cls, data: bytes, source: str | None = None) -> TransferPlan:
+        """A plan from ``to_npz_bytes()`` output, checked as ``from_dict``; raises PlanFileError."""
         return cls.from_dict(files.read_npz(data, source), source)
 
     def save(self, path: str | Path) -> Path:

@@ -78,6 +78,8 @@ def block_pattern(pattern: str, n: int, num_blocks: int, seed: int = 0) -> tuple
 
 
 def mapping(pattern: str, n: int, num_blocks: int, direction: Direction | str = Direction.H2D, seed: int = 0) -> BlockMapping:
+    """A BlockMapping in ``direction`` with the ids of ``block_pattern(pattern, n, num_blocks, seed)``. Raises ValueError for an
+    unknown pattern or too few blocks."""
     s, d = block_pattern(pattern, n, num_blocks, seed)
     return BlockMapping(direction=Direction(direction), src_ids=s, dst_ids=d)
 

@@ -52,10 +52,12 @@ def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
 
 
 def count(x: float) -> str:
+    """``x`` without decimals when it is whole, else with two."""
     return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
 
 
 def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an ``s`` unless ``n`` is 1."""
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
@@ -84,6 +86,7 @@ def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None) 
 
 
 def check_max_rows(max_rows: int | None) -> None:
+    """Raise PlanError unless ``max_rows`` is None or at least 2."""
     if max_rows is not None and max_rows < 2:
         raise PlanError("max_rows", max_rows, "must be at least 2, or None for every row")
 

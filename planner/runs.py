@@ -21,6 +21,7 @@ class Runs:
         return int(self.lengths.sum())
 
     def dense(self, dtype: DTypeLike | None = None) -> np.ndarray:
+        """The expanded column (as ``dtype`` when given)."""
         return np.repeat(self.values if dtype is None else self.values.astype(dtype), self.lengths)
 
     def chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
@@ -43,10 +44,12 @@ DenseRanges = dict[str, np.ndarray]
 
 
 def dense(col: Column, dtype: DTypeLike | None = None) -> np.ndarray:
+    """``col`` as a dense array; ``dtype`` converts run-length columns only (a dense array is returned as is)."""
     return col.dense(dtype) if isinstance(col, Runs) else col
 
 
 def dense_all(r: Ranges) -> DenseRanges:
+    """Every column of ``r`` dense (see ``dense``)."""
     return {k: dense(v) for k, v in r.items()}
 
 

@@ -19,21 +19,27 @@ U64 = 2**64
 
 
 class Location(StrEnum):
+    """Where a buffer lives: device memory, host memory or a file."""
+
     DEVICE = "device"
     HOST = "host"
     FILE = "file"  # a file (storage tier); where it lives is the binding's business, not the plan's
 
 
 class Direction(StrEnum):
+    """Which way blocks move: ``h2d`` loads host pages into device blocks, ``d2h`` stores device blocks to host pages."""
+
     H2D = "h2d"  # load: host placement -> device placement
     D2H = "d2h"  # store: device placement -> host placement
 
     @property
     def src_side(self) -> Location:
+        """The placement copies read from: host for loads, device for stores."""
         return Location.HOST if self is Direction.H2D else Location.DEVICE
 
     @property
     def dst_side(self) -> Location:
+        """The placement copies write to: device for loads, host for stores."""
         return Location.DEVICE if self is Direction.H2D else Location.HOST
 
 
@@ -154,6 +160,7 @@ class Region(Spec):
         return self
 
     def placement(self, side: Location | str) -> Placement:
+        """The region's placement on ``side``: ``host`` for the host side, else ``device``."""
         return self.host if side == Location.HOST else self.device
 
     def side_page(self, side: Location | str) -> int:
@@ -161,6 +168,7 @@ class Region(Spec):
         return self.host_page_bytes or self.page_bytes if side == Location.HOST else self.page_bytes
 
     def stride(self, side: Location | str) -> int:
+        """Bytes between consecutive chunks on ``side``: ``stride_bytes`` when set, else page bytes times blocks per chunk."""
         p = self.placement(side)
         return self.side_page(side) * p.blocks_per_chunk if p.stride_bytes is None else p.stride_bytes
 
@@ -253,6 +261,7 @@ class BlockMapping(Spec):
         return self
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips
+        """direction, src_ids and dst_ids (and the group fields when set) as JSON-ready values; keyword arguments are ignored."""
         d: dict[str, Any] = {"direction": self.direction.value, "src_ids": self.src_ids.tolist(),
                              "dst_ids": self.dst_ids.tolist()}
         if self.group_sizes is not None:
@@ -262,6 +271,7 @@ class BlockMapping(Spec):
         return d
 
     def model_dump_json(self, **kw: Any) -> str:
+        """``model_dump()`` as JSON text; of the keyword arguments only ``indent`` is used."""
         return json.dumps(self.model_dump(), **({"indent": kw["indent"]} if kw.get("indent") else {}))
 
     def __eq__(self, other: object) -> bool:

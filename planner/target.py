@@ -11,6 +11,8 @@ from .errors import TargetError
 
 
 class Platform(StrEnum):
+    """The platform a plan is made for: CUDA, ROCm or the host CPU."""
+
     CUDA = "cuda"
     ROCM = "rocm"
     CPU = "cpu"
@@ -92,6 +94,7 @@ class AccessOrder(StrEnum):
 
     @property
     def code(self) -> int:
+        """The C enum value (stream 1, during_api_call 2, any 3)."""
         return {"stream": 1, "during_api_call": 2, "any": 3}[self.value]
 
 
@@ -115,6 +118,7 @@ class Target(Spec):
 
     @property
     def label(self) -> str:
+        """Short name for messages and tables: ``cpu``, ``cuda-12.8``, ``rocm-7.16`` (``-unknown`` for version 0)."""
         v = self.runtime_version
         if self.platform is Platform.CPU:
             return "cpu"
@@ -127,6 +131,8 @@ class Target(Spec):
 
     @property
     def copy_api(self) -> CopyApi:
+        """The copy API the target's runtime version offers: the newest batch ABI it has, else per-range copies
+        (memcpy on CPU)."""
         v = self.runtime_version
         if self.platform is Platform.CUDA:
             return (CopyApi.CUDA_BATCH_V2 if v >= CUDA_BATCH_V2_MIN
@@ -137,6 +143,7 @@ class Target(Spec):
 
     @property
     def default_max_descriptors(self) -> int | None:
+        """The call size cap when PlanOptions leaves it open: 8,192 on ROCm (larger batches fault), else None (no cap)."""
         return HIP_MAX_DESCRIPTORS if self.platform is Platform.ROCM else None
 
     @property
@@ -147,6 +154,7 @@ class Target(Spec):
         return self.platform is Platform.CUDA and self.copy_api is not CopyApi.CUDA_PER_RANGE
 
     def flags(self, prefer_overlap_with_compute: bool = False) -> int:
+        """The attribute flags for this target: prefer-overlap-with-compute when asked, plus prefer-CE on ROCm 7.16 and later."""
         f = FLAG_PREFER_OVERLAP_WITH_COMPUTE if prefer_overlap_with_compute else 0
         if self.platform is Platform.ROCM and self.runtime_version >= HIP_PREFER_CE_MIN:
             f |= HIP_FLAG_PREFER_CE
@@ -193,5 +201,7 @@ class PlanOptions(Spec):
         return self
 
     def descriptor_cap(self, target: Target) -> int | None:
+        """Descriptors allowed per call on ``target``: ``max_descriptors``, or the target's default when it is None; None means
+        no cap (0 also means none)."""
         cap = target.default_max_descriptors if self.max_descriptors is None else self.max_descriptors
         return cap or None
