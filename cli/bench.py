@@ -46,6 +46,8 @@ def naive_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[np.ndarray
 
 
 def plan_cases(full: bool) -> list[tuple[str, Layout, BlockMapping]]:
+    """The planner benchmark's cases as (name, layout, mapping): every pattern at 118x256 blocks, and at 118x16128 blocks
+    every pattern when ``full`` (else contiguous and fragmented only)."""
     cases = []
     layout = presets.kv_layout(118, 512, 32 * 1024)
     for pat in presets.PATTERNS:
@@ -58,6 +60,8 @@ def plan_cases(full: bool) -> list[tuple[str, Layout, BlockMapping]]:
 
 
 def bench_plan(full: bool = True, repeat: int = 5) -> list[dict[str, Any]]:
+    """One row per ``plan_cases(full)`` case: plan_transfer (ROCm 7.16 target) timed against ``naive_descriptors``, with
+    requested copies, ranges, calls, both times in ms and the ratio plan / naive."""
     rows = []
     target = Target(platform="rocm", runtime_version=71600000)
     for name, layout, mapping in plan_cases(full):
@@ -99,6 +103,8 @@ def naive_fragment_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[n
 
 
 def layout_cases() -> list[tuple[str, Layout, BlockMapping]]:
+    """The layout-model cases as (name, layout, mapping): chunked host pages (4 blocks per chunk) and TP-2 fragments, each
+    with a contiguous and a fragmented mapping."""
     chunked = presets.chunked_layout(118, 512, 32 * 1024, blocks_per_chunk=4)
     frag = presets.tp_fragment_layout(118, 512, tokens=16, heads=8, head_bytes=256, tp=2, rank=0)
     rng = np.random.default_rng(0)
@@ -113,6 +119,7 @@ def layout_cases() -> list[tuple[str, Layout, BlockMapping]]:
 
 
 def bench_layouts(repeat: int = 5) -> list[dict[str, Any]]:
+    """One row per ``layout_cases()`` case: plan_transfer timed against ``naive_fragment_descriptors``, with the ratio."""
     rows = []
     for name, layout, mapping in layout_cases():
         _ = layout.info  # layout-derived arrays are built once, outside the timed calls
@@ -125,6 +132,8 @@ def bench_layouts(repeat: int = 5) -> list[dict[str, Any]]:
 
 
 def bench_memory() -> dict[str, Any]:
+    """tracemalloc peak while planning 118x16128 fragmented blocks, against the plan's stored arrays (``ratio`` = peak /
+    stored) and the size of its columns expanded, in MiB."""
     big = 16128
     layout = presets.kv_layout(118, 2 * big, 32 * 1024)
     mapping = presets.mapping("fragmented", big, 2 * big)
@@ -142,6 +151,8 @@ def bench_memory() -> dict[str, Any]:
 
 
 def bench_executor(page_bytes: int = 32 * 1024, repeat: int = 5) -> list[dict[str, Any]]:
+    """One row per pattern: NumpyExecutor on a merged plan against one np.copyto of the same bytes and against bare memmove
+    of the same ranges (speeds are baseline time / executor time), plus GB/s."""
     from kvxfer.executors import NumpyExecutor
 
     rows = []
@@ -173,12 +184,14 @@ def _memmove_ranges(plan: Any, bufs: dict[str, np.ndarray]) -> None:
 
 
 def run_all(full: bool = True) -> dict[str, Any]:
+    """Every benchmark's results with date, machine and numpy version, as a JSON-ready dict."""
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "numpy": np.__version__, "plan": bench_plan(full), "layouts": bench_layouts(), "memory": bench_memory(),
             "executor": bench_executor()}
 
 
 def format_tables(res: dict[str, Any]) -> str:
+    """``run_all()`` results as fixed-width text tables, one per benchmark."""
     lines = ["plan_transfer vs naive per-block descriptor build (ratio = plan / naive; lower is better)",
              f"{'case':<26}{'requested':>10}{'ranges':>9}{'calls':>6}{'plan ms':>10}{'naive ms':>10}{'ratio':>8}"]
     for r in res["plan"]:

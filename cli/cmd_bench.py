@@ -10,6 +10,8 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``bench`` command to ``app``."""
+
     @app.command("bench")
     def bench(out: Path = typer.Option(Path("bench-results.json"), help="where to write the JSON results"),
               quick: bool = typer.Option(False, help="fewer 16,128-block patterns")) -> None:

@@ -26,6 +26,8 @@ def _cells(columns: tuple, row: dict[str, Any] | None) -> str:
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``demo`` command to ``app``."""
+
     @app.command("demo")
     def demo(full: bool = typer.Option(False, "--full", help="32 KiB pages (944 MiB moved per pattern) instead of 1 KiB"),
              page_bytes: int = typer.Option(0, help="page size in bytes (overrides --full)"),

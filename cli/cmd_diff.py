@@ -10,6 +10,8 @@ from ._inputs import read_plan
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``diff`` command to ``app``."""
+
     @app.command("diff")
     def diff_cmd(
         a: Path = typer.Argument(..., help="case, plan or golden file"),

@@ -17,6 +17,7 @@ def _first_line(message: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``golden`` command group (``check``, ``update``) to ``app``."""
     group = typer.Typer(no_args_is_help=True, help="Check or rewrite golden plan files.")
     app.add_typer(group, name="golden")
 

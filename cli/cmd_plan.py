@@ -11,6 +11,8 @@ from ._inputs import read_plan
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``plan`` command to ``app``."""
+
     @app.command("plan")
     def plan_cmd(
         case: Path = typer.Argument(..., help="case file (kvxfer schema), plan file (.json/.npz) or golden file"),

@@ -34,6 +34,7 @@ def _print(message: str, err: bool = False) -> None:
 
 
 def register(app) -> None:
+    """Add the ``run`` command to ``app``."""
     import typer
 
     @app.command("run")

@@ -8,6 +8,8 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``schema`` command to ``app``."""
+
     @app.command("schema")
     def schema_cmd(out: Path | None = typer.Option(None, "--out", "-o", help="write to this file")) -> None:
         """Print the JSON Schema of case files (what kvxfer plan and kvxfer diff read)."""

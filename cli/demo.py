@@ -29,6 +29,8 @@ TARGETS = {
 
 
 def describe_attrs(plan: TransferPlan) -> str:
+    """The plan's attributes for the demo table: how many records the calls pass, the first's access order and flags; ``-``
+    when the plan has none."""
     a = plan.attrs[0] if plan.attrs else None
     if a is None:
         return "-"

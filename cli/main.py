@@ -23,6 +23,7 @@ def _version(value: bool) -> None:
 
 
 def build_app():
+    """The typer app with every command of COMMAND_MODULES registered. Exits (SystemExit with an install hint) without typer."""
     try:
         import typer
     except ImportError as e:

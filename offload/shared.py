@@ -61,6 +61,7 @@ def _alive(pid: int, start: int) -> bool:
 
 
 def path_of(name: str, directory: str | os.PathLike = "/dev/shm") -> Path:
+    """The path of the shared region ``name`` in ``directory`` (the name gets the kvxfer prefix)."""
     return Path(directory) / f"{PREFIX}{name}"
 
 

@@ -26,6 +26,7 @@ class CopyParams:
     options: PlanOptions
 
     def close(self) -> None:
+        """Release the bound memory, then close the executor."""
         self.bound.close()
         self.executor.close()
 

@@ -33,6 +33,8 @@ class Sharing(StrEnum):
 
 
 class HostLayout(StrEnum):
+    """How host rows hold the tensors: ``direct`` per-rank cells for every tensor; ``canonical`` rank-independent cells
+    shared by all ranks for replicated and sharded tensors."""
     DIRECT = "direct"  # every tensor in per-rank cells, as the device holds it
     CANONICAL = "canonical"  # replicated and sharded tensors in rank-independent cells shared by all ranks
 
@@ -120,9 +122,12 @@ class Geometry(Spec):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of host memory the cells need: ``data_bytes`` when set (tensor-major), else rows times row stride."""
         return self.data_bytes or self.num_chunks * self.row_stride_bytes
 
     def cell(self, tensor: str, rank: int | None) -> Cell:
+        """The cell of ``tensor`` for ``rank`` (None: the shared, canonical cell). Raises LayoutError naming the tensor when
+        there is none."""
         for c in self.cells:
             if c.tensor == tensor and c.rank == rank:
                 return c
@@ -132,6 +137,7 @@ class Geometry(Spec):
 
 
 def canonical_page(t: KVTensor, tp: TPRank) -> int:
+    """Bytes of ``t``'s canonical page: the whole row across ``tp.size`` ranks for a sharded tensor, else its own page."""
     return t.page_bytes * tp.size if t.sharing is Sharing.SHARDED else t.page_bytes
 
 

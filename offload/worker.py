@@ -75,9 +75,11 @@ class Pool:
 
     @property
     def made(self) -> int:
+        """Number of handles made since the last ``clear``."""
         return len(self._all)
 
     def acquire(self) -> Any:
+        """A free handle, or a newly made one when none is free."""
         if self._free:
             return self._free.pop()
         h = self._make()
@@ -85,9 +87,11 @@ class Pool:
         return h
 
     def release(self, handle: Any) -> None:
+        """Return ``handle`` to the free list."""
         self._free.append(handle)
 
     def clear(self) -> None:
+        """Destroy every handle made (free or not) and forget them."""
         for h in self._all:
             self._destroy(h)
         self._all.clear()
