@@ -159,7 +159,8 @@ class Executor:
         """Backend hook run once per ``bind``: registration and the like."""
 
     def memory_for(self, plan: TransferPlan, memory: BoundMemory | Bindings) -> BoundMemory:
-        """``memory`` if it is a BoundMemory made by this kind of executor, else the plan's buffers bound for one run."""
+        """``memory`` if it is a BoundMemory made by this kind of executor, else the plan's buffers bound for one run.
+        Raises BindingError for a BoundMemory made by another executor kind, or memory that does not fit."""
         if isinstance(memory, BoundMemory):
             if memory.bound_by != type(self).__name__:
                 raise BindingError(memory.bound_by, repr(memory), f"bound by another executor kind; bind with this "

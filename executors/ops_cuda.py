@@ -134,7 +134,7 @@ class CudaRuntime:
             self._cu.cuCtxPopCurrent()
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
-        """Location check only (BindingError when the memory's location differs from the buffer's)."""
+        """Location check only: BindingError when the memory sits elsewhere (or on another device) than the buffer."""
         check_location(buf, mem)
 
     def close(self) -> None:
