@@ -29,7 +29,8 @@ class Case(Spec):
         return plan_transfer(self.layout, self.mapping, self.target, self.options)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; fields at their defaults are left out so files stay stable as fields are added."""
+        """JSON-ready dict; layout and options fields at their defaults are left out so files stay stable as fields are
+        added (the mapping and the target are written in full)."""
         return {"layout": self.layout.model_dump(mode="json", exclude_defaults=True), "mapping": self.mapping.model_dump(),
                 "target": self.target.model_dump(mode="json"),
                 "options": self.options.model_dump(mode="json", exclude_defaults=True)}

@@ -168,7 +168,8 @@ class Region(Spec):
         return self.host_page_bytes or self.page_bytes if side == Location.HOST else self.page_bytes
 
     def stride(self, side: Location | str) -> int:
-        """Bytes between consecutive chunks on ``side``: ``stride_bytes`` when set, else page bytes times blocks per chunk."""
+        """Bytes between consecutive chunks (blocks when one per chunk) on ``side``: ``stride_bytes`` when set, else page
+        bytes times blocks per chunk."""
         p = self.placement(side)
         return self.side_page(side) * p.blocks_per_chunk if p.stride_bytes is None else p.stride_bytes
 
