@@ -30,7 +30,7 @@ def _undocumented(body: list[ast.stmt], path: Path, prefix: str = "") -> list[st
             continue
         if not isinstance(node, ast.ClassDef) and _is_overload(node):
             continue
-        if ast.get_docstring(node) is None:
+        if not ast.get_docstring(node):  # an empty docstring says nothing either
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {prefix}{node.name}")
         if isinstance(node, ast.ClassDef):
             found += _undocumented(node.body, path, f"{prefix}{node.name}.")
