@@ -1,6 +1,7 @@
 """`make demo` and `make test` install what each command uses, with pip's progress shown (dry runs of make)."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def dry_run(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make TARGET`` would run on a fresh clone (a .venv that does not exist yet)."""
-    out = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under `make test`
+    out = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env=env).stdout
     return out.splitlines()
 
 
