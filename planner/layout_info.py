@@ -93,6 +93,9 @@ class LayoutInfo:
         self.aliases = tuple((regions[i].name, regions[a].name) for i, a in enumerate(self.alias_of.tolist()) if a != i)
         self.names = tuple(r.name for r in regions)
         self.page_bytes = tuple(r.page_bytes for r in regions)
+        self.align_bytes = np.array([b.align_bytes for b in buffers] or [1], dtype=np.uint64)  # see alignment
+        self.align_bytes.flags.writeable = False
+        self.aligned = bool(np.any(self.align_bytes > 1))  # some buffer declares an alignment: plans are checked
         self.memo: dict[tuple[Any, ...], object] = {}  # other per-layout results, keyed by their caller
 
     def without_aliases(self) -> LayoutInfo:

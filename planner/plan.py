@@ -140,23 +140,30 @@ class TransferPlan:
             raise PlanError("region_writers", len(self.region_writers), f"expected one per region ({len(self.regions)})")
         n = None
         store: dict[str, Column] = {}
+        run_total: dict[int, int] = {}  # columns of one plan share their run lengths: sum each array once
         for name, dtype in COLUMNS.items():
             col = columns[name]
             if isinstance(col, Runs):  # kept run-length encoded until first read (columns constant per region)
                 col = Runs(col.values.astype(dtype, copy=False), col.lengths)
                 col.values.flags.writeable = col.lengths.flags.writeable = False
+                total = run_total.get(id(col.lengths))
+                if total is None:
+                    total = run_total[id(col.lengths)] = len(col)
+                if n is not None and total != n:
+                    raise PlanError(name, total, f"column length differs from {n}")
+                n = total
             else:
                 col = np.ascontiguousarray(col, dtype=dtype)
                 if col.ndim != 1:
                     raise PlanError(name, f"shape {col.shape}", "columns are one-dimensional")
                 col.flags.writeable = False
-            if n is not None and len(col) != n:
-                raise PlanError(name, len(col), f"column length differs from {n}")
-            n = len(col)
+                if n is not None and len(col) != n:
+                    raise PlanError(name, len(col), f"column length differs from {n}")
+                n = len(col)
             store[name] = col
         set_(self, "_store", store)
         co = np.ascontiguousarray(call_offsets, dtype=np.int64)
-        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or np.any(np.diff(co) <= 0):
+        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or bool(np.any(co[1:] <= co[:-1])):
             raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
         co.flags.writeable = False
         set_(self, "call_offsets", co)
