@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import Field
 
 from . import files
-from ._model import Spec
+from ._model import IntTuple, Spec
 from .errors import PlanError
 from .runs import Column, Runs, runs_of
 from .spec import Buffer, Direction, Location
@@ -125,7 +125,8 @@ class TransferPlan:
         set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
         set_(self, "buffers", tuple(buffers))
         set_(self, "regions", tuple(regions))
-        set_(self, "region_page_bytes", tuple(map(int, region_page_bytes or ())))
+        rpb = region_page_bytes
+        set_(self, "region_page_bytes", rpb if type(rpb) is IntTuple else tuple(map(int, rpb or ())))
         if self.region_page_bytes and len(self.region_page_bytes) != len(self.regions):
             raise PlanError("region_page_bytes", len(self.region_page_bytes), f"expected one per region ({len(self.regions)})")
         set_(self, "attrs", tuple(attrs))
