@@ -86,6 +86,13 @@ def _reraise(err: ValidationError, error_cls: type[PlanError], model: Any = None
     return first
 
 
+class IntTuple(tuple[int, ...]):
+    """A tuple made of Python ints by its maker (once per layout): values that take a tuple of ints keep it as
+    it is instead of converting every entry again on each plan."""
+
+    __slots__ = ()
+
+
 @functools.cache
 def _kind_fields(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     """(names of the fields that take an integer but not a bool, names of the fields that take only a bool)."""

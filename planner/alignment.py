@@ -9,15 +9,23 @@ import numpy as np
 
 from .errors import LayoutError
 from .plan import TransferPlan
+from .spec import Buffer
 
 
-def check_alignment(plan: TransferPlan) -> TransferPlan:
+def align_table(buffers: tuple[Buffer, ...]) -> np.ndarray:
+    """Each buffer's ``align_bytes`` (uint64), one entry at least."""
+    return np.array([b.align_bytes for b in buffers] or [1], dtype=np.uint64)
+
+
+def check_alignment(plan: TransferPlan, align: np.ndarray | None = None) -> TransferPlan:
     """Raise LayoutError unless every range's offset and size honour ``align_bytes`` of both its buffers.
 
     The error names the column (``src_offset``, ``dst_offset`` or ``nbytes``), the range index, the value,
-    the buffer and the region. Returns ``plan``.
+    the buffer and the region. Returns ``plan``. ``align`` is ``align_table(plan.buffers)`` where the caller
+    keeps it (one per layout), None to build it here.
     """
-    align = np.array([b.align_bytes for b in plan.buffers] or [1], dtype=np.uint64)
+    if align is None:
+        align = align_table(plan.buffers)
     if plan.num_ranges == 0 or not np.any(align > 1):
         return plan
     nb = plan.nbytes

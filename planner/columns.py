@@ -40,18 +40,6 @@ def concat(parts: Sequence[Ranges]) -> DenseRanges:
 
 
 # ---- page ids ---------------------------------------------------------------------------------------------
-def order_by(x: np.ndarray) -> slice | np.ndarray:
-    """Indices that sort ``x`` (stable); a slice when it is already ascending or strictly descending."""
-    if len(x) < 2:
-        return slice(None)
-    step = x[1:] - x[:-1]
-    if np.all(step >= 0):
-        return slice(None)
-    if np.all(step < 0):
-        return slice(None, None, -1)
-    return np.argsort(x, kind="stable")
-
-
 def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs (src id, dst id, length) where both ids advance by one, sorted by dst id.
 
@@ -59,13 +47,25 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     of a pair (s, d) is the pair with destination d+1, which sits right after it in destination order.
     Ascending and descending destinations are recognised in O(n) and not sorted.
     """
-    o = order_by(d)
-    s, d = s[o], d[o]
+    if len(d) < 2:
+        return s, d, np.ones(len(s), dtype=np.int64)
+    step = d[1:] - d[:-1]
+    if int(step.min()) < 0:  # not ascending (rare in practice): sort, or reverse a descending list
+        o = slice(None, None, -1) if int(step.max()) < 0 else np.argsort(d, kind="stable")
+        s, d = s[o], d[o]
+        step = d[1:] - d[:-1]
     if not coalesce:
         return s, d, np.ones(len(s), dtype=np.int64)
-    brk = (d[1:] != d[:-1] + 1) | (s[1:] != s[:-1] + 1)
-    starts = np.flatnonzero(np.concatenate(([True], brk)))
-    return s[starts], d[starts], np.diff(np.append(starts, len(s)))
+    brk = step != 1  # one pass per side, arrays reused: this runs on every plan
+    brk |= np.subtract(s[1:], s[:-1], out=step) != 1
+    starts = np.empty(1 + int(np.count_nonzero(brk)), dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(brk)
+    starts[1:] += 1
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = len(s)
+    return s[starts], d[starts], ends - starts
 
 
 def raise_repeated_id(dst_ids: np.ndarray) -> None:
@@ -78,9 +78,10 @@ def raise_repeated_id(dst_ids: np.ndarray) -> None:
 
 
 def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray | None, pages: np.ndarray,
-                    index: np.ndarray | None, ids: np.ndarray, field: str) -> None:
+                    index: np.ndarray | None, ids: np.ndarray, field: str, top: int | None = None) -> None:
     """Every page of every region in ``regs`` (None: all) must end inside its buffer. Page ends grow with the
-    page id, so the largest page decides; ``index[i]`` (default i) is the position in ``ids`` of page i."""
+    page id, so the largest page decides (``top``: ``pages.max()`` where the caller has it already);
+    ``index[i]`` (default i) is the position in ``ids`` of page i."""
     col = info.side[side]
     if regs is None:
         regs = np.arange(info.nregions)
@@ -90,7 +91,7 @@ def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray | None, p
     if not len(pages) or not len(regs):
         return
     limit = col.max_page[regs]
-    top = int(pages.max())
+    top = int(pages.max()) if top is None else top
     if top <= lowest:
         return
     r = int(regs[np.argmax(limit < top)])

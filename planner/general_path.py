@@ -41,6 +41,8 @@ class RegionKind(IntEnum):
     PAGE = 0  # whole pages, offsets linear in the page id: id runs give the ranges, as for plain layouts
     PIECES = 1  # fragments whose table cannot join across pages: pages x pieces are the ranges
     GENERAL = 2  # anything else (padded chunk rows, pieces that chain across pages): expanded, then merged
+    REPEATS = 3  # PIECES, except that a piece chains into the next destination page's when both pages read the
+    #              same source page: GENERAL for a transfer that repeats a source page there, PIECES otherwise
 
 
 def group_chunk_size(info: LayoutInfo, regs: np.ndarray, side: Location, group: int) -> int:
@@ -126,11 +128,24 @@ def _classify(info: LayoutInfo, direction: Direction, coalesce: bool) -> tuple[n
         whole = len(fb) == 1 and fs[0] == 0 and fd[0] == 0 and fb[0] == ps == pd
         if linear and whole:
             kinds[r] = RegionKind.PAGE
-        elif linear and not (pages_chain and bool(np.isin(fs + fb - ps, fs).any() and np.isin(fd + fb - pd, fd).any())):
-            kinds[r] = RegionKind.PIECES
-        else:
+        elif not linear or (pages_chain and _chains(fs, fd, fb, ps, pd)):
             kinds[r] = RegionKind.GENERAL
+        elif coalesce and D.dense[r] and _chains(fs, fd, fb, 0, pd):
+            kinds[r] = RegionKind.REPEATS
+        else:
+            kinds[r] = RegionKind.PIECES
     return kinds, tables
+
+
+def _chains(fs: np.ndarray, fd: np.ndarray, fb: np.ndarray, src_step: int, dst_step: int) -> bool:
+    """Whether some piece ends where a piece starts on both sides once the source moves ``src_step`` bytes and
+    the destination ``dst_step`` bytes (the next page: ``dst_step`` is its page; ``src_step`` is 0 when both
+    pages read one source page, its page when the next source page follows in bytes).
+
+    Pages are disjoint (stride >= page), so a piece can end where another page's piece starts only when the
+    two pages are the same page or neighbours in bytes; these two steps are the only ways pieces chain."""
+    starts = set(zip(fs.tolist(), fd.tolist()))  # once per layout: a set keeps large tables linear
+    return any(e in starts for e in zip((fs + fb - src_step).tolist(), (fd + fb - dst_step).tolist()))
 
 
 def _writer_sets(info: LayoutInfo, regs: np.ndarray, direction: Direction,
@@ -166,6 +181,7 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     kinds, tables = region_kinds(info, direction, options.coalesce)
     parts: list[Part] = []  # each region's ranges: parts[part_of[r]] (-1: none)
     part_of = np.full(info.nregions, -1, dtype=np.int64)
+    chained = kinds == RegionKind.GENERAL  # regions whose ranges go through the general merge
     repeated_page = False
     top_s = top_d = requested = used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
@@ -197,6 +213,9 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
                 S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], dp[o]
                 part_of[piece_regs] = np.arange(len(parts), len(parts) + len(piece_regs))
                 parts += [Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs]
+                repeats = [r for r in piece_regs if kinds[r] == RegionKind.REPEATS]
+                if repeats and bool(np.any((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1]))):
+                    chained[repeats] = True  # neighbouring destination pages read one source page: pieces chain
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "
@@ -208,7 +227,7 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     if not (disjoint and not info.shared_buffers(direction) and not repeated_page):
         r = sort_canonical(r, call_group)
         check_overlaps(info, direction, r, d_ids if len(sizes) == 1 else None, call_group)
-    mergeable = (kinds == RegionKind.GENERAL) | info.linked_regions(direction, top_s, top_d)
+    mergeable = chained | info.linked_regions(direction, top_s, top_d)
     if options.coalesce and len(r["nbytes"]) and mergeable.any():
         r = sort_canonical(merge_where(r, mergeable, call_group), call_group)
     r = split_large(r, options.max_range_bytes)

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ._model import IntTuple
 from .spec import Buffer, Direction, Location, Region
 
 T = TypeVar("T")
@@ -94,7 +95,10 @@ class LayoutInfo:
         # (alias, region it repeats) name pairs, in region order
         self.aliases = tuple((regions[i].name, regions[a].name) for i, a in enumerate(self.alias_of.tolist()) if a != i)
         self.names = tuple(r.name for r in regions)
-        self.page_bytes = tuple(r.page_bytes for r in regions)
+        self.page_bytes = IntTuple(int(r.page_bytes) for r in regions)  # plans take it without converting it
+        self.align_bytes = np.array([b.align_bytes for b in buffers] or [1], dtype=np.uint64)  # see alignment
+        self.align_bytes.flags.writeable = False
+        self.aligned = bool(np.any(self.align_bytes > 1))  # some buffer declares an alignment: plans are checked
         self.memo: dict[tuple[Any, ...], object] = {}  # other per-layout results, keyed by their caller
 
     def without_aliases(self) -> LayoutInfo:

@@ -44,21 +44,22 @@ def plan_plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     """
     direction = mapping.direction
     s, d = mapping.src_ids, mapping.dst_ids
-    check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids")
-    check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids")
     if len(s) == 0 or info.nregions == 0:
         r: Ranges = dict(empty_ranges())
     else:
-        r = _ranges(info, mapping, options.coalesce)
+        top_s, top_d = int(s.max()), int(d.max())  # once: every step below needs them
+        check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids", top_s)
+        check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids", top_d)
+        r = _ranges(info, mapping, options.coalesce, top_s, top_d)
     r = split_large(r, options.max_range_bytes)
     return r, len(s) * info.nregions, chunk_calls(len(r["nbytes"]), cap)
 
 
-def _ranges(info: LayoutInfo, mapping: BlockMapping, coalesce: bool) -> Ranges:
-    """All ranges in canonical order, checked for overlaps."""
+def _ranges(info: LayoutInfo, mapping: BlockMapping, coalesce: bool, top_s: int, top_d: int) -> Ranges:
+    """All ranges in canonical order, checked for overlaps; ``top_s``, ``top_d``: the largest ids."""
     direction = mapping.direction
     s, d = mapping.src_ids, mapping.dst_ids
-    order, disjoint = info.dst_order(direction, int(d.max()))
+    order, disjoint = info.dst_order(direction, top_d)
     S, D = info.side[direction.src_side], info.side[direction.dst_side]
     merges = (S.dense & D.dense)[order]  # stride == page on both sides: id runs are byte runs
     runs = PageRuns(info, direction, s, d, True) if coalesce and merges.any() else None
@@ -73,7 +74,7 @@ def _ranges(info: LayoutInfo, mapping: BlockMapping, coalesce: bool) -> Ranges:
         cut = np.flatnonzero(np.concatenate(([True], merges[1:] != merges[:-1], [True])))
         parts = [(order[a:b], runs if merges[a] else singles) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
     r = assemble(info, direction, parts)
-    linked = info.linked_regions(direction, int(s.max()), int(d.max())) if coalesce else None
+    linked = info.linked_regions(direction, top_s, top_d) if coalesce else None
     if linked is not None and linked.any():
         r = merge_where(r, linked, np.zeros(info.nregions, np.int64))
         disjoint = False

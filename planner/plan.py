@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import Field
 
 from . import files
-from ._model import Spec
+from ._model import IntTuple, Spec
 from .errors import PlanError
 from .runs import Column, Runs, runs_of
 from .spec import Buffer, Direction, Location
@@ -127,7 +127,8 @@ class TransferPlan:
         set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
         set_(self, "buffers", tuple(buffers))
         set_(self, "regions", tuple(regions))
-        set_(self, "region_page_bytes", tuple(map(int, region_page_bytes or ())))
+        rpb = region_page_bytes
+        set_(self, "region_page_bytes", rpb if type(rpb) is IntTuple else tuple(map(int, rpb or ())))
         if self.region_page_bytes and len(self.region_page_bytes) != len(self.regions):
             raise PlanError("region_page_bytes", len(self.region_page_bytes), f"expected one per region ({len(self.regions)})")
         set_(self, "attrs", tuple(attrs))
@@ -142,23 +143,30 @@ class TransferPlan:
             raise PlanError("region_writers", len(self.region_writers), f"expected one per region ({len(self.regions)})")
         n = None
         store: dict[str, Column] = {}
+        run_total: dict[int, int] = {}  # columns of one plan share their run lengths: sum each array once
         for name, dtype in COLUMNS.items():
             col = columns[name]
             if isinstance(col, Runs):  # kept run-length encoded until first read (columns constant per region)
                 col = Runs(col.values.astype(dtype, copy=False), col.lengths)
                 col.values.flags.writeable = col.lengths.flags.writeable = False
+                total = run_total.get(id(col.lengths))
+                if total is None:
+                    total = run_total[id(col.lengths)] = len(col)
+                if n is not None and total != n:
+                    raise PlanError(name, total, f"column length differs from {n}")
+                n = total
             else:
                 col = np.ascontiguousarray(col, dtype=dtype)
                 if col.ndim != 1:
                     raise PlanError(name, f"shape {col.shape}", "columns are one-dimensional")
                 col.flags.writeable = False
-            if n is not None and len(col) != n:
-                raise PlanError(name, len(col), f"column length differs from {n}")
-            n = len(col)
+                if n is not None and len(col) != n:
+                    raise PlanError(name, len(col), f"column length differs from {n}")
+                n = len(col)
             store[name] = col
         set_(self, "_store", store)
         co = np.ascontiguousarray(call_offsets, dtype=np.int64)
-        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or np.any(np.diff(co) <= 0):
+        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or bool(np.any(co[1:] <= co[:-1])):
             raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
         co.flags.writeable = False
         set_(self, "call_offsets", co)

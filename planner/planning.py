@@ -43,11 +43,14 @@ def plan_transfer_general(layout: Layout | dict[str, Any] | Any, mapping: BlockM
     return _plan(layout, mapping, target, options, general=True)
 
 
+_DEFAULT_TARGET, _DEFAULT_OPTIONS = Target(), PlanOptions()  # frozen values: built once, not per plan
+
+
 def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, general: bool) -> TransferPlan:
     layout = Layout.coerce(layout_in, "layout")
     mapping = BlockMapping.coerce(mapping_in, "mapping")
-    target = Target() if target_in is None else Target.coerce(target_in, "target")
-    options = PlanOptions() if options_in is None else PlanOptions.coerce(options_in, "options")
+    target = _DEFAULT_TARGET if target_in is None else Target.coerce(target_in, "target")
+    options = _DEFAULT_OPTIONS if options_in is None else PlanOptions.coerce(options_in, "options")
     full = layout.info
     info = full.without_aliases() if full.aliases else full
     direction = mapping.direction
@@ -66,10 +69,11 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
         col = ranges[k]
         if not isinstance(col, Runs):  # (run-length values are converted by TransferPlan)
             ranges[k] = col.view(np.uint64)
-    return check_alignment(TransferPlan(
+    plan = TransferPlan(
         direction=direction, target=target, options=options, buffers=layout.buffers, regions=full.names, attrs=attrs,
         region_page_bytes=full.page_bytes, aliases=full.aliases, region_writers=_region_writers(full, direction, options),
-        requested_copies=requested, call_offsets=call_offsets, columns=ranges))
+        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
+    return check_alignment(plan, full.align_bytes) if full.aligned else plan
 
 
 def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> bool:

@@ -225,6 +225,49 @@ def _as_ids(value: Any, field: str) -> np.ndarray:
     return out
 
 
+_DIRECTIONS = frozenset(d.value for d in Direction)
+_MAPPING_KEYS = frozenset(("direction", "src_ids", "dst_ids", "group_sizes", "group_starts"))
+
+
+def _fast_mapping(data: dict[str, Any]) -> dict[str, Any] | None:
+    """BlockMapping's fields from integer id arrays, a Direction (or its value) and group lists of non-negative
+    integers, checked as the validators check them; None for anything else (pydantic then validates it and
+    names what is wrong)."""
+    if not (data.keys() <= _MAPPING_KEYS and "direction" in data):
+        return None
+    src, dst = data.get("src_ids"), data.get("dst_ids")
+    if not (isinstance(src, np.ndarray) and isinstance(dst, np.ndarray) and src.dtype.kind in "iu"
+            and dst.dtype.kind in "iu"):
+        return None
+    direction = data["direction"]
+    if not isinstance(direction, Direction):
+        if not isinstance(direction, str) or direction not in _DIRECTIONS:
+            return None
+        direction = Direction(direction)
+    groups = []
+    for name in ("group_sizes", "group_starts"):
+        v = data.get(name)
+        if v is not None:
+            if not isinstance(v, (tuple, list)) or not all(
+                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in v):
+                return None
+            v = tuple(int(x) for x in v)
+        groups.append(v)
+    return {"direction": direction, "src_ids": _as_ids(src, "src_ids"), "dst_ids": _as_ids(dst, "dst_ids"),
+            "group_sizes": groups[0], "group_starts": groups[1]}
+
+
+def _check_lengths(src: np.ndarray, dst: np.ndarray, sizes: tuple[int, ...] | None,
+                   starts: tuple[int, ...] | None) -> None:
+    if starts is not None and sizes is None:
+        raise MappingError("group_starts", starts, "needs group_sizes")
+    if starts is not None and len(starts) != len(sizes or ()):
+        raise MappingError("group_starts", f"length {len(starts)}", f"group_sizes has {len(sizes or ())} groups")
+    if sizes is None and len(src) != len(dst):
+        raise MappingError("dst_ids", f"length {len(dst)}",
+                           f"src_ids has {len(src)} ids; the lists must have equal length")
+
+
 class BlockMapping(Spec):
     """Which blocks move: src_ids[i] -> dst_ids[i] in every region. Ids are read-only int64 arrays."""
 
@@ -249,16 +292,23 @@ class BlockMapping(Spec):
     def _ids(cls, v: Any, info: ValidationInfo) -> np.ndarray:
         return _as_ids(v, str(info.field_name))
 
+    def __init__(self, **data: Any) -> None:
+        """Validated as every Spec; integer id arrays with well-formed fields around them (the per-job case)
+        take the same checks without pydantic's machinery (``_as_ids`` and ``_check_lengths`` as below)."""
+        values = _fast_mapping(data)
+        if values is None:
+            super().__init__(**data)
+            return
+        _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
+        set_ = object.__setattr__  # what BaseModel.model_construct sets
+        set_(self, "__dict__", values)
+        set_(self, "__pydantic_fields_set__", set(data))
+        set_(self, "__pydantic_extra__", None)
+        set_(self, "__pydantic_private__", None)
+
     @model_validator(mode="after")
     def _lengths(self) -> BlockMapping:
-        if self.group_starts is not None and self.group_sizes is None:
-            raise MappingError("group_starts", self.group_starts, "needs group_sizes")
-        if self.group_starts is not None and len(self.group_starts) != len(self.group_sizes or ()):
-            raise MappingError("group_starts", f"length {len(self.group_starts)}",
-                               f"group_sizes has {len(self.group_sizes or ())} groups")
-        if self.group_sizes is None and len(self.src_ids) != len(self.dst_ids):
-            raise MappingError("dst_ids", f"length {len(self.dst_ids)}",
-                               f"src_ids has {len(self.src_ids)} ids; the lists must have equal length")
+        _check_lengths(self.src_ids, self.dst_ids, self.group_sizes, self.group_starts)
         return self
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips

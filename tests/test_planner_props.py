@@ -297,10 +297,7 @@ def check_case(layout: Layout, mapping: BlockMapping, options: PlanOptions = Pla
             assert len(set((plan.region[sl] // options.regions_per_call).tolist())) == 1
     if not options.coalesce and not options.max_range_bytes:
         assert plan.num_ranges == len(copies)
-    # Known gap, pinned deterministically by test_fragments_of_one_repeated_source_page_chain_across_destination_pages:
-    # the planner does not chain the fragments of one repeated source page. Drop this exemption when that passes.
-    known_gap = any(r.fragments for r in layout.regions) and len(np.unique(mapping.src_ids)) < len(mapping.src_ids)
-    if options.coalesce and not options.max_range_bytes and not options.regions_per_call and not known_gap:
+    if options.coalesce and not options.max_range_bytes and not options.regions_per_call:
         assert plan.num_ranges == min_ranges(copies)
     return plan
 
@@ -406,6 +403,23 @@ def test_fragments_of_one_repeated_source_page_chain_across_destination_pages():
     assert min_ranges(expected_copies(layout, m)) == 5
     plan = check_case(layout, m)
     assert plan is not None and plan.num_ranges == 5
+
+
+@pytest.mark.parametrize("src_ids", [[0, 1, 0, 0], [0, 1, 2, 3], [3, 3, 1, 1], [0, 0, 0, 0]])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_fragments_chain_only_where_neighbouring_pages_read_one_source_page(src_ids, direction):
+    """The same page shape as above with source pages repeated on some neighbouring destination pages only
+    (or on none): the plan has the fewest ranges the oracle's copies allow, in both directions."""
+    def piece(local: int, canonical: int) -> Fragment:
+        return Fragment(local_offset=local, local_stride=0, canonical_offset=canonical, canonical_stride=0, fragment_bytes=2)
+    if direction == "d2h":
+        dev, host, pieces = Placement(buffer="d", stride_bytes=8), Placement(buffer="h"), (piece(2, 0), piece(0, 6))
+    else:  # device pages back to back now; the second device half reads the first host half of the same page
+        dev, host, pieces = Placement(buffer="d"), Placement(buffer="h", stride_bytes=16), (piece(0, 2), piece(2, 0))
+    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")],
+                    regions=[Region(name="r", page_bytes=4, host_page_bytes=8, fragments=pieces, device=dev, host=host)])
+    m = BlockMapping(direction=direction, src_ids=src_ids, dst_ids=[0, 1, 2, 3])
+    check_case(layout, m)
 
 
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
