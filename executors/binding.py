@@ -292,16 +292,15 @@ class BoundMemory:
         Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the largest
         size within the buffer proves every range inside (two reductions and one add over the run's slice;
         the exact per-range sum only when that bound fails). With runs almost as many as ranges, the columns
-        are gathered instead."""
-        if len(values) * 64 > len(offs):
-            bufs = np.repeat(values, lengths)
+        are gathered instead (fewer than 1,024 ranges per run on average)."""
+        if len(values) * 1024 > len(offs):  # a Python step per run costs about what 1,000 gathered ranges do
             if int(offs.max()) >= MAX_OFFSET:
                 self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
             np.add(offs, nb, out=addr)
-            bad = addr > self.size[bufs]
+            bad = addr > np.repeat(self.size[values], lengths)
             if bad.any():
                 self._past_end(plan, side, int(np.argmax(bad)))
-            np.add(offs, self.base[bufs], out=addr)
+            np.add(offs, np.repeat(self.base[values], lengths), out=addr)
             return
         ends = starts + lengths
         nb_max = int(nb.max())
