@@ -177,3 +177,22 @@ def test_verify_refuses_memory_that_moved_since_bind():
     bufs["cpu"].resize_(1 << 20)  # re-allocates the storage: the bound address is stale
     with pytest.raises(BindingError, match=r"bindings\['cpu'\] = .*changed since bind .*bind it again"):
         bound.verify()
+
+
+@pytest.mark.parametrize("blocks", [8, 4096])  # few ranges per buffer run (gathered) and many (checked per run)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_range_past_its_buffer_is_refused_whichever_way_ranges_are_lowered(blocks, where):
+    layout = presets.kv_layout(2, 2 * blocks, 16, shared_device=False)
+    plan = plan_transfer(layout, presets.mapping("fragmented", blocks, 2 * blocks, "h2d"))
+    assert plan.num_ranges == 2 * blocks
+    bindings = {b.name: (1 << 40 + i, b.nbytes) for i, b in enumerate(layout.buffers)}
+    bound = bind(layout, bindings)
+    src, dst = bound.lower(plan)
+    base = np.array([1 << 40 + i for i in range(len(layout.buffers))], dtype=np.uint64)
+    assert np.array_equal(dst, base[plan.dst_buf] + plan.dst_offset)
+    i = 0 if where == "first" else plan.num_ranges - 1
+    dst_off = plan.dst_offset.copy()
+    buf = plan.buffers[int(plan.dst_buf[i])]
+    dst_off[i] = buf.nbytes - 8  # 8 bytes inside, 8 past the end
+    with pytest.raises(PlanError, match=rf"dst_offset\[{i}\] = {buf.nbytes - 8}: range of 16 bytes runs past buffer '{buf.name}'"):
+        bound.lower(_hand_made(plan, dst_offset=dst_off))
