@@ -257,7 +257,8 @@ class BoundMemory:
         nb = plan.nbytes
         if n and int(nb.min()) == 0:
             raise PlanError("nbytes", 0, "empty range", int(np.argmin(nb)))
-        if n and int(nb.max()) >= MAX_OFFSET:  # so that offset + nbytes cannot wrap once offsets are below 2^63
+        nb_max = int(nb.max()) if n else 0
+        if nb_max >= MAX_OFFSET:  # so that offset + nbytes cannot wrap once offsets are below 2^63
             i = int(np.argmax(nb >= MAX_OFFSET))
             raise PlanError("nbytes", int(nb[i]), "range too large", i)
         addrs = []
@@ -280,40 +281,32 @@ class BoundMemory:
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
             addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                self._add_bases(plan, side, offs, nb, values, starts, lengths, addr)
+                self._add_bases(plan, side, offs, nb, nb_max, values, starts, lengths, addr)
             addrs.append(addr)
         return addrs[0], addrs[1]
 
-    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb: np.ndarray, values: np.ndarray,
-                   starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray) -> None:
+    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb: np.ndarray, nb_max: int,
+                   values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray) -> None:
         """addr = base + offset, after checking offset + nbytes <= size for every range (offsets of 2^63 or
         more, which could wrap, are refused; nbytes was checked below 2^63).
 
-        Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the largest
-        size within the buffer proves every range inside (two reductions and one add over the run's slice;
-        the exact per-range sum only when that bound fails). With runs almost as many as ranges, the columns
-        are gathered instead (fewer than 1,024 ranges per run on average)."""
-        if len(values) * 1024 > len(offs):  # a Python step per run costs about what 1,000 gathered ranges do
-            if int(offs.max()) >= MAX_OFFSET:
-                self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
+        Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the plan's
+        largest size within the buffer proves every range of the run inside (one reduction per run, in one
+        call); only when that bound fails somewhere is the exact end of every range compared."""
+        tops = np.maximum.reduceat(offs, starts)  # the largest offset of every run
+        if int(tops.max()) >= MAX_OFFSET:
+            self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
+        limits = self.size[values]
+        if bool((tops + np.uint64(nb_max) > limits).any()):
             np.add(offs, nb, out=addr)
-            bad = addr > np.repeat(self.size[values], lengths)
+            bad = addr > np.repeat(limits, lengths)
             if bad.any():
                 self._past_end(plan, side, int(np.argmax(bad)))
+        if len(offs) >= 8192 * len(values):  # long runs: add each run's base in place (no per-range base array)
+            for b, lo, n in zip(values.tolist(), starts.tolist(), lengths.tolist()):
+                np.add(offs[lo:lo + n], self.base[b], out=addr[lo:lo + n])
+        else:
             np.add(offs, np.repeat(self.base[values], lengths), out=addr)
-            return
-        ends = starts + lengths
-        nb_max = int(nb.max())
-        for b, lo, hi in zip(values.tolist(), starts.tolist(), ends.tolist()):
-            seg, out = offs[lo:hi], addr[lo:hi]
-            top, limit = int(seg.max()), int(self.size[b])
-            if top >= MAX_OFFSET:
-                self._past_end(plan, side, lo + int(np.argmax(seg >= MAX_OFFSET)))
-            if top + nb_max > limit and top + int(nb[lo:hi].max()) > limit:  # only then is the exact sum needed
-                np.add(seg, nb[lo:hi], out=out)
-                if int(out.max()) > limit:
-                    self._past_end(plan, side, lo + int(np.argmax(out > limit)))
-            np.add(seg, self.base[b], out=out)
 
     def _past_end(self, plan: TransferPlan, side: str, i: int) -> None:
         col, ranges = getattr(plan, f"{side}_buf"), getattr(plan, f"{side}_offset")
