@@ -53,8 +53,8 @@ def test_paths_agree_on_repeated_and_out_of_range_ids(drawn, data):
     assert isinstance(fast, str) == isinstance(general, str), (fast, general)
     if isinstance(fast, str):
         assert fast == general
-    else:
-        assert fast[0] == general[0], (fast, general)
+    elif fast[0] != general[0]:  # an input with several write conflicts: each path may name a different one first
+        assert all("written twice" in m or "also writes" in m for _, m in (fast, general)), (fast, general)
 
 
 def test_the_fast_path_is_taken_for_plain_cases():
