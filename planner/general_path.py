@@ -207,14 +207,15 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
                 if len(sel):
                     part_of[sel] = len(parts)
                     parts.append(PageRuns(info, direction, sp, dp, joins))
-            piece_regs = regs[kinds[regs] != RegionKind.PAGE].tolist()
+            piece_arr = regs[kinds[regs] != RegionKind.PAGE]
+            piece_regs = piece_arr.tolist()
             if piece_regs:
                 o = np.argsort(dp, kind="stable")  # pages in destination order
                 S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], dp[o]
                 part_of[piece_regs] = np.arange(len(parts), len(parts) + len(piece_regs))
                 parts += [Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs]
-                repeats = [r for r in piece_regs if kinds[r] == RegionKind.REPEATS]
-                if repeats and bool(np.any((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1]))):
+                repeats = piece_arr[kinds[piece_arr] == RegionKind.REPEATS]  # vectorized: no enum lookup per region
+                if len(repeats) and bool(np.any((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1]))):
                     chained[repeats] = True  # neighbouring destination pages read one source page: pieces chain
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
