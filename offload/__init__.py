@@ -1,17 +1,20 @@
 """kvxfer.offload: the offload worker a serving engine calls every step (store and load jobs, ordering,
-completion, shared host memory across TP ranks), and a drop-in for the simple one-call copy path.
+completion, shared host memory across TP ranks, a file tier for spills and restores), and a drop-in for the
+simple one-call copy path.
 
-Imports kvxfer.planner and kvxfer.executors only.
+Imports kvxfer.planner and kvxfer.executors only (``files``: the NIXL file tier, loaded lazily by
+``attach_files``).
 """
 from .build import DeviceKV, create_worker, device_from_tensors, host_memory
+from .files import FileLane, attach_files, spill_layout
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
 from .simple import CopyParams, build_params, copy_blocks, pin_tensor
 from .tier import Cell, Geometry, HostLayout, HostTier, KVTensor, SharedSpec, Sharing, TPRank, build_layout, make_geometry
 from .worker import JobResult, OffloadError, OffloadWorker, Pool, SubmissionError, WorkerClosedError
 
 __all__ = [
-    "Cell", "CopyParams", "DeviceKV", "Geometry", "HostLayout", "HostTier", "JobResult", "KVTensor", "OffloadError",
+    "Cell", "CopyParams", "DeviceKV", "FileLane", "Geometry", "HostLayout", "HostTier", "JobResult", "KVTensor", "OffloadError",
     "OffloadWorker", "Pool", "SharedRegion", "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank",
-    "WorkerClosedError", "build_layout", "build_params", "copy_blocks", "create_worker",
-    "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "remove_stale",
+    "WorkerClosedError", "attach_files", "build_layout", "build_params", "copy_blocks", "create_worker",
+    "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "remove_stale", "spill_layout",
 ]

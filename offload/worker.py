@@ -5,6 +5,11 @@ blocks that an in-flight job of the other direction also touches is ordered afte
 one; lanes are in order, so that covers the older ones), which makes the result equal a sequential replay
 in submission order. Jobs are planned at submission, so a bad submission raises before anything is queued.
 
+With a file tier attached (``kvxfer.offload.files.attach_files``), spill and restore jobs run in submission
+order on their own thread. A file job waits for the newest in-flight store (spill) or store and load
+(restore) touching its chunks; a store or load submitted while a file job touching its host chunks is in
+flight waits for that file job (host lanes: on the lane's thread; GPU lanes: on the host, at submission).
+
 Two lane kinds, chosen by the executor:
 - GPU executors with a runtime (CUDA/HIP batch): ``submit`` issues at once on the lane's executor, whose copy
   stream waits for the caller's compute stream and for the lane's previous job. A cross-direction dependency
@@ -48,12 +53,13 @@ class OffloadError(RuntimeError):
 
     def __init__(self, results: list[JobResult]):
         self.results = results
-        super().__init__("; ".join(f"job {r.job_id} ({r.direction.value}) failed: {r.error}" for r in results))
+        super().__init__("; ".join(f"job {r.job_id} ({r.op or r.direction.value}) failed: {r.error}" for r in results))
 
 
 @dataclass(frozen=True)
 class JobResult:
-    """What happened to one job. ``error`` is the exception of a failed job (``success`` False)."""
+    """What happened to one job. ``error`` is the exception of a failed job (``success`` False). ``op``: "store",
+    "load", "spill" (host -> file, ``direction`` d2h) or "restore" (file -> host, ``direction`` h2d)."""
 
     job_id: int
     direction: Direction
@@ -62,6 +68,7 @@ class JobResult:
     elapsed_s: float
     num_ranges: int
     error: BaseException | None = None
+    op: str = ""
 
 
 class Pool:
@@ -113,6 +120,9 @@ class _Job:
     finished: threading.Event | None = None
     pooled: list[tuple[Pool, Any]] = field(default_factory=list)
     layer_calls: np.ndarray | None = None  # per call: the layer of its first range (loads)
+    op: str = ""  # "store"/"load"; "spill"/"restore" for file jobs
+    waits: list[threading.Event] = field(default_factory=list)  # file jobs this one runs after
+    deps: list[tuple[Any, _Job]] = field(default_factory=list)  # file jobs: (lane, job) it runs after
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
@@ -153,6 +163,8 @@ class _ThreadLane:
             try:
                 if job.after is not None and job.after.finished is not None:
                     job.after.finished.wait()
+                for ev in job.waits:
+                    ev.wait()
                 t = self.executor.run(job.plan, self.bound).wait()
                 job.transfers.append(t)
                 job.elapsed_s += t.elapsed_s or 0.0
@@ -210,6 +222,8 @@ class _StreamLane:
 
     def submit(self, job: _Job, stream: Any) -> None:
         self.jobs.append(job)
+        for ev in job.waits:  # a file job writing or reading these host chunks: order on the host
+            ev.wait()
         gate = stream
         dep = job.after
         if dep is not None and dep.transfers and not _done_quietly(dep):
@@ -335,6 +349,7 @@ class OffloadWorker:
         self._drained: list[_Job] = []
         self._seq = 0
         self._closed = False
+        self._files: Any = None  # a FileLane (kvxfer.offload.files.attach_files)
 
     @staticmethod
     def _make_executors(executor: Any) -> tuple[dict[Direction, Any], bool]:
@@ -362,7 +377,43 @@ class OffloadWorker:
         """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
         return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
 
-    def _submit(self, direction: Direction, job_id: Any, src: Any, dst: Any, sizes: Any, starts: Any, stream: Any) -> bool:
+    def attach_files(self, lane: Any) -> None:
+        """Use ``lane`` (a FileLane; build it with ``kvxfer.offload.files.attach_files``) for spills and restores."""
+        if self._closed:
+            raise WorkerClosedError("the worker was shut down")
+        if self._files is not None:
+            raise ValueError("a file tier is already attached")
+        self._files = lane
+
+    def submit_spill(self, job_id: int, chunk_ids: Any) -> bool:
+        """Write host chunks ``chunk_ids`` to the file tier, after in-flight stores into them. Returns True once
+        queued; raises SubmissionError (nothing queued) or WorkerClosedError."""
+        return self._submit_file("spill", job_id, chunk_ids)
+
+    def submit_restore(self, job_id: int, chunk_ids: Any) -> bool:
+        """Read host chunks ``chunk_ids`` back from the file tier, after in-flight stores and loads touching them;
+        later stores and loads of these chunks wait for it. A chunk not spilled, stale or torn fails the job."""
+        return self._submit_file("restore", job_id, chunk_ids)
+
+    def _submit_file(self, op: str, job_id: Any, chunk_ids: Any) -> bool:
+        job_id = self._check_id(job_id)
+        if self._files is None:
+            raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.files.attach_files)")
+        job = self._files.plan(job_id, op, chunk_ids)
+        job.seq = self._seq
+        for d in ((STORE,) if op == "spill" else (STORE, LOAD)):
+            lane = self._lanes[d]
+            for prev in reversed(lane.jobs):  # newest first: the lane is in order
+                if _overlap(job.host_ids, prev.host_ids):
+                    if not lane.done(prev):
+                        job.deps.append((lane, prev))
+                    break
+        self._seq += 1
+        self._pending[job_id] = job
+        self._files.submit(job)
+        return True
+
+    def _check_id(self, job_id: Any) -> int:
         if self._closed:
             raise WorkerClosedError(f"job {job_id!r}: the worker was shut down")
         if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
@@ -371,6 +422,10 @@ class OffloadWorker:
         if job_id in self._pending:
             raise SubmissionError(job_id, "job_id", job_id, "a job with this id is still pending (in flight or not "
                                   "yet returned by get_finished)")
+        return job_id
+
+    def _submit(self, direction: Direction, job_id: Any, src: Any, dst: Any, sizes: Any, starts: Any, stream: Any) -> bool:
+        job_id = self._check_id(job_id)
         names = {"src_ids": "host_ids", "dst_ids": "device_ids"} if direction is LOAD else \
                 {"src_ids": "device_ids", "dst_ids": "host_ids"}
         if sizes is None and self._chunked and self.layout.info.num_groups == 1:
@@ -390,13 +445,20 @@ class OffloadWorker:
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
         dev, host = (m.dst_ids, m.src_ids) if direction is LOAD else (m.src_ids, m.dst_ids)
-        job = _Job(job_id, self._seq, direction, plan, np.unique(dev), np.unique(host))
+        job = _Job(job_id, self._seq, direction, plan, np.unique(dev), np.unique(host),
+                   op="load" if direction is LOAD else "store")
         other = self._lanes[LOAD if direction is STORE else STORE]
         for prev in reversed(other.jobs):  # newest first: the lane is in order, so the newest conflict suffices
             if _overlap(job.device_ids, prev.device_ids) or _overlap(job.host_ids, prev.host_ids):
                 if not other.done(prev):
                     job.after = prev
                 break
+        if self._files is not None:
+            for prev in reversed(self._files.jobs):  # newest in-flight file job on these chunks (in order)
+                if _overlap(job.host_ids, prev.host_ids):
+                    if not self._files.done(prev):
+                        job.waits.append(prev.finished)
+                    break
         if direction is LOAD and self.regions_per_layer:
             job.layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
                 if plan.num_calls else np.zeros(0, np.int64)
@@ -409,11 +471,17 @@ class OffloadWorker:
     def _result(self, job: _Job) -> JobResult:
         ok = job.error is None
         return JobResult(job.job_id, job.direction, ok, job.plan.total_bytes if ok else 0, job.elapsed_s,
-                         job.plan.num_ranges, job.error)
+                         job.plan.num_ranges, job.error, job.op)
+
+    def _all_lanes(self) -> list[Any]:
+        return [*self._lanes.values(), *([self._files] if self._files is not None else [])]
+
+    def _lane(self, job: _Job) -> Any:
+        return self._files if job.op in ("spill", "restore") else self._lanes[job.direction]
 
     def _retire_ready(self) -> list[_Job]:
         out = []
-        for lane in self._lanes.values():
+        for lane in self._all_lanes():
             while lane.jobs and lane.done(lane.jobs[0]):
                 job = lane.jobs.popleft()
                 lane.retire(job)
@@ -441,18 +509,18 @@ class OffloadWorker:
         for jid in sorted(int(j) for j in job_ids):
             job = self._pending.get(jid)
             if job is not None:
-                self._lanes[job.direction].wait(job)
+                self._lane(job).wait(job)
 
     def wait_for_layer(self, job_id: int, layer: int) -> None:
         """Block until layer ``layer`` (regions ``layer*regions_per_layer ...``) of load ``job_id`` has arrived."""
         job = self._job(job_id)
-        self._lanes[job.direction].wait_layer(job, int(layer))
+        self._lane(job).wait_layer(job, int(layer))
 
     def stream_wait_for_layer(self, job_id: int, layer: int, stream: Any) -> None:
         """Make ``stream`` wait, on the device, until layer ``layer`` of load ``job_id`` has arrived (on the
         host executor: blocks the host instead)."""
         job = self._job(job_id)
-        self._lanes[job.direction].stream_wait_layer(job, int(layer), stream)
+        self._lane(job).stream_wait_layer(job, int(layer), stream)
 
     @property
     def pool_sizes(self) -> dict[str, int]:
@@ -471,11 +539,13 @@ class OffloadWorker:
         if self._closed:
             return
         self._closed = True
-        for lane in self._lanes.values():
+        for lane in self._all_lanes():
             for job in lane.jobs:
                 lane.wait(job)
         self._drained += self._retire_ready()
         try:
+            if self._files is not None:
+                self._files.close()
             for d, lane in self._lanes.items():
                 lane.close()
                 self._bound[d].close()

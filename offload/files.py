@@ -1,0 +1,164 @@
+"""The worker's file tier: host chunks spill to a file and restore from it, as jobs reported like stores and loads.
+
+``attach_files(worker, path)`` builds a FileLane over the worker's host memory and hands it to the worker; then
+``worker.submit_spill(job_id, chunk_ids)`` / ``worker.submit_restore(job_id, chunk_ids)`` queue jobs whose
+results come out of ``get_finished`` (``JobResult.op`` "spill" / "restore"), which ``wait`` covers and
+``shutdown`` drains.
+
+The spill layout places every host cell twice: its ``device`` side is the cell in the worker's host buffer
+(one "block" is one whole chunk of the cell), its ``host`` side the cell's slot in one file (cells back to back,
+``num_chunks`` chunk slots each). A spill is a d2h plan of that layout, a restore an h2d plan, both run by a
+``FileTier`` (NIXL storage backend; durability and per-chunk integrity are the tier's).
+
+Ordering (the worker enforces it; see ``OffloadWorker``): a file job waits for the in-flight stores (a spill)
+or stores and loads (a restore) touching its chunks; a store or load submitted after an in-flight file job
+touching its host chunks waits for it; file jobs run one at a time in submission order. A spill moves every
+cell of a chunk in the host memory this worker maps (with a shared region, one rank should spill).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from kvxfer.planner import BlockMapping, Buffer, Direction, Layout, Location, Placement, PlanError, Region, plan_transfer
+
+from .tier import HOST_BUFFER, Geometry
+from .worker import OffloadWorker, SubmissionError, _Job
+
+FILE_BUFFER = "file"
+SPILL, RESTORE = "spill", "restore"
+
+
+def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
+    """The layout of spills and restores for host rows of ``geometry``: buffer ``host`` (memory; ``device``
+    placements, one block = one chunk of a cell) and buffer ``file`` (``host`` placements, cell-major)."""
+    n, k = geometry.num_chunks, geometry.blocks_per_chunk
+    regions, at = [], 0
+    for i, cell in enumerate(geometry.cells):
+        page = k * cell.page_bytes
+        regions.append(Region(name=f"cell{i}", page_bytes=page,
+                              device=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
+                                               stride_bytes=cell.stride_bytes or geometry.row_stride_bytes),
+                              host=Placement(buffer=FILE_BUFFER, byte_offset=at)))
+        at += n * page
+    buffers = [Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST, align_bytes=align_bytes),
+               Buffer(name=FILE_BUFFER, nbytes=max(at, 1), location=Location.FILE, align_bytes=align_bytes)]
+    return Layout(buffers=buffers, regions=regions)
+
+
+class FileLane:
+    """Spill and restore jobs of one worker, run in submission order on a background thread through ``tier``
+    (a FileTier over ``layout``, whose memory buffer is the worker's host rows). ``owned``: closed with the lane."""
+
+    def __init__(self, tier: Any, layout: Layout, owned: tuple[Any, ...] = ()):
+        self.tier, self.layout, self._owned = tier, layout, owned
+        self.jobs: deque[_Job] = deque()
+        self._queue: deque[_Job | None] = deque()
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="kvxfer-offload-files", daemon=True)
+        self._thread.start()
+
+    def plan(self, job_id: int, op: str, chunk_ids: Any) -> _Job:
+        """A job for ``op`` over host chunks ``chunk_ids``; SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
+        direction = Direction.D2H if op == SPILL else Direction.H2D
+        try:
+            m = BlockMapping(direction=direction, src_ids=chunk_ids, dst_ids=chunk_ids)
+            plan = plan_transfer(self.layout, m)
+        except PlanError as e:
+            raise SubmissionError(job_id, "chunk_ids", e.value, e.reason, e.index) from None
+        except (TypeError, ValueError) as e:
+            raise SubmissionError(job_id, "chunk_ids", chunk_ids, str(e)) from None
+        ids = np.unique(np.asarray(m.src_ids, dtype=np.int64))
+        return _Job(job_id, 0, direction, plan, np.zeros(0, np.int64), ids, op=op)
+
+    def submit(self, job: _Job) -> None:
+        job.finished = threading.Event()
+        self.jobs.append(job)
+        with self._ready:
+            self._queue.append(job)
+            self._ready.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                job = self._queue.popleft()
+            if job is None:
+                return
+            try:
+                for lane, dep in job.deps:  # in-flight stores/loads touching these chunks
+                    lane.wait(dep)
+                t0 = time.perf_counter()
+                r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
+                job.elapsed_s = r.seconds if r.seconds else time.perf_counter() - t0
+                if not r.success:
+                    job.error = r.error or RuntimeError(f"{job.op} failed without an error")
+            except BaseException as e:  # reported on the job, never raised on this thread
+                job.error = e
+            finally:
+                job.finished.set()
+
+    def done(self, job: _Job) -> bool:
+        return job.finished.is_set()
+
+    def wait(self, job: _Job) -> None:
+        job.finished.wait()
+
+    def wait_layer(self, job: _Job, layer: int) -> None:
+        self.wait(job)  # a file job completes as a whole
+
+    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
+        self.wait(job)
+
+    def retire(self, job: _Job) -> None:
+        pass
+
+    def close(self) -> None:
+        """Drain the queue, stop the thread, close the tier and what the lane owns."""
+        with self._ready:
+            self._queue.append(None)
+            self._ready.notify()
+        self._thread.join()
+        try:
+            self.tier.close()
+        finally:
+            for obj in self._owned:
+                obj.close()
+
+
+def attach_files(worker: OffloadWorker, file: Any, *, executor: Any = None, durability: str = "fdatasync",
+                 verify: bool = True) -> FileLane:
+    """Give ``worker`` a file tier: ``file`` is a path (created, sized to the host rows) or a FileBinding.
+    ``executor``: a NixlExecutor with a storage backend (None: one on NIXL's POSIX backend, closed with the
+    worker). ``durability``/``verify``: the FileTier's. Raises BindingError when the file or memory do not fit."""
+    from kvxfer.executors.file_tier import FileTier
+    from kvxfer.executors.nixl_files import FileBinding
+
+    if worker.geometry is None or worker.host is None:
+        raise ValueError("attach_files needs a worker built by create_worker (its host rows and geometry)")
+    binding = file if isinstance(file, FileBinding) else FileBinding(os.fspath(file), create=True)
+    layout = spill_layout(worker.geometry, binding.block_bytes if binding.o_direct else 1)
+    chunk = math.gcd(*(r.page_bytes for r in layout.regions)) if layout.regions else 1
+    owned: tuple[Any, ...] = ()
+    if executor is None:
+        from kvxfer.executors import get_executor
+
+        executor = get_executor({"kind": "nixl", "nixl": {"backends": ["POSIX"]}})
+        owned = (executor,)
+    try:
+        tier = FileTier(executor, layout, {FILE_BUFFER: binding}, {HOST_BUFFER: worker.host},
+                        durability=durability, chunk_bytes=chunk, verify=verify)
+    except BaseException:
+        for obj in owned:
+            obj.close()
+        raise
+    lane = FileLane(tier, layout, owned)
+    worker.attach_files(lane)
+    return lane
