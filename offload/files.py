@@ -26,10 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, Buffer, Direction, Layout, Location, Placement, PlanError, Region, plan_transfer
+from kvxfer.planner import (
+    BlockMapping,
+    Buffer,
+    Direction,
+    Layout,
+    Location,
+    Placement,
+    PlanError,
+    Region,
+    TransferPlan,
+    plan_transfer,
+)
 
 from .tier import HOST_BUFFER, Geometry
-from .worker import OffloadWorker, SubmissionError, _Job
+from .worker import OffloadWorker, SubmissionError
 
 FILE_BUFFER = "file"
 SPILL, RESTORE = "spill", "restore"
@@ -58,14 +69,15 @@ class FileLane:
 
     def __init__(self, tier: Any, layout: Layout, owned: tuple[Any, ...] = ()):
         self.tier, self.layout, self._owned = tier, layout, owned
-        self.jobs: deque[_Job] = deque()
-        self._queue: deque[_Job | None] = deque()
+        self.jobs: deque[Any] = deque()
+        self._queue: deque[Any | None] = deque()
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="kvxfer-offload-files", daemon=True)
         self._thread.start()
 
-    def plan(self, job_id: int, op: str, chunk_ids: Any) -> _Job:
-        """A job for ``op`` over host chunks ``chunk_ids``; SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
+    def plan(self, job_id: int, op: str, chunk_ids: Any) -> tuple[Direction, TransferPlan, np.ndarray]:
+        """The direction, plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``;
+        SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
         direction = Direction.D2H if op == SPILL else Direction.H2D
         try:
             m = BlockMapping(direction=direction, src_ids=chunk_ids, dst_ids=chunk_ids)
@@ -75,9 +87,10 @@ class FileLane:
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "chunk_ids", chunk_ids, str(e)) from None
         ids = np.unique(np.asarray(m.src_ids, dtype=np.int64))
-        return _Job(job_id, 0, direction, plan, np.zeros(0, np.int64), ids, op=op)
+        return direction, plan, ids
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Any) -> None:
+        """Queue ``job`` (the worker's job record; its ``deps`` run first) behind the jobs already queued."""
         job.finished = threading.Event()
         self.jobs.append(job)
         with self._ready:
@@ -105,19 +118,24 @@ class FileLane:
             finally:
                 job.finished.set()
 
-    def done(self, job: _Job) -> bool:
+    def done(self, job: Any) -> bool:
+        """Whether ``job`` has finished (done or failed)."""
         return job.finished.is_set()
 
-    def wait(self, job: _Job) -> None:
+    def wait(self, job: Any) -> None:
+        """Block until ``job`` has finished."""
         job.finished.wait()
 
-    def wait_layer(self, job: _Job, layer: int) -> None:
-        self.wait(job)  # a file job completes as a whole
-
-    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
+    def wait_layer(self, job: Any, layer: int) -> None:
+        """Block until ``job`` has finished (a file job completes as a whole)."""
         self.wait(job)
 
-    def retire(self, job: _Job) -> None:
+    def stream_wait_layer(self, job: Any, layer: int, stream: Any) -> None:
+        """Block the host until ``job`` has finished (no device stream to order)."""
+        self.wait(job)
+
+    def retire(self, job: Any) -> None:
+        """Nothing to release per job."""
         pass
 
     def close(self) -> None:

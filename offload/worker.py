@@ -53,7 +53,8 @@ class OffloadError(RuntimeError):
 
     def __init__(self, results: list[JobResult]):
         self.results = results
-        super().__init__("; ".join(f"job {r.job_id} ({r.op or r.direction.value}) failed: {r.error}" for r in results))
+        kind = [r.op if r.op in ("spill", "restore") else r.direction.value for r in results]
+        super().__init__("; ".join(f"job {r.job_id} ({k}) failed: {r.error}" for r, k in zip(results, kind)))
 
 
 @dataclass(frozen=True)
@@ -399,8 +400,8 @@ class OffloadWorker:
         job_id = self._check_id(job_id)
         if self._files is None:
             raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.files.attach_files)")
-        job = self._files.plan(job_id, op, chunk_ids)
-        job.seq = self._seq
+        direction, plan, chunks = self._files.plan(job_id, op, chunk_ids)
+        job = _Job(job_id, self._seq, direction, plan, np.zeros(0, np.int64), chunks, op=op)
         for d in ((STORE,) if op == "spill" else (STORE, LOAD)):
             lane = self._lanes[d]
             for prev in reversed(lane.jobs):  # newest first: the lane is in order
