@@ -14,7 +14,7 @@ import pytest
 
 from kvxfer.executors import NumpyExecutor
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV
-from kvxfer.offload import DeviceKV, HostTier, KVTensor, SubmissionError, create_worker
+from kvxfer.offload import DeviceKV, HostTier, KVTensor, SharedSpec, SubmissionError, create_worker
 from kvxfer.planner import BlockMapping, Buffer, Location
 from kvxfer.testing import apply_copies, expected_copies
 
@@ -59,9 +59,12 @@ def _worker(executor, disk, seed=0, **kw):
     return worker, device
 
 
-@pytest.mark.parametrize("row_major", [False, True], ids=["private", "row-aligned"])
-def test_store_spill_drop_restore_load_is_byte_exact(executor, disk, row_major):
-    worker, device = _worker(executor, disk, seed=1, row_align_bytes=4096 if row_major else 1)
+@pytest.mark.parametrize("host", ["private", "padded", "shared"])
+def test_store_spill_drop_restore_load_is_byte_exact(executor, disk, host):
+    kw = {"private": {"row_align_bytes": 1}, "padded": {"row_align_bytes": 4096},  # tensor-major chunks
+          "shared": {"shared": SharedSpec(name=f"kvxfer-files-{os.getpid()}", directory=str(disk), create=True)}}
+    worker, device = _worker(executor, disk, seed=1, **kw[host])  # shared: row-major rows, padded to 4 KiB
+    assert all((c.stride_bytes is None) == (host == "shared") for c in worker.geometry.cells)
     src, chunks, dst = [3, 0, 7, 8, 20, 21], [9, 2, 5], [30, 11, 12, 13, 1, 2]
     store = BlockMapping(direction="d2h", src_ids=src, dst_ids=chunks, group_sizes=(len(src),))
     load = BlockMapping(direction="h2d", src_ids=chunks, dst_ids=dst, group_sizes=(len(dst),))
