@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -40,7 +38,7 @@ from kvxfer.planner import (
 )
 
 from .tier import HOST_BUFFER, Geometry
-from .worker import OffloadWorker, SubmissionError
+from .worker import OffloadWorker, SubmissionError, ThreadLane
 
 FILE_BUFFER = "file"
 SPILL, RESTORE = "spill", "restore"
@@ -63,17 +61,13 @@ def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
     return Layout(buffers=buffers, regions=regions)
 
 
-class FileLane:
+class FileLane(ThreadLane):
     """Spill and restore jobs of one worker, run in submission order on a background thread through ``tier``
     (a FileTier over ``layout``, whose memory buffer is the worker's host rows). ``owned``: closed with the lane."""
 
     def __init__(self, tier: Any, layout: Layout, owned: tuple[Any, ...] = ()):
         self.tier, self.layout, self._owned = tier, layout, owned
-        self.jobs: deque[Any] = deque()
-        self._queue: deque[Any | None] = deque()
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="kvxfer-offload-files", daemon=True)
-        self._thread.start()
+        super().__init__("files")
 
     def plan(self, job_id: int, op: str, chunk_ids: Any) -> tuple[Direction, TransferPlan, np.ndarray]:
         """The direction, plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``;
@@ -89,61 +83,19 @@ class FileLane:
         ids = np.unique(np.asarray(m.src_ids, dtype=np.int64))
         return direction, plan, ids
 
-    def submit(self, job: Any) -> None:
-        """Queue ``job`` (the worker's job record; its ``deps`` run first) behind the jobs already queued."""
-        job.finished = threading.Event()
-        self.jobs.append(job)
-        with self._ready:
-            self._queue.append(job)
-            self._ready.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                job = self._queue.popleft()
-            if job is None:
-                return
-            try:
-                for lane, dep in job.deps:  # in-flight stores/loads touching these chunks
-                    lane.wait(dep)
-                t0 = time.perf_counter()
-                r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
-                job.elapsed_s = r.seconds if r.seconds else time.perf_counter() - t0
-                if not r.success:
-                    job.error = r.error or RuntimeError(f"{job.op} failed without an error")
-            except BaseException as e:  # reported on the job, never raised on this thread
-                job.error = e
-            finally:
-                job.finished.set()
-
-    def done(self, job: Any) -> bool:
-        """Whether ``job`` has finished (done or failed)."""
-        return job.finished.is_set()
-
-    def wait(self, job: Any) -> None:
-        """Block until ``job`` has finished."""
-        job.finished.wait()
-
-    def wait_layer(self, job: Any, layer: int) -> None:
-        """Block until ``job`` has finished (a file job completes as a whole)."""
-        self.wait(job)
-
-    def stream_wait_layer(self, job: Any, layer: int, stream: Any) -> None:
-        """Block the host until ``job`` has finished (no device stream to order)."""
-        self.wait(job)
-
-    def retire(self, job: Any) -> None:
-        """Nothing to release per job."""
-        pass
+    def execute(self, job: Any) -> None:
+        """Wait for the in-flight stores/loads touching the job's chunks, then spill or restore them."""
+        for lane, dep in job.deps:
+            lane.wait(dep)
+        t0 = time.perf_counter()
+        r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
+        job.elapsed_s = r.seconds if r.seconds else time.perf_counter() - t0
+        if not r.success:
+            job.error = r.error or RuntimeError(f"{job.op} failed without an error")
 
     def close(self) -> None:
         """Drain the queue, stop the thread, close the tier and what the lane owns."""
-        with self._ready:
-            self._queue.append(None)
-            self._ready.notify()
-        self._thread.join()
+        super().close()
         try:
             self.tier.close()
         finally:

@@ -135,23 +135,28 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.any(b[i] == a))
 
 
-class _ThreadLane:
-    """Runs one direction's jobs in order on a background thread (host executors)."""
+class ThreadLane:
+    """Runs jobs in submission order on a background thread; a subclass's ``execute(job)`` does one job's work.
+    A job's error is recorded on it (never raised on the thread) and its ``finished`` event is set either way."""
 
-    def __init__(self, executor: Any, bound: Any, name: str):
-        self.executor, self.bound = executor, bound
-        self.jobs: deque[_Job] = deque()
-        self._queue: deque[_Job | None] = deque()
+    def __init__(self, name: str):
+        self.jobs: deque[Any] = deque()
+        self._queue: deque[Any | None] = deque()
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-offload-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, job: _Job, stream: Any) -> None:
+    def submit(self, job: Any, stream: Any = None) -> None:
+        """Queue ``job`` behind the jobs already queued."""
         job.finished = threading.Event()  # not pooled: a later job may still hold this one as its dependency
         self.jobs.append(job)
         with self._ready:
             self._queue.append(job)
             self._ready.notify()
+
+    def execute(self, job: Any) -> None:
+        """Do ``job``'s work on the lane's thread (subclasses); raise to fail it."""
+        raise NotImplementedError
 
     def _loop(self) -> None:
         while True:
@@ -162,38 +167,54 @@ class _ThreadLane:
             if job is None:
                 return
             try:
-                if job.after is not None and job.after.finished is not None:
-                    job.after.finished.wait()
-                for ev in job.waits:
-                    ev.wait()
-                t = self.executor.run(job.plan, self.bound).wait()
-                job.transfers.append(t)
-                job.elapsed_s += t.elapsed_s or 0.0
+                self.execute(job)
             except BaseException as e:  # reported on the job, never raised on this thread
                 job.error = e
             finally:
                 job.finished.set()
 
-    def done(self, job: _Job) -> bool:
-        return job.finished.is_set()
+    def done(self, job: Any) -> bool:
+        """Whether ``job`` has finished (done or failed)."""
+        return bool(job.finished.is_set())
 
-    def wait(self, job: _Job) -> None:
+    def wait(self, job: Any) -> None:
+        """Block until ``job`` has finished."""
         job.finished.wait()
 
-    def wait_layer(self, job: _Job, layer: int) -> None:
-        self.wait(job)  # the host executor copies a job in one go: a layer has arrived when the job has
+    def wait_layer(self, job: Any, layer: int) -> None:
+        """Block until ``job`` has finished: a host lane completes a job as a whole."""
+        self.wait(job)
 
-    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
-        self.wait(job)  # no device streams here: order the caller on the host
+    def stream_wait_layer(self, job: Any, layer: int, stream: Any) -> None:
+        """Block the host until ``job`` has finished (no device stream to order)."""
+        self.wait(job)
 
-    def retire(self, job: _Job) -> None:
-        pass
+    def retire(self, job: Any) -> None:
+        """Nothing to release per job."""
 
     def close(self) -> None:
+        """Run what is queued, then stop the thread."""
         with self._ready:
             self._queue.append(None)
             self._ready.notify()
         self._thread.join()
+
+
+class _ExecutorLane(ThreadLane):
+    """Runs one direction's jobs in order on a background thread (host executors)."""
+
+    def __init__(self, executor: Any, bound: Any, name: str):
+        self.executor, self.bound = executor, bound
+        super().__init__(name)
+
+    def execute(self, job: _Job) -> None:
+        if job.after is not None and job.after.finished is not None:
+            job.after.finished.wait()
+        for ev in job.waits:
+            ev.wait()
+        t = self.executor.run(job.plan, self.bound).wait()
+        job.transfers.append(t)
+        job.elapsed_s += t.elapsed_s or 0.0
 
 
 class _StreamLane:
@@ -334,7 +355,7 @@ class OffloadWorker:
         self._on_close = list(on_close)
         self._chunked = any(int(c.k.max(initial=1)) > 1 for c in layout.info.side.values())
         self._bound: dict[Direction, Any] = {}
-        self._lanes: dict[Direction, _ThreadLane | _StreamLane] = {}
+        self._lanes: dict[Direction, _ExecutorLane | _StreamLane] = {}
         groups = (0,) * layout.info.num_groups
         for d in (STORE, LOAD):
             ex = self._executors[d]
@@ -345,7 +366,7 @@ class OffloadWorker:
                                         self.target, base)
                 self._lanes[d] = _StreamLane(ex, self._bound[d], runtime, barrier)
             else:
-                self._lanes[d] = _ThreadLane(ex, self._bound[d], d.value)
+                self._lanes[d] = _ExecutorLane(ex, self._bound[d], d.value)
         self._pending: dict[int, _Job] = {}
         self._drained: list[_Job] = []
         self._seq = 0
