@@ -182,6 +182,8 @@ def test_no_module_imports_another_modules_private_name():
 @pytest.mark.parametrize("layer,forbidden", [
     ("kvxfer.planner", ("kvxfer.executors", "kvxfer.cli", "kvxfer.testing", "kvxfer.offload")),
     ("kvxfer.executors", ("kvxfer.cli", "kvxfer.testing", "kvxfer.offload")),
+    ("kvxfer.offload", ("kvxfer.cli", "kvxfer.testing")),
+    ("kvxfer.testing", ("kvxfer.cli", "kvxfer.offload")),
 ])
 def test_layers_import_only_the_layers_below(layer, forbidden):
     bad = [f"{m} -> {t}" for m, imp in IMPORTS.items() if m == layer or m.startswith(layer + ".")
