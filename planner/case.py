@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import files
 from ._model import Spec
 from .errors import PlanError
+from .files import PlanFileError, read_json
 from .layout import Layout
 from .plan import TransferPlan
 from .planning import plan_transfer
@@ -48,14 +48,14 @@ class Case(Spec):
     @classmethod
     def load(cls, path: str | Path) -> Case:
         """Read a case file (JSON). Raises PlanFileError naming the file and every problem found."""
-        d = files.read_json(path, "case file")
+        d = read_json(path, "case file")
         if "kvxfer_golden" in d:
-            raise files.PlanFileError("kvxfer_golden", d["kvxfer_golden"], "this is a golden file, not a case file; "
+            raise PlanFileError("kvxfer_golden", d["kvxfer_golden"], "this is a golden file, not a case file; "
                                       "read its case with kvxfer.planner.golden.load_case", source=str(path))
         try:
             return cls.model_validate(d)
         except PlanError as e:
-            raise files.PlanFileError.wrap(e, str(path)) from None
+            raise PlanFileError.wrap(e, str(path)) from None
 
     @classmethod
     def json_schema(cls) -> dict[str, Any]:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import files
 from .case import Case
 from .diff import PlanDiff, diff_plans
 from .errors import PlanError
+from .files import PlanFileError, golden_columns, parse_json, read_json
 from .plan import COLUMNS, TransferPlan
 
 GOLDEN_SCHEMA = 1
@@ -24,7 +24,7 @@ _WIDTH = 120  # containers whose one-line form is longer are broken, one element
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-class GoldenError(files.PlanFileError):
+class GoldenError(PlanFileError):
     """A golden file cannot be read: not JSON, not a golden file, or a schema this kvxfer cannot migrate."""
 
 
@@ -101,7 +101,7 @@ def from_dict(d: dict[str, Any], source: str = "golden file") -> Golden:
         raise GoldenError("plan", type(p).__name__, "expected the stored plan as an object", source=source)
     p = dict(p)
     try:
-        p["columns"] = files.golden_columns(p.pop("ranges", None), p.pop("range_columns", None), None)
+        p["columns"] = golden_columns(p.pop("ranges", None), p.pop("range_columns", None), None)
         p.pop("summary", None)
         # the stored fingerprint is for readers; a newer planner may hash new header fields differently
         p.pop("fingerprint", None)
@@ -123,15 +123,15 @@ def _case(d: dict[str, Any], source: str) -> Case:
 
 def _parse(text: str | bytes, source: str) -> dict[str, Any]:
     try:
-        return files.parse_json(text, source)
-    except files.PlanFileError as e:
+        return parse_json(text, source)
+    except PlanFileError as e:
         raise GoldenError.wrap(e, None) from None
 
 
 def _read(path: str | Path) -> dict[str, Any]:
     try:
-        return files.read_json(path, "golden file")
-    except files.PlanFileError as e:
+        return read_json(path, "golden file")
+    except PlanFileError as e:
         raise GoldenError.wrap(e, None) from None
 
 

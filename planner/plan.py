@@ -11,15 +11,15 @@ from typing import Any, overload
 import numpy as np
 from pydantic import Field
 
-from . import files
 from ._model import IntTuple, Spec
 from .errors import PlanError
+from .files import PLAN_COLUMNS, PlanFileError, parse_json, plan_fields, read_bytes, read_npz, validate
 from .runs import Column, Runs, runs_of
 from .spec import Buffer, Direction, Location
 from .target import AccessOrder, CopyApi, PlanOptions, Target
 
 SCHEMA_VERSION = 1
-COLUMNS: dict[str, np.dtype] = files.PLAN_COLUMNS
+COLUMNS: dict[str, np.dtype] = PLAN_COLUMNS
 
 
 class LocationHint(Spec):
@@ -350,35 +350,35 @@ class TransferPlan:
     def from_dict(cls, d: dict[str, Any], source: str | None = None) -> TransferPlan:
         """A plan from ``to_dict()`` output, strictly checked (kvxfer.planner.files); ``source`` names the file
         in errors. Raises PlanFileError (a PlanError) naming the field, index and value."""
-        f = files.plan_fields(d, source)
+        f = plan_fields(d, source)
         if f["schema_version"] != SCHEMA_VERSION:
-            raise files.PlanFileError("schema_version", f["schema_version"],
+            raise PlanFileError("schema_version", f["schema_version"],
                                       f"this kvxfer reads plan schema {SCHEMA_VERSION}", source=source)
         for key, enum in (("direction", Direction), ("api", CopyApi)):
             if f[key] not in [m.value for m in enum]:
-                raise files.PlanFileError(key, f[key], f"expected one of {[m.value for m in enum]}", source=source)
+                raise PlanFileError(key, f[key], f"expected one of {[m.value for m in enum]}", source=source)
         try:
             plan = cls(
-                direction=Direction(f["direction"]), target=files.validate(Target, f["target"], "target", source),
-                options=files.validate(PlanOptions, f["options"], "options", source),
-                buffers=tuple(files.validate(Buffer, b, "buffers", source, i) for i, b in enumerate(f["buffers"])),
+                direction=Direction(f["direction"]), target=validate(Target, f["target"], "target", source),
+                options=validate(PlanOptions, f["options"], "options", source),
+                buffers=tuple(validate(Buffer, b, "buffers", source, i) for i, b in enumerate(f["buffers"])),
                 regions=tuple(f["regions"]), region_page_bytes=f["region_page_bytes"],
-                attrs=tuple(files.validate(CopyAttributes, a, "attrs", source, i) for i, a in enumerate(f["attrs"])),
+                attrs=tuple(validate(CopyAttributes, a, "attrs", source, i) for i, a in enumerate(f["attrs"])),
                 requested_copies=f["requested_copies"], passes_attrs=f["passes_attrs"], api=CopyApi(f["api"]),
                 call_offsets=f["call_offsets"], aliases=f["aliases"], region_writers=f["region_writers"],
                 columns=f["columns"]).check()
         except PlanError as e:
-            raise files.PlanFileError.wrap(e, source) from None
+            raise PlanFileError.wrap(e, source) from None
         want = f["fingerprint"]
         if want is not None and want != plan.fingerprint:
-            raise files.PlanFileError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})",
+            raise PlanFileError("fingerprint", want, f"does not match the plan's content ({plan.fingerprint})",
                                       source=source)
         return plan
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str | None = None) -> TransferPlan:
         """A plan from ``to_json()`` text, checked as ``from_dict``; raises PlanFileError."""
-        return cls.from_dict(files.parse_json(text, source), source)
+        return cls.from_dict(parse_json(text, source), source)
 
     def to_npz_bytes(self) -> bytes:
         """The plan as a compressed numpy archive: the JSON header (with fingerprint), ``call_offsets`` and every column."""
@@ -391,7 +391,7 @@ class TransferPlan:
     @classmethod
     def from_npz_bytes(cls, data: bytes, source: str | None = None) -> TransferPlan:
         """A plan from ``to_npz_bytes()`` output, checked as ``from_dict``; raises PlanFileError."""
-        return cls.from_dict(files.read_npz(data, source), source)
+        return cls.from_dict(read_npz(data, source), source)
 
     def save(self, path: str | Path) -> Path:
         """Write JSON (``.json``) or compressed numpy (``.npz``)."""
@@ -405,7 +405,7 @@ class TransferPlan:
     @classmethod
     def load(cls, path: str | Path) -> TransferPlan:
         """Read a plan file written by ``save`` (``.npz``, else JSON). Raises PlanFileError naming the file."""
-        data = files.read_bytes(path, "plan file")
+        data = read_bytes(path, "plan file")
         read = cls.from_npz_bytes if Path(path).suffix == ".npz" else cls.from_json
         return read(data, str(path))
 

@@ -90,6 +90,8 @@ class Imports:
                     self.names.append((src, a.name))
                     if full in MODULES:
                         self._edge(full, submodule=True)
+                        if src in MODULES and src != self.name:  # `from pkg import sub` reads the package too:
+                            self.edges.add(src)  # import a submodule's names from the submodule itself
                         bound[a.asname or a.name] = full
                         continue
                     self._edge(src, submodule=False)
