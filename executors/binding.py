@@ -244,6 +244,14 @@ class BoundMemory:
         not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64
         arrays of at least ``plan.num_ranges``) when given.
         """
+        addrs = self._lower(plan, out, True)
+        return addrs[0], addrs[1]
+
+    def check(self, plan: TransferPlan) -> None:
+        """Every check of ``lower``, without computing addresses: for executors that copy through views."""
+        self._lower(plan, None, False)
+
+    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, addresses: bool) -> list[np.ndarray]:
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
         self.check_table(plan)
@@ -254,11 +262,13 @@ class BoundMemory:
                 i = int(np.argmax(bad | (values < 0)))
                 raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
         n = plan.num_ranges
-        nb = plan.nbytes
-        if n and int(nb.min()) == 0:
+        nb_values, _ = plan.column_runs("nbytes")  # sizes are bounded through their runs: no dense column needed
+        if n and int(nb_values.min()) == 0:
+            nb = plan.nbytes
             raise PlanError("nbytes", 0, "empty range", int(np.argmin(nb)))
-        nb_max = int(nb.max()) if n else 0
+        nb_max = int(nb_values.max()) if n else 0
         if nb_max >= MAX_OFFSET:  # so that offset + nbytes cannot wrap once offsets are below 2^63
+            nb = plan.nbytes
             i = int(np.argmax(nb >= MAX_OFFSET))
             raise PlanError("nbytes", int(nb[i]), "range too large", i)
         addrs = []
@@ -279,34 +289,44 @@ class BoundMemory:
                 if m is None:
                     raise BindingError(self.buffers[b].name, "missing", "not bound, but the plan reads or writes it")
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
-            addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
+            addr = (out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)) if addresses else None
             if n:
-                self._add_bases(plan, side, offs, nb, nb_max, values, starts, lengths, addr)
-            addrs.append(addr)
-        return addrs[0], addrs[1]
+                self._add_bases(plan, side, offs, nb_max, values, starts, lengths, addr)
+            if addr is not None:
+                addrs.append(addr)
+        return addrs
 
-    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb: np.ndarray, nb_max: int,
-                   values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray) -> None:
-        """addr = base + offset, after checking offset + nbytes <= size for every range (offsets of 2^63 or
-        more, which could wrap, are refused; nbytes was checked below 2^63).
+    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb_max: int, values: np.ndarray,
+                   starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray | None) -> None:
+        """addr = base + offset (unless ``addr`` is None: checks only), after checking offset + nbytes <= size
+        for every range (offsets of 2^63 or more, which could wrap, are refused; nbytes was checked below 2^63).
 
         Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the plan's
         largest size within the buffer proves every range of the run inside (one reduction per run, in one
-        call); only when that bound fails somewhere is the exact end of every range compared."""
-        tops = np.maximum.reduceat(offs, starts)  # the largest offset of every run
+        call); only when that bound fails somewhere is the exact end of every range compared. Runs of one
+        length (each region has as many ranges) are rows of a 2-D view: one reduction and one broadcast
+        addition, with no per-range temporary."""
+        rows = len(values)
+        uniform = int(lengths[0]) * rows == len(offs) and int(lengths.min()) == int(lengths.max())
+        grid = offs.reshape(rows, -1) if uniform else None
+        tops = grid.max(axis=1) if grid is not None else np.maximum.reduceat(offs, starts)  # largest offset per run
         if int(tops.max()) >= MAX_OFFSET:
             self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
         limits = self.size[values]
         if bool((tops + np.uint64(nb_max) > limits).any()):
-            np.add(offs, nb, out=addr)
-            bad = addr > np.repeat(limits, lengths)
+            bad = offs + plan.nbytes > np.repeat(limits, lengths)
             if bad.any():
                 self._past_end(plan, side, int(np.argmax(bad)))
-        if len(offs) >= 8192 * len(values):  # long runs: add each run's base in place (no per-range base array)
-            for b, lo, n in zip(values.tolist(), starts.tolist(), lengths.tolist()):
-                np.add(offs[lo:lo + n], self.base[b], out=addr[lo:lo + n])
+        if addr is None:
+            return
+        bases = self.base[values]
+        if grid is not None:
+            np.add(bases[:, None], grid, out=addr.reshape(grid.shape))  # scalar-per-row operand first: fast loop
+        elif len(offs) >= 8192 * rows:  # long runs: add each run's base in place (no per-range base array)
+            for b, lo, n in zip(bases.tolist(), starts.tolist(), lengths.tolist()):
+                np.add(offs[lo:lo + n], np.uint64(b), out=addr[lo:lo + n])
         else:
-            np.add(offs, np.repeat(self.base[values], lengths), out=addr)
+            np.add(offs, np.repeat(bases, lengths), out=addr)
 
     def _past_end(self, plan: TransferPlan, side: str, i: int) -> None:
         col, ranges = getattr(plan, f"{side}_buf"), getattr(plan, f"{side}_offset")

@@ -28,7 +28,7 @@ class NumpyExecutor(Executor):
         """Copy every range; complete on return. Raises BindingError or PlanError before any byte moves."""
         t0 = time.perf_counter()
         bound = self.memory_for(plan, memory)
-        bound.lower(plan)  # every check, before the first byte moves
+        bound.check(plan)  # every check, before the first byte moves
         views = bound.extra.get("views") or _views(bound)
         cols = zip(plan.src_buf.tolist(), plan.src_offset.tolist(), plan.dst_buf.tolist(),
                    plan.dst_offset.tolist(), plan.nbytes.tolist())

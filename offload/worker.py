@@ -455,19 +455,20 @@ class OffloadWorker:
                 sizes = (len(dst if direction is LOAD else src),)
             except TypeError:
                 pass
-        try:
-            m = BlockMapping(direction=direction, src_ids=src, dst_ids=dst,
-                             group_sizes=None if sizes is None else tuple(sizes),
-                             group_starts=None if starts is None else tuple(starts))
-            plan = plan_transfer(self.layout, m, self.target, self._options[direction])
+        try:  # numpy id arrays take the planner's hot path (checked, not copied); anything else is validated
+            mapping = {"direction": direction, "src_ids": src, "dst_ids": dst,
+                       "group_sizes": None if sizes is None else tuple(sizes),
+                       "group_starts": None if starts is None else tuple(starts)}
+            plan = plan_transfer(self.layout, mapping, self.target, self._options[direction])
         except PlanError as e:
             head, _, rest = e.field.partition(".")
             raise SubmissionError(job_id, names.get(head, head) + (f".{rest}" if rest else ""), e.value, e.reason,
                                   e.index) from None
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
-        dev, host = (m.dst_ids, m.src_ids) if direction is LOAD else (m.src_ids, m.dst_ids)
-        job = _Job(job_id, self._seq, direction, plan, np.unique(dev), np.unique(host),
+        dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
+        job = _Job(job_id, self._seq, direction, plan, np.unique(np.asarray(dev, dtype=np.int64)),
+                   np.unique(np.asarray(host, dtype=np.int64)),
                    op="load" if direction is LOAD else "store")
         other = self._lanes[LOAD if direction is STORE else STORE]
         for prev in reversed(other.jobs):  # newest first: the lane is in order, so the newest conflict suffices

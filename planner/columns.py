@@ -2,8 +2,8 @@
 concat, merge, split, canonical order, call chunking, block-fits checks and overlap checks.
 
 Everything here works on ``Ranges`` (a dict of columns, dense arrays or ``Runs``) with numpy; nothing loops
-over ranges in Python. Work grows with block pairs and output ranges; a loop over regions appears only where
-it keeps a large region's rows in cache (``ROW_WISE_MIN``) or on an error path that names the culprit.
+over ranges in Python. Work grows with block pairs and output ranges; a loop over regions appears only over
+blocks of regions that differ in stride (``affine_rows``) or on an error path that names the culprit.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from .runs import DenseRanges, Ranges, Runs, dense, dense_all, runs_of
 from .spec import Direction, Location
 from .target import AccessOrder, PlanOptions, Target
 
-ROW_WISE_MIN = 2048  # ranges per region from which offsets are computed row by row (cache-resident)
 INT_COLUMNS = ("src_buf", "dst_buf", "region")
 
 
@@ -41,31 +40,83 @@ def concat(parts: Sequence[Ranges]) -> DenseRanges:
 
 # ---- page ids ---------------------------------------------------------------------------------------------
 def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs (src id, dst id, length) where both ids advance by one, sorted by dst id.
+    """Runs (src id, dst id, length) where both ids advance by one, in the order of the lists (see
+    ``order_runs`` for destination order). Without ``coalesce`` every pair is a run of one.
 
-    Destination ids are distinct (repeats are found by ``PageRuns.repeated``), so the only possible successor
-    of a pair (s, d) is the pair with destination d+1, which sits right after it in destination order.
-    Ascending and descending destinations are recognised in O(n) and not sorted.
-    """
-    if len(d) < 2:
-        return s, d, np.ones(len(s), dtype=np.int64)
+    Differences of non-negative int64 ids cannot overflow; for unchecked ids see ``check_runs``."""
+    n = len(d)
+    if not coalesce or n < 2:
+        return s, d, np.ones(n, dtype=np.int64)
     step = d[1:] - d[:-1]
-    if int(step.min()) < 0:  # not ascending (rare in practice): sort, or reverse a descending list
-        o = slice(None, None, -1) if int(step.max()) < 0 else np.argsort(d, kind="stable")
-        s, d = s[o], d[o]
-        step = d[1:] - d[:-1]
-    if not coalesce:
-        return s, d, np.ones(len(s), dtype=np.int64)
     brk = step != 1  # one pass per side, arrays reused: this runs on every plan
     brk |= np.subtract(s[1:], s[:-1], out=step) != 1
-    starts = np.empty(1 + int(np.count_nonzero(brk)), dtype=np.int64)
+    cut = np.flatnonzero(brk)
+    if len(cut) == n - 1:  # no two pairs run on: every pair is its own run
+        return s, d, np.ones(n, dtype=np.int64)
+    starts = np.empty(len(cut) + 1, dtype=np.int64)
     starts[0] = 0
-    starts[1:] = np.flatnonzero(brk)
-    starts[1:] += 1
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = len(s)
-    return s[starts], d[starts], ends - starts
+    np.add(cut, 1, out=starts[1:])
+    lengths = np.empty_like(starts)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = n - starts[-1]
+    return s[starts], d[starts], lengths
+
+
+def check_runs(rs: np.ndarray, rl: np.ndarray, ids: np.ndarray, field: str) -> np.ndarray:
+    """Refuse negative ids (MappingError naming the first), checked on the runs of unchecked ids; return
+    each run's last id.
+
+    Every id lies in its run between the first and the last id, so both non-negative proves the list
+    non-negative. A run can only hide a negative id by wrapping past the int64 maximum, and then its last
+    id, computed the same way, is negative too."""
+    last: np.ndarray = rs + (rl - 1)
+    if len(rs) and int(np.bitwise_or(rs, last).min()) < 0:  # sign bit of either
+        i = int(np.argmax(ids < 0))
+        raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
+    return last
+
+
+def order_runs(rs: np.ndarray, rd: np.ndarray, rl: np.ndarray,
+               coalesce: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs in destination order, runs that continue each other joined unless ``coalesce`` is off (ids
+    checked to fit: no overflow).
+
+    Ids listed in destination order (the common case) are recognised in one pass over the runs; a
+    descending list is reversed; anything else is sorted, and runs that meet after sorting are joined."""
+    if len(rd) < 2 or bool((rd[1:] >= rd[:-1] + rl[:-1]).all()):
+        return rs, rd, rl
+    if bool((rd[1:] < rd[:-1]).all()):
+        rs, rd, rl = rs[::-1], rd[::-1], rl[::-1]
+    else:
+        rd, o = sort_by(rd, np.arange(len(rd)))
+        rs, rl = rs[o], rl[o]
+    if not coalesce:
+        return rs, rd, rl
+    ends = rd + rl
+    link = (ends[:-1] == rd[1:]) & (rs[:-1] + rl[:-1] == rs[1:])
+    if not link.any():
+        return rs, rd, rl
+    starts = np.flatnonzero(np.concatenate(([True], ~link)))
+    return rs[starts], rd[starts], np.add.reduceat(rl, starts)
+
+
+def sort_by(d: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``d`` sorted, and ``s`` in the same order. Equal ``d`` keep their order (a repeated destination is
+    an error found later, named by its first repeat in the caller's order).
+
+    Non-negative ids that leave room for the position are sorted as one packed key ``d << bits | position``
+    (a value sort, about three times faster than an index sort); others take a stable index sort."""
+    n = len(d)
+    bits = max(n - 1, 1).bit_length()
+    if n and int(d.min()) >= 0 and int(d.max()) < 1 << (62 - bits):
+        key = np.left_shift(d, bits)
+        key |= np.arange(n, dtype=np.int64)
+        key.sort()
+        o = key & ((1 << bits) - 1)
+        key >>= bits
+        return key, s[o]
+    o = np.argsort(d, kind="stable")
+    return d[o], s[o]
 
 
 def raise_repeated_id(dst_ids: np.ndarray) -> None:
@@ -84,8 +135,10 @@ def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray | None, p
     ``index[i]`` (default i) is the position in ``ids`` of page i."""
     col = info.side[side]
     if regs is None:
-        regs = np.arange(info.nregions)
         lowest = col.lowest_max_page
+        if top is not None and top <= lowest:  # the common case, first: no arrays made
+            return
+        regs = np.arange(info.nregions)
     else:
         lowest = int(col.max_page[regs].min()) if len(regs) else 0
     if not len(pages) or not len(regs):
@@ -121,15 +174,43 @@ class PageRuns:
     """Runs of page ids (src, dst, length) applied to regions whose offsets are linear in the page id: each
     run is one range of ``length`` pages in each region, in destination order."""
 
-    def __init__(self, info: LayoutInfo, direction: Direction, sp: np.ndarray, dp: np.ndarray, coalesce: bool):
+    def __init__(self, info: LayoutInfo, direction: Direction, sp: np.ndarray, dp: np.ndarray, coalesce: bool,
+                 fields: tuple[str, str] | None = None):
+        """``fields``: the mapping's field names when ``sp`` and ``dp`` are ids not yet checked non-negative
+        (checked here, on the runs) and whose fit the caller checks (``tops``) before anything else."""
         self.S, self.D, self.page = info.side[direction.src_side], info.side[direction.dst_side], info.page
-        self.rs, self.rd, self.rl = id_runs(sp, dp, coalesce)
-        self.uniform = len(self.rl) == 0 or bool(np.all(self.rl == self.rl[0]))
+        rs, rd, rl = id_runs(sp, dp, coalesce)
+        self.top_s = self.top_d = None
+        if fields and len(rl) == 1:  # one run (a contiguous job): Python integers cannot wrap
+            first_s, first_d, n = int(rs[0]), int(rd[0]), int(rl[0])
+            if first_s < 0 or first_s + n > 1 << 63:
+                check_runs(rs, rl, sp, fields[0])
+            if first_d < 0 or first_d + n > 1 << 63:
+                check_runs(rd, rl, dp, fields[1])
+            self.top_s, self.top_d = first_s + n - 1, first_d + n - 1
+        elif fields and len(rl):
+            self.top_s = int(check_runs(rs, rl, sp, fields[0]).max())
+            self.top_d = int(check_runs(rd, rl, dp, fields[1]).max())
+        if max(self.top_s or 0, self.top_d or 0) >= 1 << 62:  # far past any buffer: the fit check refuses
+            self.rs, self.rd, self.rl = rs, rd, rl  # them; ordering (sums of ids) waits for it
+            self.singles, self.uniform = False, False
+            return
+        self.rs, self.rd, self.rl = order_runs(rs, rd, rl, coalesce)
+        self.singles = len(self.rl) == len(sp)  # every run one page long
+        self.uniform = self.singles or len(self.rl) == 1 or bool((self.rl == self.rl[0]).all())
 
     @property
     def repeated(self) -> bool:
-        """Whether some destination page repeats (runs are sorted by destination)."""
-        return bool(np.any(self.rd[:-1] + self.rl[:-1] > self.rd[1:]))
+        """Whether some destination page repeats (runs are sorted by destination; ids checked to fit first)."""
+        return len(self.rd) > 1 and bool((self.rd[:-1] + self.rl[:-1] > self.rd[1:]).any())
+
+    def tops(self) -> tuple[int, int]:
+        """The largest source and destination page ids (-1 without ids)."""
+        if self.top_s is not None and self.top_d is not None:
+            return self.top_s, self.top_d
+        if not len(self.rl):
+            return -1, -1
+        return int((self.rs + (self.rl - 1)).max()), int(self.rd[-1] + (self.rl[-1] - 1))
 
     def counts(self, regs: np.ndarray) -> np.ndarray:
         """Ranges per region: the number of runs, the same for every region of ``regs``."""
@@ -145,21 +226,33 @@ class PageRuns:
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
         shape = (len(regs), len(self.rs))
-        so2, do2 = so.reshape(shape), do.reshape(shape)
         S, D = self.S, self.D
-        if shape[1] < ROW_WISE_MIN:
-            np.multiply(S.linear_stride[regs][:, None], self.rs, out=so2)
-            so2 += S.base[regs][:, None]
-            np.multiply(D.linear_stride[regs][:, None], self.rd, out=do2)
-            do2 += D.base[regs][:, None]
-        else:
-            for i, r in enumerate(regs.tolist()):  # a loop over regions, not ranges: each row stays in cache
-                np.multiply(self.rs, S.linear_stride[r], out=so2[i])
-                so2[i] += S.base[r]
-                np.multiply(self.rd, D.linear_stride[r], out=do2[i])
-                do2[i] += D.base[r]
+        affine_rows(S.base[regs], S.linear_stride[regs], self.rs, so.reshape(shape))
+        affine_rows(D.base[regs], D.linear_stride[regs], self.rd, do.reshape(shape))
         if nb is not None:
-            np.multiply(self.page[regs][:, None], self.rl, out=nb.reshape(shape))
+            affine_rows(np.zeros(len(regs), np.int64), self.page[regs], self.rl, nb.reshape(shape))
+
+
+def affine_rows(base: np.ndarray, stride: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[i, j] = base[i] + stride[i] * ids[j]``.
+
+    Products are taken over ``ids`` once per distinct stride (int64 multiplication has no SIMD form on most
+    x86 CPUs, so a product per output element would cost several times an addition); each block of rows
+    sharing a stride then takes one broadcast addition (scalar-per-row operand first: numpy's fast loop)."""
+    if not len(stride):
+        return
+    cut = np.flatnonzero(stride[1:] != stride[:-1])
+    if not len(cut):
+        np.add(base[:, None], ids * stride[0], out=out)
+        return
+    bounds = [0, *(cut + 1).tolist(), len(stride)]
+    products: dict[int, np.ndarray] = {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        u = int(stride[a])
+        p = products.get(u)
+        if p is None:
+            p = products[u] = ids * u
+        np.add(base[a:b, None], p, out=out[a:b])
 
 
 class Pieces:
@@ -203,7 +296,7 @@ def assemble(info: LayoutInfo, direction: Direction, parts: Sequence[tuple[np.nd
     lengths = np.concatenate(counts).astype(np.int64, copy=False)
     sizes = [p.uniform_nbytes(g) for g, p in parts]
     total = int(lengths.sum())
-    so, do = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    so, do = info.pool.empty(total), info.pool.empty(total)  # reused once no plan views them (see scratch)
     nb = None if all(s is not None for s in sizes) else np.empty(total, dtype=np.int64)
     ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     at = 0
@@ -329,7 +422,11 @@ def sort_canonical(r: Ranges, call_group: np.ndarray | None = None) -> Ranges:
 
 def chunk_calls(n: int, cap: int | None) -> np.ndarray:
     """Call offsets cutting ``n`` ranges into calls of at most ``cap`` (None: one call; no ranges: no calls)."""
-    return np.append(np.arange(0, n, cap or max(n, 1), dtype=np.int64), n) if n else np.zeros(1, np.int64)
+    if not n:
+        return np.zeros(1, np.int64)
+    if cap is None or n <= cap:
+        return np.array((0, n), dtype=np.int64)
+    return np.append(np.arange(0, n, cap, dtype=np.int64), n)
 
 
 def calls_by_group(region: Runs | np.ndarray, call_group: np.ndarray, cap: int | None) -> np.ndarray:

@@ -9,6 +9,7 @@ merge. Cost grows with the elementary copies and output ranges.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,13 +24,14 @@ from .columns import (
     chunk_calls,
     merge,
     merge_where,
+    sort_by,
     sort_canonical,
     split_large,
 )
 from .errors import LayoutError, MappingError
 from .layout_info import LayoutInfo
 from .runs import Ranges
-from .spec import BlockMapping, Direction, Location
+from .spec import BlockMapping, BorrowedMapping, Direction, Location
 from .target import PlanOptions
 
 Table = tuple[np.ndarray, np.ndarray, np.ndarray]  # src piece offsets, dst piece offsets, sizes (dst order)
@@ -77,7 +79,8 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
     chunks = ids[used:used + need]
     col = info.side[side]
     # the last chunk whose first page fits, per region: bounding ids here keeps every later product in int64
-    limit = (col.cap[regs] - col.base[regs] - col.page[regs]) // col.stride[regs]
+    limit = info.cached(("chunk_limit", group, side.value), lambda: (col.cap[regs] - col.base[regs] - col.page[regs])
+                        // col.stride[regs])
     if len(chunks) and len(regs) and int(chunks.max()) > int(limit.min()):
         r = int(regs[np.argmin(limit)])
         i = used + int(np.argmax(chunks > limit.min()))
@@ -148,6 +151,40 @@ def _chains(fs: np.ndarray, fd: np.ndarray, fb: np.ndarray, src_step: int, dst_s
     return any(e in starts for e in zip((fs + fb - src_step).tolist(), (fd + fb - dst_step).tolist()))
 
 
+class WriterSet(NamedTuple):
+    """Regions of one group sharing (writers, this rank's index), with what planning needs of them (made once
+    per layout, direction and writer options)."""
+
+    regs: np.ndarray
+    writers: int
+    rank: int  # this rank's index among the writers
+    pieces: int  # fragment pieces per page, summed over the regions
+    page_dense: np.ndarray  # whole-page regions dense on both sides: id runs are byte runs
+    page_sparse: np.ndarray  # other whole-page regions: one range per page
+    piece_regs: list[int]  # regions whose pages become pieces
+    repeats: np.ndarray  # of those, RegionKind.REPEATS
+
+
+def writer_sets(info: LayoutInfo, group: int, regs: np.ndarray, direction: Direction,
+                options: PlanOptions) -> list[WriterSet]:
+    """The group's regions split by (writers, this rank's index), loads into one set (1, 0); cached per layout."""
+    key = ("writer_sets", group, direction.value, options.num_writers, options.writer_index, options.coalesce)
+    return info.cached(key, lambda: _make_writer_sets(info, regs, direction, options))
+
+
+def _make_writer_sets(info: LayoutInfo, regs: np.ndarray, direction: Direction, options: PlanOptions) -> list[WriterSet]:
+    kinds, _ = region_kinds(info, direction, options.coalesce)
+    S, D = info.side[direction.src_side], info.side[direction.dst_side]
+    out = []
+    for r, w, x in _writer_sets(info, regs, direction, options):
+        page = r[kinds[r] == RegionKind.PAGE]
+        dense = S.dense[page] & D.dense[page]
+        piece = r[kinds[r] != RegionKind.PAGE]
+        out.append(WriterSet(r, w, x, int(info.pieces[r].sum()), page[dense], page[~dense], piece.tolist(),
+                             piece[kinds[piece] == RegionKind.REPEATS]))
+    return out
+
+
 def _writer_sets(info: LayoutInfo, regs: np.ndarray, direction: Direction,
                  options: PlanOptions) -> list[tuple[np.ndarray, int, int]]:
     """The group's regions split by (writers, this rank's index); loads read everything: one set, (1, 0)."""
@@ -163,7 +200,7 @@ def _writer_sets(info: LayoutInfo, regs: np.ndarray, direction: Direction,
     return [(regs[(nw[regs] == w) & (wi[regs] == x)], w, x) for w, x in pairs.tolist()]
 
 
-def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
+def plan_general(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: PlanOptions,
                  cap: int | None) -> tuple[Ranges, int, np.ndarray]:
     """Ranges (canonical order within each call), the number of elementary copies requested, call offsets.
 
@@ -188,35 +225,30 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
         group_regs = info.cached(("group_regions", g), lambda: np.flatnonzero(info.group == g))
         sp_all, si_all, used_s = group_pages(info, group_regs, s_ids, used_s, count, start, src_side, "src_ids", g)
         dp_all, di_all, used_d = group_pages(info, group_regs, d_ids, used_d, count, start, dst_side, "dst_ids", g)
-        for regs, writers, index in _writer_sets(info, group_regs, direction, options) if len(group_regs) else ():
+        sets = writer_sets(info, g, group_regs, direction, options) if len(group_regs) else ()
+        for ws in sets:
             sp, si, dp, di = sp_all, si_all, dp_all, di_all
-            if writers > 1:  # replicated data: this rank writes only its share of the canonical pages
-                keep = dp % writers == index
+            if ws.writers > 1:  # replicated data: this rank writes only its share of the canonical pages
+                keep = dp % ws.writers == ws.rank
                 sp, si, dp, di = sp[keep], si[keep], dp[keep], di[keep]
-            check_pages_fit(info, src_side, regs, sp, si, s_ids, "src_ids")
-            check_pages_fit(info, dst_side, regs, dp, di, d_ids, "dst_ids")
-            requested += len(sp) * int(info.pieces[regs].sum())
+            check_pages_fit(info, src_side, ws.regs, sp, si, s_ids, "src_ids")
+            check_pages_fit(info, dst_side, ws.regs, dp, di, d_ids, "dst_ids")
+            requested += len(sp) * ws.pieces
             if not len(sp):
                 continue
-            sd = np.sort(dp)
-            repeated_page |= bool(np.any(sd[1:] == sd[:-1]))
+            sd, o = sort_by(dp, np.arange(len(dp)))  # pages in destination order
+            repeated_page |= bool((sd[1:] == sd[:-1]).any())
             top_s, top_d = max(top_s, int(sp.max())), max(top_d, int(sd[-1]))
-            page_regs = regs[kinds[regs] == RegionKind.PAGE]
-            dense = info.side[src_side].dense[page_regs] & info.side[dst_side].dense[page_regs]
-            for sel, joins in ((page_regs[dense], options.coalesce), (page_regs[~dense], False)):
+            for sel, joins in ((ws.page_dense, options.coalesce), (ws.page_sparse, False)):
                 if len(sel):
                     part_of[sel] = len(parts)
                     parts.append(PageRuns(info, direction, sp, dp, joins))
-            piece_arr = regs[kinds[regs] != RegionKind.PAGE]
-            piece_regs = piece_arr.tolist()
-            if piece_regs:
-                o = np.argsort(dp, kind="stable")  # pages in destination order
-                S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], dp[o]
-                part_of[piece_regs] = np.arange(len(parts), len(parts) + len(piece_regs))
-                parts += [Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in piece_regs]
-                repeats = piece_arr[kinds[piece_arr] == RegionKind.REPEATS]  # vectorized: no enum lookup per region
-                if len(repeats) and bool(np.any((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1]))):
-                    chained[repeats] = True  # neighbouring destination pages read one source page: pieces chain
+            if ws.piece_regs:
+                S, D, sp_o, dp_o = info.side[src_side], info.side[dst_side], sp[o], sd
+                part_of[ws.piece_regs] = np.arange(len(parts), len(parts) + len(ws.piece_regs))
+                parts += [Pieces(S, D, r, sp_o, dp_o, tables[r]) for r in ws.piece_regs]
+                if len(ws.repeats) and bool(((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1])).any()):
+                    chained[ws.repeats] = True  # neighbouring destination pages read one source page: pieces chain
     for field, used, ids in (("src_ids", used_s, s_ids), ("dst_ids", used_d, d_ids)):
         if used != len(ids):
             raise MappingError(field, f"length {len(ids)}", f"the groups (sizes {list(sizes)}, starts {list(starts)}) "

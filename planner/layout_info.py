@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._model import IntTuple
+from .scratch import ColumnPool
 from .spec import Buffer, Direction, Location, Region
 
 T = TypeVar("T")
@@ -86,6 +87,7 @@ class LayoutInfo:
         # -1: the plan-level PlanOptions value applies
         self.num_writers = np.array([-1 if r.num_writers is None else r.num_writers for r in regions], dtype=np.int64)
         self.writer_index = np.array([-1 if r.writer_index is None else r.writer_index for r in regions], dtype=np.int64)
+        self.sets_writers = bool(np.any((self.num_writers >= 0) | (self.writer_index >= 0)))  # some region does
         # plain: one group, k == 1, no fragments -- the fast path applies
         self.plain = self.num_groups == 1 and all(
             not r.fragments and r.device.blocks_per_chunk == 1 and r.host.blocks_per_chunk == 1 for r in regions)
@@ -100,6 +102,7 @@ class LayoutInfo:
         self.align_bytes.flags.writeable = False
         self.aligned = bool(np.any(self.align_bytes > 1))  # some buffer declares an alignment: plans are checked
         self.memo: dict[tuple[Any, ...], object] = {}  # other per-layout results, keyed by their caller
+        self.pool = ColumnPool()  # memory for the offset columns of this layout's plans (see scratch)
 
     def without_aliases(self) -> LayoutInfo:
         """The same layout with each alias dropped (its bytes move once, through the region it repeats)."""
@@ -132,34 +135,63 @@ class LayoutInfo:
         out: np.ndarray = c.base + (top // c.k) * c.stride + (top % c.k) * c.page + c.page
         return out
 
+    def last_page_before(self, side: Location, regs: np.ndarray, limit: np.ndarray) -> np.ndarray:
+        """Per region of ``regs``: the largest page id whose bytes end at or before byte ``limit`` (-1: none).
+
+        The inverse of ``extent_end``, which grows with the page id: ``extent_end(top) <= limit`` exactly when
+        ``top <= last_page_before(limit)``. Turns per-transfer extent tests into thresholds made once per layout."""
+        c = self.side[side]
+        base, stride, page, k = c.base[regs], c.stride[regs], c.page[regs], c.k[regs]
+        chunk = (limit - base - page) // stride  # the last chunk whose first page ends by ``limit``
+        within = np.minimum(k - 1, (limit - base - np.maximum(chunk, 0) * stride - page) // page)
+        out: np.ndarray = np.where(chunk < 0, -1, chunk * k + within)
+        return out
+
     def cached(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
-        """``memo[key]``, made once. Safe when threads plan on one layout: a value read is never evicted under
-        the reader, and two threads making the same value make equal values."""
+        """``memo[key]``, made once. Keys depend on the layout and on plan-level settings (direction, options),
+        never on one transfer's ids, so the memo stays small. Safe when threads plan on one layout: a value read
+        is never evicted under the reader, and two threads making the same value make equal values."""
         value = self.memo.get(key, _MISSING)
         if value is _MISSING:
-            value = make()
-            if len(self.memo) > 64:  # per-transfer keys: keep the memo small
-                for k in [k for k in list(self.memo) if k[0] in ("links", "disjoint")]:
-                    self.memo.pop(k, None)
-            self.memo[key] = value
+            value = self.memo[key] = make()
         return value  # type: ignore[return-value]
 
     def linked_regions(self, direction: Direction, top_src: int, top_dst: int) -> np.ndarray:
         """Mask of regions whose ranges might merge with another region's: same buffers on both sides and
-        extents (up to the transfer's largest page ids) touching on both sides."""
-        def make() -> np.ndarray:
-            s, d = self.side[direction.src_side], self.side[direction.dst_side]
-            mask = np.zeros(self.nregions, dtype=bool)
-            if self.nregions > 1:
-                es, ed = self.extent_end(direction.src_side, top_src), self.extent_end(direction.dst_side, top_dst)
-                pair = (s.buf[:, None] == s.buf[None, :]) & (d.buf[:, None] == d.buf[None, :])
-                pair &= (s.base[:, None] <= es[None, :]) & (s.base[None, :] <= es[:, None])
-                pair &= (d.base[:, None] <= ed[None, :]) & (d.base[None, :] <= ed[:, None])
-                np.fill_diagonal(pair, False)
-                mask = pair.any(axis=1)
-            mask.flags.writeable = False
-            return mask
-        return self.cached(("links", direction.value, top_src, top_dst), make)
+        extents (up to the transfer's largest page ids) touching on both sides.
+
+        Each pair of regions sharing both buffers touches once the largest ids reach a pair of thresholds, made
+        once per layout (``link_thresholds``); a transfer compares its ids with them."""
+        a, b, need_s, need_d = self.cached(("links", direction.value), lambda: self.link_thresholds(direction))
+        mask = np.zeros(self.nregions, dtype=bool)
+        if len(a):
+            hit = (need_s <= top_src) & (need_d <= top_dst)
+            mask[a[hit]] = True
+            mask[b[hit]] = True
+        return mask
+
+    def link_thresholds(self, direction: Direction) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Pairs (a, b) of regions sharing their source and their destination buffer, with the smallest largest
+        source and destination page ids at which their extents touch on both sides."""
+        S, D = self.side[direction.src_side], self.side[direction.dst_side]
+        key = S.buf.astype(np.int64) * (len(self.buffers) + 1) + D.buf
+        o = np.argsort(key, kind="stable")
+        k = key[o]
+        cut = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1], [True])))
+        pairs = [np.stack(np.triu_indices(hi - lo, 1)) + lo for lo, hi in zip(cut[:-1].tolist(), cut[1:].tolist())
+                 if hi - lo > 1]
+        if not pairs:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, empty
+        ab = o[np.concatenate(pairs, axis=1)]
+        a, b = ab[0], ab[1]
+        need = []
+        for side, col in ((direction.src_side, S), (direction.dst_side, D)):
+            # extent of b reaches a's first byte once b's top passes the last page of b ending before it; and back
+            ab_ = self.last_page_before(side, b, col.base[a] - 1) + 1
+            ba_ = self.last_page_before(side, a, col.base[b] - 1) + 1
+            need.append(np.maximum(ab_, ba_))
+        return a, b, need[0], need[1]
 
     def dst_order(self, direction: Direction, top_dst: int,
                   regions_per_call: int | None = None) -> tuple[np.ndarray, bool]:
@@ -169,9 +201,16 @@ class LayoutInfo:
         d = self.side[direction.dst_side]
         order = self.cached(("order", direction.value, regions_per_call), lambda: np.lexsort(
             (d.base, d.buf, self.call_group(regions_per_call))))
+        return order, top_dst <= self.cached(("disjoint", direction.value), lambda: self.disjoint_top(direction))
 
-        def make() -> bool:
-            o = np.lexsort((d.base, d.buf))
-            b, lo, hi = d.buf[o], d.base[o], self.extent_end(direction.dst_side, top_dst)[o]
-            return bool(np.all((b[1:] != b[:-1]) | (hi[:-1] <= lo[1:])))
-        return order, self.cached(("disjoint", direction.value, top_dst), make)
+    def disjoint_top(self, direction: Direction) -> int:
+        """The largest destination page id up to which every two regions' destination extents stay apart (-1:
+        never; a very large number: always). Regions sorted by (buffer, base) are apart when each ends before
+        the next one in its buffer starts."""
+        d = self.side[direction.dst_side]
+        o = np.lexsort((d.base, d.buf))
+        b, lo = d.buf[o], d.base[o]
+        same = np.flatnonzero(b[1:] == b[:-1])
+        if not len(same):
+            return int(np.iinfo(np.int64).max)
+        return int(self.last_page_before(direction.dst_side, o[same], lo[same + 1]).min())

@@ -13,11 +13,14 @@ How the work stays proportional to block pairs and output ranges:
 """
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from .columns import (
     PageRuns,
     Part,
+    affine_rows,
     assemble,
     check_overlaps,
     check_pages_fit,
@@ -29,12 +32,12 @@ from .columns import (
     split_large,
 )
 from .layout_info import LayoutInfo
-from .runs import Ranges
-from .spec import BlockMapping
+from .runs import Ranges, Runs
+from .spec import BlockMapping, BorrowedMapping, Direction
 from .target import PlanOptions
 
 
-def plan_plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
+def plan_plain(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: PlanOptions,
                cap: int | None) -> tuple[Ranges, int, np.ndarray]:
     """Ranges in canonical order, the number of block copies requested, and call offsets.
 
@@ -42,44 +45,92 @@ def plan_plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions,
     Raises MappingError for ids past a buffer or a repeated destination id, LayoutError for regions whose
     destinations overlap or that write bytes the transfer reads.
     """
-    direction = mapping.direction
-    s, d = mapping.src_ids, mapping.dst_ids
+    s = mapping.src_ids
     if len(s) == 0 or info.nregions == 0:
         r: Ranges = dict(empty_ranges())
     else:
-        top_s, top_d = int(s.max()), int(d.max())  # once: every step below needs them
-        check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids", top_s)
-        check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids", top_d)
-        r = _ranges(info, mapping, options.coalesce, top_s, top_d)
+        r = _ranges(info, mapping, options.coalesce)
     r = split_large(r, options.max_range_bytes)
     return r, len(s) * info.nregions, chunk_calls(len(r["nbytes"]), cap)
 
 
-def _ranges(info: LayoutInfo, mapping: BlockMapping, coalesce: bool, top_s: int, top_d: int) -> Ranges:
-    """All ranges in canonical order, checked for overlaps; ``top_s``, ``top_d``: the largest ids."""
+class PlainKit:
+    """What the fast path needs of a layout in one direction, made once: regions in destination order, which
+    of them merge id runs into byte runs (dense on both sides), and the blocks of regions alike in that."""
+
+    def __init__(self, info: LayoutInfo, direction: Direction):
+        self.order, _ = info.dst_order(direction, 0)
+        S, D = info.side[direction.src_side], info.side[direction.dst_side]
+        merges = (S.dense & D.dense)[self.order]  # stride == page on both sides: id runs are byte runs
+        self.merges = merges.tolist()
+        self.all_dense, self.any_dense = bool(merges.all()), bool(merges.any())
+        cut = np.flatnonzero(np.concatenate(([True], merges[1:] != merges[:-1], [True]))).tolist()
+        self.blocks = list(zip(cut[:-1], cut[1:]))
+        self.shared = bool(info.shared_buffers(direction))
+        self.may_link = len(info.cached(("links", direction.value), lambda: info.link_thresholds(direction))[0]) > 0
+        o = self.order
+        self.regs = o.astype(np.int32)
+        self.src_buf, self.dst_buf, self.page = S.buf[o], D.buf[o], info.page[o]
+        self.rows = [(c.base[o], c.linear_stride[o], _one(c.linear_stride[o])) for c in (S, D)]
+        self.pool = info.pool
+
+    def assemble(self, runs: PageRuns) -> Ranges:
+        """The ranges of ``runs`` in every region (all regions alike: one part), region-major in destination
+        order: offsets by one broadcast addition per side, other columns run-length encoded."""
+        m, rows = len(runs.rs), len(self.regs)
+        out = []
+        for (base, stride, one), ids in zip(self.rows, (runs.rs, runs.rd)):
+            col = self.pool.empty(rows * m)
+            if one is not None:  # one stride for all regions: one product over the ids, one broadcast sum
+                np.add(base[:, None], ids * one, out=col.reshape(rows, m))
+            else:
+                affine_rows(base, stride, ids, col.reshape(rows, m))
+            out.append(col)
+        lengths = np.full(rows, m, dtype=np.int64)
+        if runs.uniform:
+            nbytes: np.ndarray | Runs = Runs.of(self.page * int(runs.rl[0]), lengths)
+        else:
+            nbytes = self.pool.empty(rows * m)
+            affine_rows(np.zeros(rows, np.int64), self.page, runs.rl, nbytes.reshape(rows, m))
+        return {"src_buf": Runs.of(self.src_buf, lengths), "src_offset": out[0],
+                "dst_buf": Runs.of(self.dst_buf, lengths), "dst_offset": out[1], "nbytes": nbytes,
+                "region": Runs.of(self.regs, lengths)}
+
+
+def _one(values: np.ndarray) -> int | None:
+    """The value every entry of ``values`` has, or None."""
+    return int(values[0]) if len(values) and bool((values == values[0]).all()) else None
+
+
+def _ranges(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, coalesce: bool) -> Ranges:
+    """All ranges in canonical order, checked for overlaps. Ids are checked non-negative on their runs (a
+    borrowed mapping's were not checked before) and to fit their buffers before any sum or product of ids."""
     direction = mapping.direction
     s, d = mapping.src_ids, mapping.dst_ids
-    order, disjoint = info.dst_order(direction, top_d)
-    S, D = info.side[direction.src_side], info.side[direction.dst_side]
-    merges = (S.dense & D.dense)[order]  # stride == page on both sides: id runs are byte runs
-    runs = PageRuns(info, direction, s, d, True) if coalesce and merges.any() else None
-    singles = PageRuns(info, direction, s, d, False) if not (coalesce and merges.all()) else None
-    some = runs or singles
-    if some is not None and some.repeated:
+    kit: PlainKit = info.cached(("plain", direction.value), lambda: PlainKit(info, direction))
+    fields = ("src_ids", "dst_ids")  # checked on the runs (again, for a BlockMapping), with the largest ids
+    runs = PageRuns(info, direction, s, d, True, fields) if coalesce and kit.any_dense else None
+    singles = PageRuns(info, direction, s, d, False, fields) if not (coalesce and kit.all_dense) else None
+    some = runs if runs is not None else cast(PageRuns, singles)  # one of the two always exists
+    top_s, top_d = some.tops()  # the largest ids, from the runs: ids are checked before any product is taken
+    check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids", top_s)
+    check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids", top_d)
+    if some.repeated:
         raise_repeated_id(d)
-    parts: list[tuple[np.ndarray, Part]]
     if runs is None or singles is None:
-        parts = [(order, runs or singles)]  # type: ignore[list-item]
+        r = kit.assemble(some)
     else:  # mixed: regions keep their destination order
-        cut = np.flatnonzero(np.concatenate(([True], merges[1:] != merges[:-1], [True])))
-        parts = [(order[a:b], runs if merges[a] else singles) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
-    r = assemble(info, direction, parts)
-    linked = info.linked_regions(direction, top_s, top_d) if coalesce else None
-    if linked is not None and linked.any():
-        r = merge_where(r, linked, np.zeros(info.nregions, np.int64))
-        disjoint = False
+        parts: list[tuple[np.ndarray, Part]] = [(kit.order[a:b], runs if kit.merges[a] else singles)
+                                               for a, b in kit.blocks]
+        r = assemble(info, direction, parts)
+    disjoint = top_d <= info.cached(("disjoint", direction.value), lambda: info.disjoint_top(direction))
+    if coalesce and kit.may_link:
+        linked = info.linked_regions(direction, top_s, top_d)
+        if linked.any():
+            r = merge_where(r, linked, np.zeros(info.nregions, np.int64))
+            disjoint = False
     if not disjoint:
         r = sort_canonical(r)
-    if not disjoint or info.shared_buffers(direction):
+    if not disjoint or kit.shared:
         check_overlaps(info, direction, r, d)
     return r

@@ -89,7 +89,7 @@ class TransferPlan:
     """
 
     __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "region_page_bytes", "attrs", "passes_attrs",
-                 "requested_copies", "call_offsets", "aliases", "region_writers", "_store", "_fingerprint")
+                 "requested_copies", "call_offsets", "aliases", "region_writers", "_store", "_dense", "_fingerprint")
     direction: Direction
     target: Target
     options: PlanOptions
@@ -104,6 +104,7 @@ class TransferPlan:
     aliases: tuple[tuple[str, str], ...]
     region_writers: tuple[tuple[int, int], ...]
     _store: dict[str, Column]
+    _dense: dict[str, np.ndarray]
     _fingerprint: str | None
 
     src_buf = PlanColumn("Source buffer index (int32) of every range, into ``buffers``.")
@@ -165,12 +166,52 @@ class TransferPlan:
                 n = len(col)
             store[name] = col
         set_(self, "_store", store)
+        set_(self, "_dense", {})  # run-length columns once expanded (their runs stay in _store)
         co = np.ascontiguousarray(call_offsets, dtype=np.int64)
         if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or bool(np.any(co[1:] <= co[:-1])):
             raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
         co.flags.writeable = False
         set_(self, "call_offsets", co)
         set_(self, "_fingerprint", None)
+
+    @classmethod
+    def planned(cls, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
+                regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
+                call_offsets: np.ndarray, columns: Mapping[str, Column], region_page_bytes: tuple[int, ...],
+                aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...]) -> TransferPlan:
+        """For the planner: a plan from fields it built, in their final types (columns of one length with
+        non-negative values, call offsets rising from 0 to that length), taken without the constructor's
+        conversions and checks. Columns are reinterpreted as their plan dtypes and made read-only. Executors
+        check every range of every plan they run, whichever way it was made."""
+        plan = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(plan, "direction", direction)
+        set_(plan, "target", target)
+        set_(plan, "options", options)
+        set_(plan, "api", target.copy_api)
+        set_(plan, "buffers", buffers)
+        set_(plan, "regions", regions)
+        set_(plan, "region_page_bytes", region_page_bytes)
+        set_(plan, "attrs", attrs)
+        set_(plan, "passes_attrs", target.passes_attrs)
+        set_(plan, "requested_copies", requested_copies)
+        set_(plan, "aliases", aliases)
+        set_(plan, "region_writers", region_writers)
+        set_(plan, "_dense", {})
+        set_(plan, "_fingerprint", None)
+        store: dict[str, Column] = {}
+        for name, dtype in COLUMNS.items():
+            col = columns[name]
+            if isinstance(col, Runs):  # never handed out as such (read through runs_of copies or expansion)
+                store[name] = col if col.values.dtype == dtype else Runs(col.values.astype(dtype), col.lengths)
+            else:  # same-size integers: a view (the planner's values are non-negative)
+                col = col.view(dtype) if col.dtype.itemsize == dtype.itemsize else col.astype(dtype)
+                col.flags.writeable = False
+                store[name] = col
+        set_(plan, "_store", store)
+        call_offsets.flags.writeable = False
+        set_(plan, "call_offsets", call_offsets)
+        return plan
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TransferPlan is immutable")
@@ -181,11 +222,14 @@ class TransferPlan:
     def column(self, name: str) -> np.ndarray:
         """Column ``name`` (one of COLUMNS) as a read-only array; a run-length column is expanded once."""
         col = self._store[name]
-        if isinstance(col, Runs):
-            col = col.dense()
-            col.flags.writeable = False
-            self._store[name] = col
-        return col
+        if not isinstance(col, Runs):
+            return col
+        dense = self._dense.get(name)
+        if dense is None:  # two threads may both expand: equal arrays, either kept
+            dense = col.dense()
+            dense.flags.writeable = False
+            self._dense[name] = dense
+        return dense
 
     def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, lengths) of a column's runs of equal values, without expanding run-length columns."""

@@ -19,7 +19,7 @@ from .layout_info import LayoutInfo
 from .plain_path import plan_plain
 from .plan import TransferPlan
 from .runs import Column, Runs
-from .spec import BlockMapping, Direction
+from .spec import BlockMapping, BorrowedMapping, Direction
 from .target import PlanOptions, Target
 
 
@@ -31,6 +31,10 @@ def plan_transfer(layout: Layout | dict[str, Any] | Any, mapping: BlockMapping |
     Returns a TransferPlan whose ranges cover exactly the requested bytes with the fewest ranges possible
     (or one range per block copy when ``options.coalesce`` is off), split into calls of at most the
     descriptor cap. Raises LayoutError / MappingError / TargetError (ValueError subclasses) on bad input.
+
+    ``mapping`` is a BlockMapping, a dict of its fields, or a JSON path. A dict whose ids are integer numpy
+    arrays is the per-job hot path: no BlockMapping is built and the ids are not copied (the plan keeps
+    none); the same checks apply, vectorized. Those arrays must not change until this call returns.
     """
     return _plan(layout, mapping, target, options, general=False)
 
@@ -48,7 +52,9 @@ _DEFAULT_TARGET, _DEFAULT_OPTIONS = Target(), PlanOptions()  # frozen values: bu
 
 def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, general: bool) -> TransferPlan:
     layout = Layout.coerce(layout_in, "layout")
-    mapping = BlockMapping.coerce(mapping_in, "mapping")
+    mapping: BlockMapping | BorrowedMapping | None = BorrowedMapping.of(mapping_in)  # numpy ids: not copied
+    if mapping is None:
+        mapping = BlockMapping.coerce(mapping_in, "mapping")
     target = _DEFAULT_TARGET if target_in is None else Target.coerce(target_in, "target")
     options = _DEFAULT_OPTIONS if options_in is None else PlanOptions.coerce(options_in, "options")
     full = layout.info
@@ -56,6 +62,8 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     direction = mapping.direction
     cap = options.descriptor_cap(target)
     if general or not _plain(info, mapping, options):
+        if isinstance(mapping, BorrowedMapping):
+            mapping.check_values()
         ranges, requested, call_offsets = plan_general(info, mapping, options, cap)
     else:
         ranges, requested, call_offsets = plan_plain(info, mapping, options, cap)
@@ -65,18 +73,14 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     attrs, region_attr = attributes(full, direction, target, options)
     reg = ranges["region"]
     ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
-    for k in ("src_offset", "dst_offset", "nbytes"):  # non-negative by construction: reinterpret, no copy
-        col = ranges[k]
-        if not isinstance(col, Runs):  # (run-length values are converted by TransferPlan)
-            ranges[k] = col.view(np.uint64)
-    plan = TransferPlan(
+    plan = TransferPlan.planned(
         direction=direction, target=target, options=options, buffers=layout.buffers, regions=full.names, attrs=attrs,
         region_page_bytes=full.page_bytes, aliases=full.aliases, region_writers=_region_writers(full, direction, options),
         requested_copies=requested, call_offsets=call_offsets, columns=ranges)
     return check_alignment(plan, full.align_bytes) if full.aligned else plan
 
 
-def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> bool:
+def _plain(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: PlanOptions) -> bool:
     """Whether the fast path applies: plain layout and mapping, no per-layer calls, no writer rotation."""
     if not (info.plain and mapping.plain and options.regions_per_call is None):
         return False
@@ -86,12 +90,12 @@ def _plain(info: LayoutInfo, mapping: BlockMapping, options: PlanOptions) -> boo
     return not bool(np.any(writers > 1))
 
 
-def _region_writers(info: LayoutInfo, direction: Direction, options: PlanOptions) -> list[tuple[int, int]]:
-    """Each region's (writers, index) on a store where some region sets its own; [] when the options say it all."""
-    if direction is Direction.H2D or not np.any((info.num_writers >= 0) | (info.writer_index >= 0)):
-        return []
+def _region_writers(info: LayoutInfo, direction: Direction, options: PlanOptions) -> tuple[tuple[int, int], ...]:
+    """Each region's (writers, index) on a store where some region sets its own; () when the options say it all."""
+    if direction is Direction.H2D or not info.sets_writers:
+        return ()
     nw, wi = info.writers(options.num_writers, options.writer_index)
-    return list(zip(nw.tolist(), wi.tolist()))
+    return tuple(zip(nw.tolist(), wi.tolist()))
 
 
 def _map(col: Column, table: np.ndarray) -> Column:

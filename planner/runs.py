@@ -17,6 +17,13 @@ class Runs:
     def __init__(self, values: np.ndarray, lengths: np.ndarray):
         self.values, self.lengths = np.asarray(values), np.asarray(lengths, dtype=np.int64)
 
+    @classmethod
+    def of(cls, values: np.ndarray, lengths: np.ndarray) -> Runs:
+        """A Runs over arrays that already are arrays (``lengths`` int64), taken as they are."""
+        runs = object.__new__(cls)
+        runs.values, runs.lengths = values, lengths
+        return runs
+
     def __len__(self) -> int:
         return int(self.lengths.sum())
 

@@ -5,6 +5,7 @@ The Layout that gathers buffers and regions lives in ``layout.py`` (it carries t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, ClassVar
 
@@ -229,7 +230,7 @@ _DIRECTIONS = frozenset(d.value for d in Direction)
 _MAPPING_KEYS = frozenset(("direction", "src_ids", "dst_ids", "group_sizes", "group_starts"))
 
 
-def _fast_mapping(data: dict[str, Any]) -> dict[str, Any] | None:
+def _fast_mapping(data: dict[str, Any], ids: Callable[[np.ndarray, str], np.ndarray] | None = None) -> dict[str, Any] | None:
     """BlockMapping's fields from integer id arrays, a Direction (or its value) and group lists of non-negative
     integers, checked as the validators check them; None for anything else (pydantic then validates it and
     names what is wrong)."""
@@ -253,8 +254,71 @@ def _fast_mapping(data: dict[str, Any]) -> dict[str, Any] | None:
                 return None
             v = tuple(int(x) for x in v)
         groups.append(v)
-    return {"direction": direction, "src_ids": _as_ids(src, "src_ids"), "dst_ids": _as_ids(dst, "dst_ids"),
+    take = ids or _as_ids
+    return {"direction": direction, "src_ids": take(src, "src_ids"), "dst_ids": take(dst, "dst_ids"),
             "group_sizes": groups[0], "group_starts": groups[1]}
+
+
+def _borrow_ids(arr: np.ndarray, field: str) -> np.ndarray:
+    """An integer id array as int64 without copying it when it is int64 already (values unchecked)."""
+    if arr.ndim != 1:
+        raise MappingError(field, f"shape {arr.shape}", "block ids must be one-dimensional")
+    if arr.dtype != np.int64:
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            i = int(np.argmax(arr))
+            raise MappingError(field, int(arr[i]), "block id does not fit int64", i)
+        arr = arr.astype(np.int64)
+    return arr
+
+
+class BorrowedMapping:
+    """BlockMapping's fields over the caller's own id arrays, not copied: what ``plan_transfer`` plans from
+    when handed a dict of integer numpy id arrays (the per-job hot path; the plan keeps no ids).
+
+    Direction, dtype, shape, lengths and group fields are checked here as BlockMapping checks them, naming the
+    field; the ids' values (non-negative) are checked by the planning path on its way, on id runs, before any
+    id is used (``checked`` is False until then). The arrays must not change while the plan is made."""
+
+    __slots__ = ("direction", "src_ids", "dst_ids", "group_sizes", "group_starts")
+    checked = False
+
+    def __init__(self, direction: Direction, src_ids: np.ndarray, dst_ids: np.ndarray,
+                 group_sizes: tuple[int, ...] | None, group_starts: tuple[int, ...] | None):
+        self.direction, self.src_ids, self.dst_ids = direction, src_ids, dst_ids
+        self.group_sizes, self.group_starts = group_sizes, group_starts
+
+    @classmethod
+    def of(cls, data: Any) -> BorrowedMapping | None:
+        """The mapping of ``data`` (a dict with integer numpy id arrays and well-formed other fields), or None
+        for anything else (which BlockMapping then validates, naming what is wrong)."""
+        values = _fast_mapping(data, _borrow_ids) if isinstance(data, dict) else None
+        if values is None:
+            return None
+        _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
+        return cls(**values)
+
+    def check_values(self) -> None:
+        """Refuse a negative id, naming field, value and index (one pass per list; the plain path does it on
+        id runs instead)."""
+        for field in ("src_ids", "dst_ids"):
+            ids = getattr(self, field)
+            if len(ids) and int(ids.min()) < 0:
+                i = int(np.argmax(ids < 0))
+                raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
+
+    @property
+    def plain(self) -> bool:
+        """As ``BlockMapping.plain``."""
+        return _plain_groups(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))
+
+    def __len__(self) -> int:
+        return len(self.src_ids) if self.group_sizes is None else sum(self.group_sizes)
+
+
+def _plain_groups(sizes: tuple[int, ...] | None, starts: tuple[int, ...] | None, ns: int, nd: int) -> bool:
+    if sizes is None:
+        return True
+    return len(sizes) == 1 and not any(starts or ()) and sizes[0] == ns == nd
 
 
 def _check_lengths(src: np.ndarray, dst: np.ndarray, sizes: tuple[int, ...] | None,
@@ -340,7 +404,4 @@ class BlockMapping(Spec):
     def plain(self) -> bool:
         """One group starting at a chunk boundary whose size is the length of both id lists: ids pair up one
         to one (anything else is checked against the layout's groups and chunks)."""
-        if self.group_sizes is None:
-            return True
-        return (len(self.group_sizes) == 1 and not any(self.group_starts or ())
-                and self.group_sizes[0] == len(self.src_ids) == len(self.dst_ids))
+        return _plain_groups(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))
