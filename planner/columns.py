@@ -47,12 +47,17 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     n = len(d)
     if not coalesce or n < 2:
         return s, d, np.ones(n, dtype=np.int64)
+    if (int(d[-1]) - int(d[0]) == n - 1 and int(s[-1]) - int(s[0]) == n - 1 and bool((d[1:] > d[:-1]).all())
+            and bool((s[1:] > s[:-1]).all())):  # one run (a contiguous job): n - 1 rising steps that add up to
+        return s[:1], d[:1], np.array([n], dtype=np.int64)  # n - 1 are all steps of one
     step = d[1:] - d[:-1]
     brk = step != 1  # one pass per side, arrays reused: this runs on every plan
     brk |= np.subtract(s[1:], s[:-1], out=step) != 1
-    cut = np.flatnonzero(brk)
+    cut = brk.nonzero()[0]
     if len(cut) == n - 1:  # no two pairs run on: every pair is its own run
         return s, d, np.ones(n, dtype=np.int64)
+    if not len(cut):  # one run (a contiguous job)
+        return s[:1], d[:1], np.array([n], dtype=np.int64)
     starts = np.empty(len(cut) + 1, dtype=np.int64)
     starts[0] = 0
     np.add(cut, 1, out=starts[1:])

@@ -80,6 +80,9 @@ class PlainKit:
         m, rows = len(runs.rs), len(self.regs)
         out = []
         for (base, stride, one), ids in zip(self.rows, (runs.rs, runs.rd)):
+            if m == 1:  # one run (a contiguous job): one range per region
+                out.append(base + int(ids[0]) * (stride if one is None else one))
+                continue
             col = self.pool.empty(rows * m)
             if one is not None:  # one stride for all regions: one product over the ids, one broadcast sum
                 np.add(base[:, None], ids * one, out=col.reshape(rows, m))
