@@ -73,6 +73,8 @@ class PlainKit:
         self.src_buf, self.dst_buf, self.page = S.buf[o], D.buf[o], info.page[o]
         self.rows = [(c.base[o], c.linear_stride[o], _one(c.linear_stride[o])) for c in (S, D)]
         self.pool = info.pool
+        self.single = np.ones(len(o), dtype=np.int64)  # run lengths of a one-run job (shared, read-only)
+        self.single.flags.writeable = False
 
     def assemble(self, runs: PageRuns) -> Ranges:
         """The ranges of ``runs`` in every region (all regions alike: one part), region-major in destination
@@ -89,15 +91,16 @@ class PlainKit:
             else:
                 affine_rows(base, stride, ids, col.reshape(rows, m))
             out.append(col)
-        lengths = np.full(rows, m, dtype=np.int64)
+        lengths = self.single if m == 1 else np.full(rows, m, dtype=np.int64)
+        n = rows * m
         if runs.uniform:
-            nbytes: np.ndarray | Runs = Runs.of(self.page * int(runs.rl[0]), lengths)
+            nbytes: np.ndarray | Runs = Runs.of(self.page * int(runs.rl[0]), lengths, n)
         else:
-            nbytes = self.pool.empty(rows * m)
+            nbytes = self.pool.empty(n)
             affine_rows(np.zeros(rows, np.int64), self.page, runs.rl, nbytes.reshape(rows, m))
-        return {"src_buf": Runs.of(self.src_buf, lengths), "src_offset": out[0],
-                "dst_buf": Runs.of(self.dst_buf, lengths), "dst_offset": out[1], "nbytes": nbytes,
-                "region": Runs.of(self.regs, lengths)}
+        return {"src_buf": Runs.of(self.src_buf, lengths, n), "src_offset": out[0],
+                "dst_buf": Runs.of(self.dst_buf, lengths, n), "dst_offset": out[1], "nbytes": nbytes,
+                "region": Runs.of(self.regs, lengths, n)}
 
 
 def _one(values: np.ndarray) -> int | None:

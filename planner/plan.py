@@ -178,22 +178,24 @@ class TransferPlan:
     def planned(cls, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                 regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
                 call_offsets: np.ndarray, columns: Mapping[str, Column], region_page_bytes: tuple[int, ...],
-                aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...]) -> TransferPlan:
+                aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...],
+                api: CopyApi, passes_attrs: bool) -> TransferPlan:
         """For the planner: a plan from fields it built, in their final types (columns of one length with
-        non-negative values, call offsets rising from 0 to that length), taken without the constructor's
-        conversions and checks. Columns are reinterpreted as their plan dtypes and made read-only. Executors
-        check every range of every plan they run, whichever way it was made."""
+        non-negative values, call offsets rising from 0 to that length; ``api`` and ``passes_attrs`` the
+        target's), taken without the constructor's conversions and checks. Dense columns are reinterpreted
+        as their plan dtypes and made read-only; run-length columns are never handed out as they are.
+        Executors check every range of every plan they run, whichever way it was made."""
         plan = object.__new__(cls)
         set_ = object.__setattr__
         set_(plan, "direction", direction)
         set_(plan, "target", target)
         set_(plan, "options", options)
-        set_(plan, "api", target.copy_api)
+        set_(plan, "api", api)
         set_(plan, "buffers", buffers)
         set_(plan, "regions", regions)
         set_(plan, "region_page_bytes", region_page_bytes)
         set_(plan, "attrs", attrs)
-        set_(plan, "passes_attrs", target.passes_attrs)
+        set_(plan, "passes_attrs", passes_attrs)
         set_(plan, "requested_copies", requested_copies)
         set_(plan, "aliases", aliases)
         set_(plan, "region_writers", region_writers)

@@ -71,12 +71,14 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     if info is not full:  # region indices of the alias-free view -> the layout's own
         ranges["region"] = _map(ranges["region"], info.origin)
     attrs, region_attr = attributes(full, direction, target, options)
+    api, passes = full.cached(("api", target.platform, target.runtime_version),
+                              lambda: (target.copy_api, target.passes_attrs))
     reg = ranges["region"]
-    ranges["attr"] = Runs(region_attr[reg.values], reg.lengths) if isinstance(reg, Runs) else region_attr[reg]
+    ranges["attr"] = Runs.of(region_attr[reg.values], reg.lengths, len(reg)) if isinstance(reg, Runs) else region_attr[reg]
     plan = TransferPlan.planned(
         direction=direction, target=target, options=options, buffers=layout.buffers, regions=full.names, attrs=attrs,
         region_page_bytes=full.page_bytes, aliases=full.aliases, region_writers=_region_writers(full, direction, options),
-        requested_copies=requested, call_offsets=call_offsets, columns=ranges)
+        requested_copies=requested, call_offsets=call_offsets, columns=ranges, api=api, passes_attrs=passes)
     return check_alignment(plan, full.align_bytes) if full.aligned else plan
 
 

@@ -12,20 +12,24 @@ CHUNK = 1 << 16  # elements expanded at a time where a run-length column is stre
 class Runs:
     """A run-length encoded column: ``values[i]`` repeated ``lengths[i]`` times."""
 
-    __slots__ = ("values", "lengths")
+    __slots__ = ("values", "lengths", "_total")
 
     def __init__(self, values: np.ndarray, lengths: np.ndarray):
         self.values, self.lengths = np.asarray(values), np.asarray(lengths, dtype=np.int64)
+        self._total: int | None = None
 
     @classmethod
-    def of(cls, values: np.ndarray, lengths: np.ndarray) -> Runs:
-        """A Runs over arrays that already are arrays (``lengths`` int64), taken as they are."""
+    def of(cls, values: np.ndarray, lengths: np.ndarray, total: int | None = None) -> Runs:
+        """A Runs over arrays that already are arrays (``lengths`` int64), taken as they are; ``total``, when
+        the caller knows it, is the sum of ``lengths``."""
         runs = object.__new__(cls)
-        runs.values, runs.lengths = values, lengths
+        runs.values, runs.lengths, runs._total = values, lengths, total
         return runs
 
     def __len__(self) -> int:
-        return int(self.lengths.sum())
+        if self._total is None:  # columns are not changed once made: the sum is taken once
+            self._total = int(self.lengths.sum())
+        return self._total
 
     def dense(self, dtype: DTypeLike | None = None) -> np.ndarray:
         """The expanded column (as ``dtype`` when given)."""
