@@ -3,10 +3,13 @@
 ``resolve`` turns one binding (numpy array, torch tensor, ``__cuda_array_interface__`` object, RawMemory or
 ``(address, nbytes)`` pair) into a ``Memory``. ``bind`` resolves and checks each buffer of a layout once and
 returns a ``BoundMemory``; ``BoundMemory.lower(plan)`` then checks every range of a plan against the bound
-sizes and turns ``(buffer, offset)`` pairs into absolute addresses, vectorized, before anything is copied.
+sizes and turns ``(buffer, offset)`` pairs into absolute addresses, vectorized, before anything is copied
+(``BoundMemory.check(plan)``: the same checks, for executors that copy through views).
 
-Per run the cost is a few passes over the plan's columns: buffer columns are read as runs of one buffer
-(one comparison per run, not per range), and offsets and sizes are compared and added once per side.
+Per run the cost is a few passes over the plan's columns: buffer and size columns are read as runs (one
+comparison per run, not per range); per side, one reduction bounds every run's offsets and one addition
+writes the addresses (one 2-D broadcast when every run has the same length, as when each region has as
+many ranges).
 """
 from __future__ import annotations
 
@@ -238,8 +241,9 @@ class BoundMemory:
     def lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Check every range of ``plan`` and return its (src, dst) absolute addresses as uint64 arrays.
 
-        Refuses, before anything is copied: a closed binding or another buffer table (BindingError); an
-        index out of its table or a zero-byte range (PlanError naming column and range); a range that leaves
+        Refuses, before anything is copied: a closed binding or another buffer table (BindingError); columns
+        of different lengths or malformed call offsets, an index out of its table or a zero-byte range
+        (PlanError naming column and range); a range that leaves
         its buffer, wrapping uint64 included (PlanError naming side, range and buffer), or a buffer read but
         not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64
         arrays of at least ``plan.num_ranges``) when given.
@@ -255,6 +259,7 @@ class BoundMemory:
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
         self.check_table(plan)
+        plan.check_shape()  # equal column lengths and well-formed calls, whichever way the plan was made
         for col, limit in (("region", len(plan.regions)), ("attr", len(plan.attrs))):
             values, lengths = plan.column_runs(col)
             bad = values >= limit  # unsigned or checked non-negative by the plan's dtype

@@ -196,8 +196,8 @@ class PageRuns:
         elif fields and len(rl):
             self.top_s = int(check_runs(rs, rl, sp, fields[0]).max())
             self.top_d = int(check_runs(rd, rl, dp, fields[1]).max())
-        if max(self.top_s or 0, self.top_d or 0) >= 1 << 62:  # far past any buffer: the fit check refuses
-            self.rs, self.rd, self.rl = rs, rd, rl  # them; ordering (sums of ids) waits for it
+        if max(self.top_s or 0, self.top_d or 0) >= (1 << 63) - 1:  # fits no buffer (under 2^63 bytes): the
+            self.rs, self.rd, self.rl = rs, rd, rl  # fit check refuses it; ordering (id + length) could wrap
             self.singles, self.uniform = False, False
             return
         self.rs, self.rd, self.rl = order_runs(rs, rd, rl, coalesce)

@@ -47,6 +47,8 @@ def plan_plain(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, option
     """
     s = mapping.src_ids
     if len(s) == 0 or info.nregions == 0:
+        if isinstance(mapping, BorrowedMapping):  # no runs to check them on
+            mapping.check_values()
         r: Ranges = dict(empty_ranges())
     else:
         r = _ranges(info, mapping, options.coalesce)

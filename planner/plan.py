@@ -184,7 +184,8 @@ class TransferPlan:
         non-negative values, call offsets rising from 0 to that length; ``api`` and ``passes_attrs`` the
         target's), taken without the constructor's conversions and checks. Dense columns are reinterpreted
         as their plan dtypes and made read-only; run-length columns are never handed out as they are.
-        Executors check every range of every plan they run, whichever way it was made."""
+        Executors check every plan they run, whichever way it was made: its shape (``check_shape``) and every
+        range against its buffer."""
         plan = object.__new__(cls)
         set_ = object.__setattr__
         set_(plan, "direction", direction)
@@ -243,12 +244,25 @@ class TransferPlan:
             raise PlanError("side", side, "expected 'src' or 'dst'")
         return np.unique(self.column_runs(f"{side}_buf")[0])
 
+    def check_shape(self) -> None:
+        """Raise PlanError unless every column has ``num_ranges`` entries and ``call_offsets`` rises strictly
+        from 0 to ``num_ranges`` (the constructor ensures both; ``planned`` takes them on trust). O(columns +
+        calls): executors call it on every run."""
+        n = len(self._store["nbytes"])
+        for name in COLUMNS:
+            if len(self._store[name]) != n:
+                raise PlanError(name, len(self._store[name]), f"column length differs from nbytes ({n})")
+        co = self.call_offsets
+        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or (len(co) > 1 and bool((co[1:] <= co[:-1]).any())):
+            raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
+
     def check(self) -> TransferPlan:
         """Verify that every range lies inside its buffers and every index points into its table; returns self.
 
         Plans from ``plan_transfer`` hold by construction; this guards plans read from files or built by hand.
         Raises PlanError naming the column, the range index and the value.
         """
+        self.check_shape()
         nbuf = len(self.buffers)
         sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
         for col, limit in (("src_buf", nbuf), ("dst_buf", nbuf), ("region", len(self.regions)), ("attr", len(self.attrs))):

@@ -55,8 +55,13 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     mapping: BlockMapping | BorrowedMapping | None = BorrowedMapping.of(mapping_in)  # numpy ids: not copied
     if mapping is None:
         mapping = BlockMapping.coerce(mapping_in, "mapping")
-    target = _DEFAULT_TARGET if target_in is None else Target.coerce(target_in, "target")
-    options = _DEFAULT_OPTIONS if options_in is None else PlanOptions.coerce(options_in, "options")
+    try:
+        target = _DEFAULT_TARGET if target_in is None else Target.coerce(target_in, "target")
+        options = _DEFAULT_OPTIONS if options_in is None else PlanOptions.coerce(options_in, "options")
+    except ValueError:
+        if isinstance(mapping, BorrowedMapping):  # name a bad id first, as a BlockMapping would (rare path)
+            mapping.check_values()
+        raise
     full = layout.info
     info = full.without_aliases() if full.aliases else full
     direction = mapping.direction

@@ -16,13 +16,14 @@ pooled array is measured once at import, through the same expression the checks 
 from __future__ import annotations
 
 import sys
+import sysconfig
 import threading
 
 import numpy as np
 
 POOL_MIN = 1 << 15  # elements (256 KiB of int64): smaller arrays come from the allocator's own free lists
 POOL_SLOTS = 8  # arrays kept per layout (two per plan: source and destination offsets)
-POOL_BYTES = 256 << 20  # at most this much memory kept per layout
+POOL_BYTES = 128 << 20  # at most this much memory kept per layout (four C32-sized plans)
 
 
 def _count(owners: list[np.ndarray], i: int) -> int:
@@ -33,8 +34,8 @@ def _count(owners: list[np.ndarray], i: int) -> int:
 def _unreferenced_count() -> int:
     """What ``_count`` reads for an array that only the pool's list holds, measured on this interpreter (0:
     reference counts cannot be trusted here, so nothing is pooled)."""
-    if sys.implementation.name != "cpython" or not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return 0  # other interpreters, and free-threaded CPython (deferred and split counts): no pooling
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return 0  # other interpreters, and free-threaded CPython builds (deferred and split counts): no pooling
     owners = [np.empty(1, dtype=np.int64)]
     alone = _count(owners, 0)
     view = owners[0][:1]  # one view must count as one more reference, or the counts are not what we rely on

@@ -294,8 +294,13 @@ class BorrowedMapping:
         values = _fast_mapping(data, _borrow_ids) if isinstance(data, dict) else None
         if values is None:
             return None
-        _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
-        return cls(**values)
+        mapping = cls(**values)
+        try:
+            _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
+        except MappingError:
+            mapping.check_values()  # a negative id is named first, as BlockMapping names it (rare path)
+            raise
+        return mapping
 
     def check_values(self) -> None:
         """Refuse a negative id, naming field, value and index (one pass per list; the plain path does it on

@@ -703,3 +703,101 @@ def test_planned_columns_stay_read_only_when_expanded_by_threads():
     assert len(got) == 4 and all(np.array_equal(g, got[0]) and not g.flags.writeable for g in got)
     assert isinstance(stored["region"], Runs) and all(plan._store[k] is v for k, v in stored.items())
     assert plan.column("region").tolist() == np.repeat(np.arange(8), 100).tolist()
+
+
+# ---- review findings: plans made with TransferPlan.planned are checked by executors; error order; huge ids ----
+def _planned_copy(plan, **changes):
+    fields = dict(direction=plan.direction, target=plan.target, options=plan.options, buffers=plan.buffers,
+                  regions=plan.regions, attrs=plan.attrs, requested_copies=plan.requested_copies,
+                  call_offsets=plan.call_offsets.copy(), region_page_bytes=plan.region_page_bytes,
+                  aliases=plan.aliases, region_writers=plan.region_writers, api=plan.api,
+                  passes_attrs=plan.passes_attrs,
+                  columns={c: Runs(*plan.column_runs(c)) if c in ("src_buf", "dst_buf", "region", "attr", "nbytes")
+                           else plan.column(c) for c in ("src_buf", "dst_buf", "src_offset", "dst_offset", "nbytes",
+                                                         "region", "attr")})
+    fields["columns"] |= changes.pop("columns", {})
+    return TransferPlan.planned(**(fields | changes))
+
+
+def _small_plan_and_memory():
+    n = 4000
+    layout = Layout(buffers=(Buffer(name="h", nbytes=n * 8, location=Location.HOST),
+                             Buffer(name="d", nbytes=n * 8, location=Location.DEVICE)),
+                    regions=(Region(name="r", page_bytes=8, device=Placement(buffer="d"), host=Placement(buffer="h")),))
+    plan = plan_transfer(layout, {"direction": "h2d", "src_ids": np.arange(0, n, 2), "dst_ids": np.arange(0, n, 2)},
+                         options=PlanOptions(coalesce=False))
+    return layout, plan, {"h": np.zeros(n * 8, np.uint8), "d": np.zeros(n * 8, np.uint8)}
+
+
+def test_planned_plan_with_short_buffer_runs_is_refused_by_every_executor_path():
+    """A column whose runs cover fewer ranges than the offsets is refused, not lowered half-way."""
+    layout, plan, mem = _small_plan_and_memory()
+    n = plan.num_ranges
+    bad = _planned_copy(plan, columns={"src_buf": Runs.of(np.array([0], np.int32), np.array([n // 2]))})
+    bound = NumpyExecutor().bind(layout, mem)
+    for call in (lambda: bound.lower(bad, (np.empty(n, np.uint64), np.empty(n, np.uint64))),
+                 lambda: bound.check(bad), bad.check, lambda: NumpyExecutor().run(bad, bound)):
+        with pytest.raises(PlanError, match="src_buf"):
+            call()
+    assert not mem["d"].any()
+
+
+@pytest.mark.parametrize("offsets", [[0, 4096 + 2000], [0, 1000], [0, 0, 2000], [1, 2000], [0, 1500, 1000, 2000]])
+def test_planned_plan_with_bad_call_offsets_is_refused(offsets):
+    """Call offsets that do not rise strictly from 0 to the range count are refused before any copy."""
+    layout, plan, mem = _small_plan_and_memory()
+    bad = _planned_copy(plan, call_offsets=np.array(offsets, dtype=np.int64))
+    bound = NumpyExecutor().bind(layout, mem)
+    for call in (lambda: bound.lower(bad), lambda: bound.check(bad), bad.check):
+        with pytest.raises(PlanError, match="call_offsets"):
+            call()
+
+
+def test_a_planned_copy_of_a_good_plan_lowers_like_the_plan():
+    """The helper above builds valid plans when nothing is changed (so the refusals are about the change)."""
+    layout, plan, mem = _small_plan_and_memory()
+    bound = NumpyExecutor().bind(layout, mem)
+    same = _planned_copy(plan)
+    assert same.fingerprint == plan.fingerprint
+    for a, b in zip(bound.lower(same), bound.lower(plan)):
+        assert np.array_equal(a, b)
+
+
+def test_negative_id_is_named_before_unequal_lengths_on_the_hot_path():
+    layout = presets.kv_layout(2, 16, 8)
+    m = {"direction": "h2d", "src_ids": np.array([0, -1]), "dst_ids": np.array([0, 1, 2])}
+    got = outcome(plan_transfer, layout, m)
+    assert got == bm_outcome(plan_transfer, layout, "h2d", m["src_ids"], m["dst_ids"])
+    assert got[0] == "MappingError" and "non-negative" in got[1]
+
+
+def test_negative_id_is_named_before_bad_options_on_the_hot_path():
+    layout = presets.kv_layout(2, 16, 8)
+    m = {"direction": "h2d", "src_ids": np.array([0, -1]), "dst_ids": np.array([0, 1])}
+    bad = {"max_range_bytes": -5}
+    got = outcome(plan_transfer, layout, m, bad)
+    assert got == bm_outcome(plan_transfer, layout, "h2d", m["src_ids"], m["dst_ids"], bad)
+    assert got[0] == "MappingError"
+
+
+def test_negative_ids_are_refused_on_a_layout_without_regions():
+    layout = Layout(buffers=(Buffer(name="a", nbytes=16),), regions=())
+    m = {"direction": "h2d", "src_ids": np.array([-3]), "dst_ids": np.array([0])}
+    got = outcome(plan_transfer, layout, m)
+    assert got == bm_outcome(plan_transfer, layout, "h2d", m["src_ids"], m["dst_ids"]) and got[0] == "MappingError"
+
+
+@pytest.mark.parametrize("s, d", [([0, 5], [5, 0]), ([0, 1, 2], [2, 0, 1]), ([7, 8, 9, 1], [3, 4, 5, 0])])
+def test_ids_above_2_to_62_plan_alike_on_every_path(s, d):
+    """Buffers near 2^63 bytes with 1-byte pages: ids above 2^62 are still put in destination order."""
+    big = 2**63 - 1
+    layout = Layout(buffers=(Buffer(name="dev", nbytes=big, location=Location.DEVICE),
+                             Buffer(name="host", nbytes=big, location=Location.HOST)),
+                    regions=(Region(name="r", page_bytes=1, device=Placement(buffer="dev"),
+                                    host=Placement(buffer="host")),))
+    top = 2**62
+    s, d = np.array(s, np.int64) + top, np.array(d, np.int64) + top
+    want = outcome(plan_transfer_general, layout, BlockMapping(direction="h2d", src_ids=s, dst_ids=d))
+    assert isinstance(want, str)  # a fingerprint: planned
+    assert outcome(plan_transfer, layout, {"direction": "h2d", "src_ids": s, "dst_ids": d}) == want
+    assert outcome(plan_transfer, layout, BlockMapping(direction="h2d", src_ids=s, dst_ids=d)) == want
