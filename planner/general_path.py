@@ -29,7 +29,7 @@ from .columns import (
     split_large,
 )
 from .errors import LayoutError, MappingError
-from .layout_info import LayoutInfo
+from .layout_info import LayoutInfo, SideColumns
 from .runs import Ranges
 from .spec import BlockMapping, BorrowedMapping, Direction, Location
 from .target import PlanOptions
@@ -62,8 +62,10 @@ def group_chunk_size(info: LayoutInfo, regs: np.ndarray, side: Location, group: 
 
 
 def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, count: int, start: int,
-                side: Location, field: str, group: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Canonical page ids of one group on one side, the index into ``ids`` each came from, and ids consumed.
+                side: Location, field: str, group: int,
+                want_index: bool = True) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Canonical page ids of one group on one side, the index into ``ids`` each came from (None unless
+    ``want_index``), and ids consumed.
 
     Chunk c with k pages enumerates pages c*k .. c*k+k-1; the group's pages are that flattened list from
     ``start % k`` on, ``count`` long (the first and last chunks may be partial).
@@ -79,17 +81,25 @@ def group_pages(info: LayoutInfo, regs: np.ndarray, ids: np.ndarray, used: int, 
     chunks = ids[used:used + need]
     col = info.side[side]
     # the last chunk whose first page fits, per region: bounding ids here keeps every later product in int64
-    limit = info.cached(("chunk_limit", group, side.value), lambda: (col.cap[regs] - col.base[regs] - col.page[regs])
-                        // col.stride[regs])
-    if len(chunks) and len(regs) and int(chunks.max()) > int(limit.min()):
+    limit, lowest = info.cached(("chunk_limit", group, side.value), lambda: _chunk_limits(col, regs))
+    if len(chunks) and len(regs) and int(chunks.max()) > lowest:
         r = int(regs[np.argmin(limit)])
-        i = used + int(np.argmax(chunks > limit.min()))
+        i = used + int(np.argmax(chunks > lowest))
         buf = info.buffers[int(col.buf[r])]
         raise MappingError(field, int(ids[i]), f"chunk of region {info.regions[r].name!r} ({side} side) starts past "
-                           f"buffer {buf.name!r} of {buf.nbytes} bytes (last chunk that fits: {int(limit.min())})", i)
-    pages = (chunks[:, None] * k + np.arange(k)).ravel()[skip:skip + count]
-    index = used + (np.arange(count) + skip) // k
+                           f"buffer {buf.name!r} of {buf.nbytes} bytes (last chunk that fits: {lowest})", i)
+    if k == 1:
+        pages = chunks
+    else:
+        pages = np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count]
+    index = used + (np.arange(count) + skip) // k if want_index else None
     return pages, index, used + need
+
+
+def _chunk_limits(col: SideColumns, regs: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per region of ``regs``, the last chunk whose first page fits its buffer; and the smallest of them."""
+    limit: np.ndarray = (col.cap[regs] - col.base[regs] - col.page[regs]) // col.stride[regs]
+    return limit, int(limit.min()) if len(limit) else -1
 
 
 def _fragment_table(info: LayoutInfo, r: int, direction: Direction) -> Table:
@@ -230,7 +240,8 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, opti
             sp, si, dp, di = sp_all, si_all, dp_all, di_all
             if ws.writers > 1:  # replicated data: this rank writes only its share of the canonical pages
                 keep = dp % ws.writers == ws.rank
-                sp, si, dp, di = sp[keep], si[keep], dp[keep], di[keep]
+                sp, dp = sp[keep], dp[keep]
+                si, di = (None if x is None else x[keep] for x in (si, di))
             check_pages_fit(info, src_side, ws.regs, sp, si, s_ids, "src_ids")
             check_pages_fit(info, dst_side, ws.regs, dp, di, d_ids, "dst_ids")
             requested += len(sp) * ws.pieces

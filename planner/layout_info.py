@@ -92,6 +92,11 @@ class LayoutInfo:
         self.plain = self.num_groups == 1 and all(
             not r.fragments and r.device.blocks_per_chunk == 1 and r.host.blocks_per_chunk == 1 for r in regions)
         self.side = {s: SideColumns.of(buffers, regions, self.buffer_index, s) for s in (Location.DEVICE, Location.HOST)}
+        # paged: one group, whole pages of one size on both sides, offsets linear in the page id on both sides
+        # (k == 1, or chunk rows without padding) -- chunk ids become page ids and the fast path applies
+        dev, host = self.side[Location.DEVICE], self.side[Location.HOST]
+        self.paged = self.num_groups == 1 and not any(r.fragments for r in regions) and bool(np.all(
+            ((dev.k == 1) | dev.dense) & ((host.k == 1) | host.dense) & (dev.page == self.page) & (host.page == self.page)))
         first: dict[tuple[Any, ...], int] = {}
         self.alias_of = np.array([first.setdefault(r.alias_key(), i) for i, r in enumerate(regions)], dtype=np.int64)
         # (alias, region it repeats) name pairs, in region order

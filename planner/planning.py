@@ -1,7 +1,9 @@
 """plan_transfer: layout + block mapping -> TransferPlan, with maximal merging of byte-contiguous copies.
 
 Plain transfers (one group, whole pages, k == 1, no writer rotation, no per-layer calls) take the fast path
-(``plain_path``); everything else the general path (``general_path``). Both build on the column operations
+(``plain_path``). So do paged ones (the same with chunks of k pages laid out without padding), once each
+side's chunk ids are expanded to page ids; everything else, and every refusal, goes through the general path
+(``general_path``). Both build on the column operations
 in ``columns``, and give identical plans wherever both apply (a differential test checks it through
 ``plan_transfer_general``). Aliased regions (the same bytes under two names) are planned once.
 """
@@ -13,12 +15,13 @@ import numpy as np
 
 from .alignment import check_alignment
 from .columns import attributes
-from .general_path import plan_general
+from .errors import LayoutError, MappingError
+from .general_path import group_pages, plan_general
 from .layout import Layout
 from .layout_info import LayoutInfo
 from .plain_path import plan_plain
 from .plan import TransferPlan
-from .runs import Column, Runs
+from .runs import Column, Ranges, Runs
 from .spec import BlockMapping, BorrowedMapping, Direction
 from .target import PlanOptions, Target
 
@@ -66,12 +69,20 @@ def _plan(layout_in: Any, mapping_in: Any, target_in: Any, options_in: Any, gene
     info = full.without_aliases() if full.aliases else full
     direction = mapping.direction
     cap = options.descriptor_cap(target)
-    if general or not _plain(info, mapping, options):
+    made: tuple[Ranges, int, np.ndarray] | None = None
+    if not general and _plain(info, mapping, options):
+        made = plan_plain(info, mapping, options, cap)
+    else:
         if isinstance(mapping, BorrowedMapping):
             mapping.check_values()
-        ranges, requested, call_offsets = plan_general(info, mapping, options, cap)
-    else:
-        ranges, requested, call_offsets = plan_plain(info, mapping, options, cap)
+        if not general and _paged(info, mapping, options):
+            try:
+                made = _plan_pages(info, mapping, options, cap)
+            except (MappingError, LayoutError):  # refusals are named by the general path, as always
+                made = None
+        if made is None:
+            made = plan_general(info, mapping, options, cap)
+    ranges, requested, call_offsets = made
     ranges = dict(ranges)
     if info is not full:  # region indices of the alias-free view -> the layout's own
         ranges["region"] = _map(ranges["region"], info.origin)
@@ -91,10 +102,38 @@ def _plain(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: P
     """Whether the fast path applies: plain layout and mapping, no per-layer calls, no writer rotation."""
     if not (info.plain and mapping.plain and options.regions_per_call is None):
         return False
-    if mapping.direction is Direction.H2D:
-        return True
-    writers, _ = info.writers(options.num_writers, options.writer_index)
-    return not bool(np.any(writers > 1))
+    return mapping.direction is Direction.H2D or _one_writer(info, options)
+
+
+def _one_writer(info: LayoutInfo, options: PlanOptions) -> bool:
+    """Whether every region has one writer (no rotation) under ``options``; made once per layout and setting."""
+    key = ("one_writer", options.num_writers, options.writer_index)
+    return info.cached(key, lambda: not bool(np.any(info.writers(options.num_writers, options.writer_index)[0] > 1)))
+
+
+def _paged(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: PlanOptions) -> bool:
+    """Whether chunk ids can become page ids for the fast path: a paged layout (whole pages, offsets linear in
+    the page id on both sides), one group, no per-layer calls, no writer rotation."""
+    if not (info.paged and options.regions_per_call is None and len(mapping.group_sizes or (0,)) == 1):
+        return False
+    return mapping.direction is Direction.H2D or _one_writer(info, options)
+
+
+def _plan_pages(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, options: PlanOptions,
+                cap: int | None) -> tuple[Ranges, int, np.ndarray]:
+    """The fast path over page ids: each side's chunk ids expanded to the group's page ids (checked to fit, as
+    the general path checks them), then planned as a plain transfer of pages. Raises MappingError or
+    LayoutError on anything wrong; the caller then lets the general path name it."""
+    direction = mapping.direction
+    s_ids, d_ids = mapping.src_ids, mapping.dst_ids
+    count = mapping.group_sizes[0] if mapping.group_sizes else len(s_ids)
+    start = mapping.group_starts[0] if mapping.group_starts else 0
+    regs = info.cached(("group_regions", 0), lambda: np.flatnonzero(info.group == 0))
+    sp, _, used_s = group_pages(info, regs, s_ids, 0, count, start, direction.src_side, "src_ids", 0, False)
+    dp, _, used_d = group_pages(info, regs, d_ids, 0, count, start, direction.dst_side, "dst_ids", 0, False)
+    if used_s != len(s_ids) or used_d != len(d_ids):
+        raise MappingError("group_sizes", count, "the group does not consume the id lists exactly")
+    return plan_plain(info, BorrowedMapping(direction, sp, dp, None, None), options, cap)
 
 
 def _region_writers(info: LayoutInfo, direction: Direction, options: PlanOptions) -> tuple[tuple[int, int], ...]:
