@@ -221,8 +221,10 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
     does before its first copy. (The BEFORE table in NOTES.md was measured on the code before bind existed,
     where every run resolved and checked every buffer.)
     """
+    from kvxfer.executors import NumpyExecutor
+
     bound = executor.bind(layout, bindings)
-    if executor.__class__.__name__ == "NumpyExecutor":
+    if isinstance(executor, NumpyExecutor):
         return "bind() once, then bound.check(plan) per job (views: no addresses)", bound.check
     out: list[tuple[np.ndarray, np.ndarray]] = []
 

@@ -16,7 +16,7 @@ from .errors import LayoutError, MappingError
 from .layout_info import LayoutInfo, SideColumns
 from .plan import CopyAttributes, LocationHint
 from .runs import DenseRanges, Ranges, Runs, dense, dense_all, runs_of
-from .spec import Direction, Location
+from .spec import Direction, Location, refuse_negative
 from .target import AccessOrder, PlanOptions, Target
 
 INT_COLUMNS = ("src_buf", "dst_buf", "region")
@@ -76,8 +76,7 @@ def check_runs(rs: np.ndarray, rl: np.ndarray, ids: np.ndarray, field: str) -> n
     id, computed the same way, is negative too."""
     last: np.ndarray = rs + (rl - 1)
     if len(rs) and int(np.bitwise_or(rs, last).min()) < 0:  # sign bit of either
-        i = int(np.argmax(ids < 0))
-        raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
+        refuse_negative(ids, field)
     return last
 
 
@@ -180,23 +179,24 @@ class PageRuns:
     run is one range of ``length`` pages in each region, in destination order."""
 
     def __init__(self, info: LayoutInfo, direction: Direction, sp: np.ndarray, dp: np.ndarray, coalesce: bool,
-                 fields: tuple[str, str] | None = None):
-        """``fields``: the mapping's field names when ``sp`` and ``dp`` are ids not yet checked non-negative
-        (checked here, on the runs) and whose fit the caller checks (``tops``) before anything else."""
+                 check_ids: bool = False):
+        """``check_ids``: ``sp`` and ``dp`` are the mapping's ``src_ids`` and ``dst_ids``, not yet known to be
+        non-negative: they are checked here, on the runs, and ``top_s`` / ``top_d`` (the largest ids, -1
+        otherwise) are set for the caller's fit check, which comes before anything else uses them."""
         self.S, self.D, self.page = info.side[direction.src_side], info.side[direction.dst_side], info.page
         rs, rd, rl = id_runs(sp, dp, coalesce)
-        self.top_s = self.top_d = None
-        if fields and len(rl) == 1:  # one run (a contiguous job): Python integers cannot wrap
+        self.top_s = self.top_d = -1
+        if check_ids and len(rl) == 1:  # one run (a contiguous job): Python integers cannot wrap
             first_s, first_d, n = int(rs[0]), int(rd[0]), int(rl[0])
             if first_s < 0 or first_s + n > 1 << 63:
-                check_runs(rs, rl, sp, fields[0])
+                check_runs(rs, rl, sp, "src_ids")
             if first_d < 0 or first_d + n > 1 << 63:
-                check_runs(rd, rl, dp, fields[1])
+                check_runs(rd, rl, dp, "dst_ids")
             self.top_s, self.top_d = first_s + n - 1, first_d + n - 1
-        elif fields and len(rl):
-            self.top_s = int(check_runs(rs, rl, sp, fields[0]).max())
-            self.top_d = int(check_runs(rd, rl, dp, fields[1]).max())
-        if max(self.top_s or 0, self.top_d or 0) >= (1 << 63) - 1:  # fits no buffer (under 2^63 bytes): the
+        elif check_ids and len(rl):
+            self.top_s = int(check_runs(rs, rl, sp, "src_ids").max())
+            self.top_d = int(check_runs(rd, rl, dp, "dst_ids").max())
+        if max(self.top_s, self.top_d) >= (1 << 63) - 1:  # fits no buffer (under 2^63 bytes): the
             self.rs, self.rd, self.rl = rs, rd, rl  # fit check refuses it; ordering (id + length) could wrap
             self.singles, self.uniform = False, False
             return
@@ -208,14 +208,6 @@ class PageRuns:
     def repeated(self) -> bool:
         """Whether some destination page repeats (runs are sorted by destination; ids checked to fit first)."""
         return len(self.rd) > 1 and bool((self.rd[:-1] + self.rl[:-1] > self.rd[1:]).any())
-
-    def tops(self) -> tuple[int, int]:
-        """The largest source and destination page ids (-1 without ids)."""
-        if self.top_s is not None and self.top_d is not None:
-            return self.top_s, self.top_d
-        if not len(self.rl):
-            return -1, -1
-        return int((self.rs + (self.rl - 1)).max()), int(self.rd[-1] + (self.rl[-1] - 1))
 
     def counts(self, regs: np.ndarray) -> np.ndarray:
         """Ranges per region: the number of runs, the same for every region of ``regs``."""

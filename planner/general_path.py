@@ -232,7 +232,7 @@ def plan_general(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, opti
     repeated_page = False
     top_s = top_d = requested = used_s = used_d = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
-        group_regs = info.cached(("group_regions", g), lambda: np.flatnonzero(info.group == g))
+        group_regs = info.group_regions(g)
         sp_all, si_all, used_s = group_pages(info, group_regs, s_ids, used_s, count, start, src_side, "src_ids", g)
         dp_all, di_all, used_d = group_pages(info, group_regs, d_ids, used_d, count, start, dst_side, "dst_ids", g)
         sets = writer_sets(info, g, group_regs, direction, options) if len(group_regs) else ()

@@ -123,6 +123,10 @@ class LayoutInfo:
         wi = np.where(nw == 1, 0, np.where(self.writer_index < 0, writer_index, self.writer_index))
         return nw, wi
 
+    def group_regions(self, group: int) -> np.ndarray:
+        """Indices of the regions of KV-cache group ``group`` (made once per group)."""
+        return self.cached(("group_regions", group), lambda: np.flatnonzero(self.group == group))
+
     def call_group(self, regions_per_call: int | None) -> np.ndarray:
         """Per region: its call group (one per ``regions_per_call`` regions of the original layout; 0 when None)."""
         if not regions_per_call:
@@ -167,7 +171,7 @@ class LayoutInfo:
 
         Each pair of regions sharing both buffers touches once the largest ids reach a pair of thresholds, made
         once per layout (``link_thresholds``); a transfer compares its ids with them."""
-        a, b, need_s, need_d = self.cached(("links", direction.value), lambda: self.link_thresholds(direction))
+        a, b, need_s, need_d = self.link_thresholds(direction)
         mask = np.zeros(self.nregions, dtype=bool)
         if len(a):
             hit = (need_s <= top_src) & (need_d <= top_dst)
@@ -177,7 +181,10 @@ class LayoutInfo:
 
     def link_thresholds(self, direction: Direction) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Pairs (a, b) of regions sharing their source and their destination buffer, with the smallest largest
-        source and destination page ids at which their extents touch on both sides."""
+        source and destination page ids at which their extents touch on both sides (made once per direction)."""
+        return self.cached(("links", direction.value), lambda: self._link_thresholds(direction))
+
+    def _link_thresholds(self, direction: Direction) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         S, D = self.side[direction.src_side], self.side[direction.dst_side]
         key = S.buf.astype(np.int64) * (len(self.buffers) + 1) + D.buf
         o = np.argsort(key, kind="stable")
@@ -206,12 +213,15 @@ class LayoutInfo:
         d = self.side[direction.dst_side]
         order = self.cached(("order", direction.value, regions_per_call), lambda: np.lexsort(
             (d.base, d.buf, self.call_group(regions_per_call))))
-        return order, top_dst <= self.cached(("disjoint", direction.value), lambda: self.disjoint_top(direction))
+        return order, top_dst <= self.disjoint_top(direction)
 
     def disjoint_top(self, direction: Direction) -> int:
         """The largest destination page id up to which every two regions' destination extents stay apart (-1:
-        never; a very large number: always). Regions sorted by (buffer, base) are apart when each ends before
-        the next one in its buffer starts."""
+        never; a very large number: always), made once per direction. Regions sorted by (buffer, base) are
+        apart when each ends before the next one in its buffer starts."""
+        return self.cached(("disjoint", direction.value), lambda: self._disjoint_top(direction))
+
+    def _disjoint_top(self, direction: Direction) -> int:
         d = self.side[direction.dst_side]
         o = np.lexsort((d.base, d.buf))
         b, lo = d.buf[o], d.base[o]

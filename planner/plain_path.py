@@ -69,7 +69,7 @@ class PlainKit:
         cut = np.flatnonzero(np.concatenate(([True], merges[1:] != merges[:-1], [True]))).tolist()
         self.blocks = list(zip(cut[:-1], cut[1:]))
         self.shared = bool(info.shared_buffers(direction))
-        self.may_link = len(info.cached(("links", direction.value), lambda: info.link_thresholds(direction))[0]) > 0
+        self.may_link = len(info.link_thresholds(direction)[0]) > 0
         o = self.order
         self.regs = o.astype(np.int32)
         self.src_buf, self.dst_buf, self.page = S.buf[o], D.buf[o], info.page[o]
@@ -116,11 +116,11 @@ def _ranges(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, coalesce:
     direction = mapping.direction
     s, d = mapping.src_ids, mapping.dst_ids
     kit: PlainKit = info.cached(("plain", direction.value), lambda: PlainKit(info, direction))
-    fields = ("src_ids", "dst_ids")  # checked on the runs (again, for a BlockMapping), with the largest ids
-    runs = PageRuns(info, direction, s, d, True, fields) if coalesce and kit.any_dense else None
-    singles = PageRuns(info, direction, s, d, False, fields) if not (coalesce and kit.all_dense) else None
+    # ids checked on the runs (again, for a BlockMapping), which also give the largest ids
+    runs = PageRuns(info, direction, s, d, True, check_ids=True) if coalesce and kit.any_dense else None
+    singles = PageRuns(info, direction, s, d, False, check_ids=True) if not (coalesce and kit.all_dense) else None
     some = runs if runs is not None else cast(PageRuns, singles)  # one of the two always exists
-    top_s, top_d = some.tops()  # the largest ids, from the runs: ids are checked before any product is taken
+    top_s, top_d = some.top_s, some.top_d  # checked to fit before any product of ids is taken
     check_pages_fit(info, direction.src_side, None, s, None, s, "src_ids", top_s)
     check_pages_fit(info, direction.dst_side, None, d, None, d, "dst_ids", top_d)
     if some.repeated:
@@ -131,7 +131,7 @@ def _ranges(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, coalesce:
         parts: list[tuple[np.ndarray, Part]] = [(kit.order[a:b], runs if kit.merges[a] else singles)
                                                for a, b in kit.blocks]
         r = assemble(info, direction, parts)
-    disjoint = top_d <= info.cached(("disjoint", direction.value), lambda: info.disjoint_top(direction))
+    disjoint = top_d <= info.disjoint_top(direction)
     if coalesce and kit.may_link:
         linked = info.linked_regions(direction, top_s, top_d)
         if linked.any():

@@ -128,7 +128,7 @@ def _plan_pages(info: LayoutInfo, mapping: BlockMapping | BorrowedMapping, optio
     s_ids, d_ids = mapping.src_ids, mapping.dst_ids
     count = mapping.group_sizes[0] if mapping.group_sizes else len(s_ids)
     start = mapping.group_starts[0] if mapping.group_starts else 0
-    regs = info.cached(("group_regions", 0), lambda: np.flatnonzero(info.group == 0))
+    regs = info.group_regions(0)
     sp, _, used_s = group_pages(info, regs, s_ids, 0, count, start, direction.src_side, "src_ids", 0, False)
     dp, _, used_d = group_pages(info, regs, d_ids, 0, count, start, direction.dst_side, "dst_ids", 0, False)
     if used_s != len(s_ids) or used_d != len(d_ids):

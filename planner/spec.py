@@ -220,10 +220,16 @@ def _as_ids(value: Any, field: str) -> np.ndarray:
         raise MappingError(field, float(arr[i]), "block id out of range", i)
     out = np.array(arr, dtype=np.int64, copy=True)  # own copy: the caller may reuse its array
     if out.size and out.min() < 0:
-        i = int(np.argmax(out < 0))
-        raise MappingError(field, int(out[i]), "block ids must be non-negative", i)
+        refuse_negative(out, field)
     out.flags.writeable = False
     return out
+
+
+def refuse_negative(ids: np.ndarray, field: str) -> None:
+    """Raise MappingError naming the first negative id of ``ids`` (the error path of every non-negativity check,
+    whichever pass found it)."""
+    i = int(np.argmax(ids < 0))
+    raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
 
 
 _DIRECTIONS = frozenset(d.value for d in Direction)
@@ -308,8 +314,7 @@ class BorrowedMapping:
         for field in ("src_ids", "dst_ids"):
             ids = getattr(self, field)
             if len(ids) and int(ids.min()) < 0:
-                i = int(np.argmax(ids < 0))
-                raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
+                refuse_negative(ids, field)
 
     @property
     def plain(self) -> bool:

@@ -1,5 +1,10 @@
-"""Shared test setup: hypothesis profiles and device-test skipping."""
+"""Shared test setup: hypothesis profiles, device-test skipping and a scratch directory on disk."""
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +45,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if skip_rocm and item.get_closest_marker("rocm"):
             item.add_marker(skip_rocm)
+
+
+@pytest.fixture
+def disk():
+    """A directory on a real disk (O_DIRECT works there; tmpfs refuses it), removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="kvxfer-test-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -5,9 +5,6 @@ submissions (refused before anything is queued)."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,13 +32,6 @@ def executor():
     ex = get_executor({"kind": "nixl", "nixl": {"backends": ["POSIX"], "poll_timeout_s": 20.0}})
     yield ex
     ex.close()
-
-
-@pytest.fixture
-def disk():
-    d = Path(tempfile.mkdtemp(prefix="kvxfer-offload-files-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _device(seed: int) -> DeviceKV:

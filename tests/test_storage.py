@@ -8,10 +8,8 @@ each give a precise error and no job reported done.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -50,14 +48,6 @@ def executor():
     assert isinstance(ex, NixlExecutor) and list(ex.agent.backends) == ["POSIX"]
     yield ex
     ex.close()
-
-
-@pytest.fixture
-def disk():
-    """A directory on a real disk (O_DIRECT works there; tmpfs refuses it)."""
-    d = Path(tempfile.mkdtemp(prefix="kvxfer-storage-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _memory(layout: Layout, seed: int, o_direct: bool) -> np.ndarray:
