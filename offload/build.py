@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Location
+from kvxfer.planner import Buffer, LayoutError, Location
 
 from .shared import SharedRegion
-from .tier import Geometry, HostTier, KVTensor, LayoutError, Sharing, TPRank, build_layout, make_geometry
+from .tier import Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
 from .worker import OffloadWorker
 
 
@@ -79,7 +79,7 @@ def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry,
         region = SharedRegion.create(s.name, make_geometry(device.tensors, tier, tp), attachers=s.attachers,
                                      directory=s.directory)
     else:
-        region = SharedRegion.attach(s.name, s.directory)
+        region = SharedRegion.attach(s.name, s.directory, allow_foreign=s.allow_foreign)
     g = region.geometry
     checks = (("num_chunks", tier.num_chunks, g.num_chunks), ("blocks_per_chunk", tier.blocks_per_chunk, g.blocks_per_chunk),
               ("layout", tier.layout, g.layout))

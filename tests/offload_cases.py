@@ -283,31 +283,45 @@ def load_mapping() -> BlockMapping:
                         group_starts=j["group_starts"])
 
 
+class HalfThenBlock(NumpyExecutor):
+    """Copies the first half of a plan's ranges, writes ``marker`` (a file), then blocks for good: a rank that is
+    in the middle of a job when it is killed."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def run(self, plan, memory, stream=None, after=None):
+        bound = self.memory_for(plan, memory)
+        bound.check(plan)
+        views = [m.view() if m is not None and m.view is not None else None for m in bound.memory]
+        cols = zip(plan.src_buf.tolist(), plan.src_offset.tolist(), plan.dst_buf.tolist(), plan.dst_offset.tolist(),
+                   plan.nbytes.tolist())
+        for k, (sb, so, db, do, n) in enumerate(cols):
+            if k == plan.num_ranges // 2:
+                break
+            views[db][do:do + n] = views[sb][so:so + n]
+        self.marker.write_text(str(os.getpid()))
+        threading.Event().wait()
+
+
 def run_rank(role: str, names: list[str], tp_size: int, rank: int, region: str, directory: str,
-             shim_path: str | None, out_dir: str, hold: float = 0.0) -> None:
+             shim_path: str | None, out_dir: str, hold: bool = False) -> None:
     """Child process: attach to ``region`` as rank ``rank`` of ``tp_size`` and store or load one job; write
-    the job result and (loads) the device bytes to ``out_dir``. With ``hold`` > 0, keep storing until
-    killed (the kill test), writing a marker file after the first job."""
+    the job result and (loads) the device bytes to ``out_dir``. With ``hold``, the store stops half-way through
+    its copies and blocks there after writing a marker file ``ready-<rank>``, until the parent kills the process
+    (a rank killed mid-job)."""
     from kvxfer.offload import TPRank, create_worker
 
     device = rank_device(names, tp_size, rank, "data" if role == "store" else "sentinel")
-    w = create_worker(device, tier(region, directory), shim_factory(shim_path), tp=TPRank(size=tp_size, rank=rank))
     out = Path(out_dir)
+    executor = (lambda: HalfThenBlock(out / f"ready-{rank}")) if hold else shim_factory(shim_path)
+    w = create_worker(device, tier(region, directory), executor, tp=TPRank(size=tp_size, rank=rank))
     if role == "store":
         w.submit_store(1, **STORE_JOB)
     else:
         w.submit_load(1, **LOAD_JOB)
-    w.wait([1])
+    w.wait([1])  # with hold: blocks here until killed
     (res,) = w.get_finished()
-    if hold:
-        (out / f"ready-{rank}").write_text(str(os.getpid()))
-        job = 2
-        while True:  # stores forever, until the parent kills this process mid-job
-            w.submit_store(job, **STORE_JOB)
-            w.wait([job])
-            w.get_finished()
-            job += 1
-            time.sleep(hold)
     np.savez(out / f"{role}-{tp_size}-{rank}.npz", success=res.success, error=str(res.error),
              nbytes=res.nbytes, **{k: np.asarray(v) for k, v in device.bindings.items()})
     w.shutdown()
