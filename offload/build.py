@@ -52,14 +52,14 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
         page = t[0].numel() * t.element_size()
         out.append(KVTensor(name=name, buffer=buffers[ptr].name, page_bytes=page, byte_offset=t.data_ptr() - ptr,
                             stride_bytes=t.stride(0) * t.element_size() if t.shape[0] > 1 else None,
-                            group=groups.get(name, 0), sharing=sharing.get(name, Sharing.PRIVATE),
+                            group=groups.get(name, 0), sharing=Sharing(sharing.get(name, Sharing.PRIVATE)),
                             shard_rows=shard_rows.get(name, 1)))
     return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
 
 
 def _on_gpu(executor: Any) -> bool:
     if executor is not None and hasattr(executor, "target"):
-        return executor.target.platform.value != "cpu"
+        return bool(executor.target.platform.value != "cpu")
     if callable(executor):  # a factory: unknown until built; pin only when the tier asks (tier.pin=True)
         return False
     from kvxfer.executors import ExecutorConfig, choose_executor

@@ -152,7 +152,8 @@ def _record_check(chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray, iden
     """A check word per record: a record torn, written for another chunk or for another file does not verify."""
     mix = (chunks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ epochs ^ (crcs.astype(np.uint64) << np.uint64(17))
     mix = (mix ^ identity) * np.uint64(0xBF58476D1CE4E5B9)
-    return ((mix ^ (mix >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(0xA5A5A5A5)
+    word: np.ndarray = ((mix ^ (mix >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return word ^ np.uint32(0xA5A5A5A5)
 
 
 class _Records:
@@ -174,9 +175,9 @@ class _Records:
         try:
             data = os.fstat(self._data_fd(fb))
             st = os.fstat(self.fd)
-            why = None if created else nixl_files.untrusted(st, fb.allow_foreign)
-            if why is not None:
-                raise BindingError(name, where, f"integrity records {why}; refused")
+            distrust = None if created else nixl_files.untrusted(st, fb.allow_foreign)
+            if distrust is not None:
+                raise BindingError(name, where, f"integrity records {distrust}; refused")
             fields = (chunk_bytes, self.chunks, buffer.nbytes)
             target = os.path.realpath(fb.path).encode()
             if len(target) > HEADER_BYTES - HEADER.size:
@@ -192,8 +193,8 @@ class _Records:
         except BaseException:
             os.close(self.fd)
             raise
-        self.identity = np.frombuffer(identity[:8], "<u8")[0] ^ np.frombuffer(identity[8:], "<u8")[0]
-        self.expected = self.read(0, self.chunks)["epoch"].copy()  # what this tier trusts: the records at open
+        self.identity: np.uint64 = np.frombuffer(identity[:8], "<u8")[0] ^ np.frombuffer(identity[8:], "<u8")[0]
+        self.expected: np.ndarray = self.read(0, self.chunks)["epoch"].copy()  # what this tier trusts: the records at open
 
     @staticmethod
     def _data_fd(fb: FileBinding) -> int:
@@ -492,9 +493,9 @@ class FileTier:
         expected."""
         records, path = self._records[name], str(self.files[name].path)
         lo, hi = int(chunks.min()), int(chunks.max()) + 1
-        rec = records.read(lo, hi)[chunks - lo]
+        rec: np.ndarray = records.read(lo, hi)[chunks - lo]
         expect = records.expected[chunks]
-        problems = (
+        problems: tuple[tuple[np.ndarray, Callable[[int], str]], ...] = (
             (expect == FAILED, lambda k: "its last spill failed; the bytes may be torn"),
             (rec["epoch"] == 0, lambda k: "never spilled (no integrity record)"),
             (rec["check"] != records.check(chunks, rec["epoch"], rec["crc"]),

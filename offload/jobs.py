@@ -43,6 +43,9 @@ class DependencyError(RuntimeError):
 
     def __init__(self, job_id: int, op: str, cause: BaseException):
         self.job_id, self.op, self.cause = job_id, op, cause
+        self.root_id: int
+        self.root_op: str
+        self.root: BaseException
         if isinstance(cause, DependencyError):
             self.root_id, self.root_op, self.root = cause.root_id, cause.root_op, cause.root
         else:

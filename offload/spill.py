@@ -128,10 +128,10 @@ def attach_files(worker: OffloadWorker, file: str | os.PathLike[str] | FileBindi
     if executor is None:
         from kvxfer.executors import get_executor
 
-        executor = get_executor({"kind": "nixl", "nixl": {"backends": ["POSIX"]}})  # type: ignore[assignment]
+        executor = get_executor({"kind": "nixl", "nixl": {"backends": ["POSIX"]}})
         owned = (executor,)
     try:
-        tier = FileTier(executor, layout, {FILE_BUFFER: binding}, {HOST_BUFFER: worker.host},  # type: ignore[arg-type]
+        tier = FileTier(executor, layout, {FILE_BUFFER: binding}, {HOST_BUFFER: worker.host},
                         durability=durability, chunk_bytes=chunk, verify=verify)
     except BaseException:
         for obj in owned:

@@ -21,13 +21,15 @@ current stream), so a store never reads blocks that compute queued before it is 
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+from pydantic import BaseModel
 
-from kvxfer.executors import BoundMemory, Executor, ExecutorConfig
+from kvxfer.executors import BoundMemory, Executor
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
 from . import _compat
@@ -50,9 +52,10 @@ from .tier import TPRank
 
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
-Ids = Sequence[int] | np.ndarray
-ExecutorSpec = Executor | Callable[[], Executor] | ExecutorConfig | Mapping[str, Any] | str | None
-Lane = IssueLane | ThreadLane
+Ids: TypeAlias = Sequence[int] | np.ndarray
+# an Executor (or an object with its interface), a zero-argument factory, or a config: ExecutorConfig, dict or path
+ExecutorSpec: TypeAlias = Executor | Callable[[], Executor] | BaseModel | Mapping[str, Any] | str | os.PathLike[str] | None
+Lane: TypeAlias = IssueLane | ThreadLane
 
 
 class OffloadWorker:
@@ -124,7 +127,7 @@ class OffloadWorker:
         ex = self._executors[d]
         bound = self._bound[d] = ex.bind(self.layout, bindings)
         if _compat.synchronous(ex):
-            lane: Lane = ExecutorLane(d.value, ex, bound)
+            lane = ExecutorLane(d.value, ex, bound)
             lane.step = self._step
             return lane
         empty = BlockMapping(direction=d, src_ids=[], dst_ids=[], group_sizes=(0,) * self._groups)
@@ -133,7 +136,7 @@ class OffloadWorker:
     @staticmethod
     def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, Executor], bool]:
         if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
-            return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # an executor-like object
+            return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # anything with run() and bind()
         if callable(executor):  # a factory: one executor (one copy stream) per direction
             return {STORE: executor(), LOAD: executor()}, True
         from kvxfer.executors import ExecutorConfig, choose_executor, get_executor
@@ -192,10 +195,10 @@ class OffloadWorker:
     def _check_id(self, job_id: Any) -> int:
         if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
             raise SubmissionError(job_id, "job_id", job_id, "must be an integer")
-        job_id = int(job_id)
+        checked = int(job_id)
         with self._lock:
-            self._refuse(job_id)
-        return job_id
+            self._refuse(checked)
+        return checked
 
     def _refuse(self, job_id: int) -> None:
         """Raise unless a job ``job_id`` may be accepted now (under the lock)."""
