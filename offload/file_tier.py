@@ -205,7 +205,7 @@ class _Records:
     def _check_header(self, name: str, fields: tuple[int, int, int], target: bytes, data: os.stat_result,
                       offset: int) -> bytes:
         raw = os.pread(self.fd, HEADER_BYTES, 0)
-        start_over = f"; remove {str(self.path)!r} (and the data file) to start over"
+        start_over = "; remove them and the data file to start over"
         if raw[:8] in OLD_MAGICS:
             raise BindingError(name, str(self.path), f"integrity records of an older format (magic {raw[:8]!r}){start_over}")
         if len(raw) < HEADER.size or raw[:8] != MAGIC:
@@ -217,7 +217,7 @@ class _Records:
         path = raw[HEADER.size:HEADER.size + length]
         if path != target:
             raise BindingError(name, str(self.path), f"the records were written for {path.decode(errors='replace')!r}, "
-                               f"not for {target.decode(errors='replace')!r}: files moved or swapped{start_over}")
+                               f"not for the file beside them: files moved or swapped{start_over}")
         if (dev, ino, at) != (data.st_dev, data.st_ino, offset):
             raise BindingError(name, str(self.path), f"the records were written for another file at this path (device "
                                f"{dev}, inode {ino}, offset {at}; found {data.st_dev}, {data.st_ino}, {offset}){start_over}")

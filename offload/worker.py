@@ -188,6 +188,7 @@ class OffloadWorker:
         if files is None:
             raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.attach_files)")
         direction, plan, chunks = files.plan(job_id, op, chunk_ids)
+        self._check_chunks(job_id, "chunk_ids", chunk_ids, chunks)
         reads, writes = touched(op, np.zeros(0, np.int64), chunks)
         self._accept(Job(job_id, op, direction, plan, reads, writes), files)
         return True
@@ -214,7 +215,9 @@ class OffloadWorker:
         plan = self._plan(direction, job_id, src, dst, sizes, starts)
         dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
         op = "load" if direction is LOAD else "store"
-        reads, writes = touched(op, np.unique(np.asarray(dev, dtype=np.int64)), np.unique(np.asarray(host, dtype=np.int64)))
+        host_ids = np.unique(np.asarray(host, dtype=np.int64))
+        self._check_chunks(job_id, "host_ids", host, host_ids)
+        reads, writes = touched(op, np.unique(np.asarray(dev, dtype=np.int64)), host_ids)
         layer_calls = None
         if direction is LOAD and self.regions_per_layer:
             layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
@@ -222,6 +225,15 @@ class OffloadWorker:
         resolved = stream if stream is not None else _compat.stream_handle(None, self._device)  # on this thread
         self._accept(Job(job_id, op, direction, plan, reads, writes, resolved, layer_calls), self._lanes[direction])
         return True
+
+    def _check_chunks(self, job_id: int, field: str, given: Ids, unique: np.ndarray) -> None:
+        """Refuse host chunk ids past the host tier's chunks: in tensor-major rows they would land in the next tensor's
+        cells (or in padding), inside the host buffer, where the planner cannot tell."""
+        n = self.geometry.num_chunks if self.geometry is not None else None
+        if n is not None and len(unique) and int(unique[-1]) >= n:
+            ids = np.asarray(given, dtype=np.int64)
+            i = int(np.argmax(ids >= n))
+            raise SubmissionError(job_id, field, int(ids[i]), f"past the host tier's {n} chunks", i)
 
     def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
               starts: Sequence[int] | None) -> TransferPlan:

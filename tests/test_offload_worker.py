@@ -752,6 +752,26 @@ def test_bad_submission_raises_before_anything_is_queued(args, field, match):
     assert [r.job_id for r in w.get_finished()] == [5]
 
 
+def test_host_chunks_past_the_tier_are_refused_even_inside_padded_rows():
+    """With rows padded to 4 KiB, chunk NCH of the first tensor still lies inside the host buffer (over the next
+    tensor's chunk 0): refused by the worker, which knows the tier's chunk count, for every kind of job."""
+    dev = _device(13)
+    w = create_worker(dev, HostTier(num_chunks=NCH, blocks_per_chunk=K, pin=False), lambda: oc.SlowNumpy(0))
+    _files(w)
+    before = w.host.copy()
+    try:
+        for submit, field in ((lambda: w.submit_store(1, [0, 1], [NCH]), "host_ids"),
+                              (lambda: w.submit_load(2, [3, NCH + 1], [0, 1, 2, 3]), "host_ids"),
+                              (lambda: w.submit_spill(3, [NCH]), "chunk_ids"), (lambda: w.submit_restore(4, [NCH]), "chunk_ids")):
+            with pytest.raises(SubmissionError, match=f"past the host tier's {NCH} chunks") as e:
+                submit()
+            assert e.value.field == field
+        assert w.get_finished() == []
+    finally:
+        w.shutdown()
+    assert np.array_equal(w.host, before)
+
+
 def test_target_of_numpy_worker_is_cpu():
     w = _worker({"kind": "numpy"})
     assert w.target == Target()

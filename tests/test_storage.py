@@ -500,7 +500,8 @@ def test_data_and_records_of_two_files_swapped_are_refused(executor, disk):
     _spill_all(executor, layout, disk, seed=30)
     for suffix in (".kv", ".kv.kvxsum"):
         _swap(disk / f"file0{suffix}", disk / f"file1{suffix}")
-    with pytest.raises(BindingError, match=r"the records were written for '.*file1\.kv', not for '.*file0\.kv': files moved"):
+    with pytest.raises(BindingError, match=r"file0\.kv\.kvxsum: the records were written for '.*file1\.kv', not for the "
+                       r"file beside them: files moved or swapped"):
         _tier(executor, layout, disk, _memory(layout, 0, False))
 
 
@@ -514,7 +515,8 @@ def test_files_renamed_into_each_others_place_between_runs_are_refused(executor,
     for suffix in (".kv", ".kv.kvxsum"):
         _swap(a / f"file0{suffix}", b / f"file0{suffix}")
     for here, there in ((a, b), (b, a)):
-        with pytest.raises(BindingError, match=rf"written for '.*{there.name}/file0\.kv', not for '.*{here.name}/file0\.kv'"):
+        with pytest.raises(BindingError, match=rf"{here.name}/file0\.kv\.kvxsum: the records were written for "
+                           rf"'.*{there.name}/file0\.kv', not for the file beside them"):
             _tier(executor, layout, here, _memory(layout, 0, False))
 
 
@@ -551,7 +553,8 @@ def test_records_of_an_older_format_are_refused_with_what_to_do(executor, disk):
     (disk / "file0.kv").chmod(0o600)
     (disk / "file0.kv.kvxsum").write_bytes(b"KVXSUM01" + bytes(56))
     (disk / "file0.kv.kvxsum").chmod(0o600)
-    with pytest.raises(BindingError, match=r"older format .* remove '.*file0\.kv\.kvxsum' \(and the data file\)"):
+    with pytest.raises(BindingError, match=r"file0\.kv\.kvxsum: integrity records of an older format .*remove them and "
+                       r"the data file to start over"):
         _tier(executor, layout, disk, _memory(layout, 0, False))
 
 
