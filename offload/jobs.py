@@ -107,6 +107,7 @@ class Job:
     settled: bool = False  # finished, and its failure (own or inherited) is final
 
     def result(self) -> JobResult:
+        """The job's JobResult as it stands (bytes moved only when it succeeded)."""
         ok = self.error is None
         return JobResult(self.job_id, self.direction, ok, self.plan.total_bytes if ok else 0, self.elapsed_s,
                          self.plan.num_ranges, self.error, self.op)

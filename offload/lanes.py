@@ -19,7 +19,7 @@ from typing import Any
 from kvxfer.executors import BoundMemory, Transfer
 from kvxfer.planner import TransferPlan
 
-from . import _compat
+from ._compat import Run, runner
 from .jobs import Job
 
 
@@ -32,7 +32,7 @@ class IssueLane:
 
     def __init__(self, name: str, executor: Any, bound: BoundMemory, barrier: TransferPlan):
         self.name, self.executor, self.bound, self.barrier = name, executor, bound, barrier
-        self.run: _compat.Run = _compat.runner(executor)
+        self.run: Run = runner(executor)
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Job] = deque()
         self.mark: Transfer | None = None
@@ -92,7 +92,7 @@ class ExecutorLane(ThreadLane):
 
     def __init__(self, name: str, executor: Any, bound: BoundMemory):
         self.executor, self.bound = executor, bound
-        self.run: _compat.Run = _compat.runner(executor)
+        self.run: Run = runner(executor)
         super().__init__(name)
 
     def execute(self, job: Job, after: Sequence[Transfer]) -> float:

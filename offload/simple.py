@@ -41,13 +41,13 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
     destination caches are in host memory and the sources are not, a load (h2d) when the sources are in
     host memory and the destinations are not; all-host caches count as a store. Raises LayoutError naming
     the layer for mismatched layers, dtypes or page sizes."""
-    from kvxfer.executors.torch_layout import layout_from_tensors
+    from kvxfer.executors import torch_layout  # a public submodule (CONTRACT: listed in kvxfer.executors.__all__)
 
     src, dst = _named(src_caches), _named(dst_caches)
     src_host = all(t.device.type == "cpu" for t in src.values())
     load = src_host and not all(t.device.type == "cpu" for t in dst.values())
     device, host = (dst, src) if load else (src, dst)
-    layout, bindings = layout_from_tensors(device, host)
+    layout, bindings = torch_layout.layout_from_tensors(device, host)
     if executor is None or not hasattr(executor, "run"):
         from kvxfer.executors import get_executor
         executor = get_executor(executor)

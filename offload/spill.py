@@ -22,7 +22,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,14 +40,11 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
-from . import _compat
+from ._compat import wait_quietly
 from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
 from .jobs import Job, SubmissionError
 from .lanes import ThreadLane
 from .tier import HOST_BUFFER, Geometry
-
-if TYPE_CHECKING:
-    from .worker import OffloadWorker
 
 FILE_BUFFER = "file"
 SPILL, RESTORE = "spill", "restore"
@@ -68,6 +65,16 @@ def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
     buffers = (Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST, align_bytes=align_bytes),
                Buffer(name=FILE_BUFFER, nbytes=max(at, 1), location=Location.FILE, align_bytes=align_bytes))
     return Layout(buffers=buffers, regions=tuple(regions))
+
+
+class Worker(Protocol):
+    """What ``attach_files`` needs of an OffloadWorker: its host rows and their geometry, and ``attach_files``."""
+
+    host: np.ndarray | None
+    geometry: Geometry | None
+
+    def attach_files(self, lane: FileLane) -> None:
+        """Use ``lane`` for spills and restores."""
 
 
 class FileLane(ThreadLane):
@@ -94,7 +101,7 @@ class FileLane(ThreadLane):
     def execute(self, job: Job, after: Sequence[Transfer]) -> float:
         """Wait on the host for the device jobs it is ordered after, then spill or restore; raises the tier's
         error when the job failed."""
-        _compat.wait_quietly(after)
+        wait_quietly(after)
         t0 = time.perf_counter()
         r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
         if not r.success:
@@ -111,7 +118,7 @@ class FileLane(ThreadLane):
                 obj.close()
 
 
-def attach_files(worker: OffloadWorker, file: str | os.PathLike[str] | FileBinding, *,
+def attach_files(worker: Worker, file: str | os.PathLike[str] | FileBinding, *,
                  executor: StorageExecutor | None = None, durability: Durability | str = Durability.FDATASYNC,
                  verify: bool = True) -> FileLane:
     """Give ``worker`` a file tier: ``file`` is a path (created private to its owner, sized to the host rows) or

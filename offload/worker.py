@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from kvxfer.executors import BoundMemory, Executor
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
-from . import _compat
+from ._compat import chunked, group_count, stream_handle, synchronous
 from .jobs import (
     LOAD,
     STORE,
@@ -105,7 +105,7 @@ class OffloadWorker:
         base = PlanOptions(max_descriptors=max_descriptors)
         self._options = {STORE: base, LOAD: base.model_copy(update={"regions_per_call": regions_per_layer})}
         self._on_close = list(on_close)
-        self._chunked, self._groups = _compat.chunked(layout), _compat.group_count(layout)
+        self._chunked, self._groups = chunked(layout), group_count(layout)
         self._device = next((b.device for b in layout.buffers if b.location is Location.DEVICE), 0)
         self._lock = threading.Lock()
         self._pending: dict[int, Job] = {}  # accepted and not yet reported, in submission order
@@ -126,7 +126,7 @@ class OffloadWorker:
     def _lane(self, d: Direction, bindings: Mapping[str, Any]) -> Lane:
         ex = self._executors[d]
         bound = self._bound[d] = ex.bind(self.layout, bindings)
-        if _compat.synchronous(ex):
+        if synchronous(ex):
             lane = ExecutorLane(d.value, ex, bound)
             lane.step = self._step
             return lane
@@ -222,7 +222,7 @@ class OffloadWorker:
         if direction is LOAD and self.regions_per_layer:
             layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
                 if plan.num_calls else np.zeros(0, np.int64)
-        resolved = stream if stream is not None else _compat.stream_handle(None, self._device)  # on this thread
+        resolved = stream if stream is not None else stream_handle(None, self._device)  # on this thread
         self._accept(Job(job_id, op, direction, plan, reads, writes, resolved, layer_calls), self._lanes[direction])
         return True
 

@@ -763,8 +763,8 @@ def test_host_chunks_past_the_tier_are_refused_even_inside_padded_rows():
         for submit, field in ((lambda: w.submit_store(1, [0, 1], [NCH]), "host_ids"),
                               (lambda: w.submit_load(2, [3, NCH + 1], [0, 1, 2, 3]), "host_ids"),
                               (lambda: w.submit_spill(3, [NCH]), "chunk_ids"), (lambda: w.submit_restore(4, [NCH]), "chunk_ids")):
-            with pytest.raises(SubmissionError, match=f"past the host tier's {NCH} chunks") as e:
-                submit()
+            with pytest.raises(SubmissionError, match=f"past the host tier's {NCH} chunks|past buffer 'file'") as e:
+                submit()  # (a file job's last cell runs past the file: the planner says so first)
             assert e.value.field == field
         assert w.get_finished() == []
     finally:
