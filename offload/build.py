@@ -16,7 +16,7 @@ from kvxfer.planner import Buffer, LayoutError, Location
 
 from .shared import SharedRegion
 from .tier import Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
-from .worker import OffloadWorker
+from .worker import ExecutorSpec, OffloadWorker
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry,
     return g, region.data, region
 
 
-def create_worker(device: DeviceKV, tier: HostTier, executor: Any = None, *, tp: TPRank | None = None,
+def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = None, *, tp: TPRank | None = None,
                   registrar: Any = None, **kw: Any) -> OffloadWorker:
     """An OffloadWorker over ``device`` and a host tier: builds the layout (canonical cells for replicated
     and sharded tensors in the canonical layout), maps or allocates the host rows and pins them when the

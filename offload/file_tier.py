@@ -69,10 +69,10 @@ class StorageExecutor(Protocol):
     """What a tier needs of its executor (a NixlExecutor with a storage backend): FILE registration, the one
     binding path, and runs on the binding."""
 
-    def register(self, bindings: Mapping[str, Any], buffers: Any = None) -> Any:
+    def register(self, bindings: Mapping[str, Any], buffers: Layout | Sequence[Buffer] | None = None) -> Any:
         """Register ``bindings`` (here: FileBindings, opened for their buffers) with the agent; the result deregisters."""
 
-    def bind(self, buffers: Any, bindings: Mapping[str, Any]) -> BoundMemory:
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
         """Resolve and check every buffer's memory once (registering local memory)."""
 
     def run(self, plan: TransferPlan, memory: BoundMemory, stream: Any = None) -> Transfer:

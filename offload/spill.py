@@ -85,7 +85,7 @@ class FileLane(ThreadLane):
         self.tier, self.layout, self._owned = tier, layout, owned
         super().__init__("files")
 
-    def plan(self, job_id: int, op: str, chunk_ids: Any) -> tuple[Direction, TransferPlan, np.ndarray]:
+    def plan(self, job_id: int, op: str, chunk_ids: Sequence[int] | np.ndarray) -> tuple[Direction, TransferPlan, np.ndarray]:
         """The direction, plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``;
         SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
         direction = Direction.D2H if op == SPILL else Direction.H2D
