@@ -37,11 +37,12 @@ class NoCopy(Executor):
     It binds like any executor (once, at worker construction) and accepts any memory, since it touches none."""
 
     name = "none"
+    synchronous = True  # finished on return, like the NumPy executor: the worker runs it on a lane thread
 
     def check_memory(self, buf: Any, mem: Any) -> None:
         pass
 
-    def run(self, plan: Any, bindings: Any, stream: Any = None) -> Any:
+    def run(self, plan: Any, bindings: Any, stream: Any = None, after: Any = None) -> Any:
         return CompletedTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, elapsed_s=0.0)
 
 

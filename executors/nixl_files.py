@@ -5,11 +5,21 @@ where the file lives, whether it is created, and whether it is opened with O_DIR
 and goldens stay machine-independent. NIXL's storage backends (POSIX here; GDS and GDS_MT on GPU machines)
 address a file as ``(file_offset, length, fd)`` descriptors of memory type FILE, registered by the agent
 that reads or writes it: the "remote" side of such a transfer is the agent itself. Nothing here imports nixl.
+
+Trust. A file the process did not create may have been planted: a symbolic link at the path (its target would be
+overwritten), a file of another user (who could read the spilled KV and forge chunks: CRC-32 is not a MAC), or
+one others may write. ``open_file`` never follows a link at the last path component and creates files private to
+their owner (0600, O_EXCL); ``untrusted`` says why an existing file must be refused unless the caller opts in;
+``lock_file`` takes an exclusive advisory lock with a bounded wait. The offload layer's shared regions and
+integrity records use the same three.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +30,54 @@ from .binding import BindingError
 from .nixl_memory import Registration, RemoteBuffer, Segment
 
 
+def open_file(path: str | os.PathLike[str], flags: int, *, create: bool, mode: int = 0o600) -> tuple[int, bool]:
+    """Open ``path`` with ``flags`` without following a symbolic link at its last component (openat on the
+    parent directory with O_NOFOLLOW). With ``create``, a missing file is created with O_EXCL and ``mode``
+    (private to the owner by default). Returns ``(fd, created)``; raises OSError (ELOOP for a link,
+    FileNotFoundError for a missing file)."""
+    p = Path(path)
+    parent = os.open(p.parent if str(p.parent) else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+        if create:
+            try:
+                return os.open(p.name, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent), True
+            except FileExistsError:  # there already: opened below, without following a link, then checked
+                pass
+        return os.open(p.name, flags, dir_fd=parent), False
+    finally:
+        os.close(parent)
+
+
+def untrusted(st: os.stat_result, allow_foreign: bool = False) -> str | None:
+    """Why an existing file with status ``st`` must not be trusted, or None: not a regular file (or block device),
+    owned by another user, or writable by its group or others (``allow_foreign`` accepts the last two)."""
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        return f"not a regular file (mode {stat.filemode(st.st_mode)})"
+    if allow_foreign:
+        return None
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this process's user (uid {os.geteuid()}): another user could read or forge it"
+    if st.st_mode & 0o022:
+        return f"writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def lock_file(fd: int, timeout_s: float) -> bool:
+    """Take an exclusive advisory lock (flock) on ``fd``, waiting at most ``timeout_s`` seconds; False if another
+    open file description still holds it then (another process, or another open of the file in this one)."""
+    deadline, pause = time.monotonic() + max(timeout_s, 0.0), 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 0.05)
+
+
 class FileBinding:
     """Where a file buffer lives: ``path``; ``create`` it if missing (extended, sparse, to ``size`` bytes or the
     buffer's extent); ``o_direct`` to bypass the page cache, which needs offsets, sizes and memory addresses
@@ -27,11 +85,15 @@ class FileBinding:
     offset ``offset``; ``readonly`` opens it for reading only.
 
     ``open(buffer)`` opens the descriptor once and checks what can be checked without I/O; every error is a
-    BindingError naming the buffer and the path. ``close()`` closes the descriptor.
+    BindingError naming the buffer and the path. A link at the path is never followed, a file it creates is
+    private to its owner (0600), and an existing file owned by another user or writable by others is refused
+    unless ``allow_foreign`` (a file that is not regular is always refused). ``created`` says whether ``open``
+    made the file. ``close()`` closes the descriptor.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = False, size: int | None = None,
-                 o_direct: bool = False, block_bytes: int = 4096, offset: int = 0, readonly: bool = False):
+                 o_direct: bool = False, block_bytes: int = 4096, offset: int = 0, readonly: bool = False,
+                 allow_foreign: bool = False):
         if block_bytes <= 0 or block_bytes & (block_bytes - 1):
             raise BindingError(str(path), f"block_bytes={block_bytes}", "must be a power of two")
         if offset < 0 or (size is not None and size < 0):
@@ -40,6 +102,7 @@ class FileBinding:
             raise BindingError(str(path), "create=True, readonly=True", "a read-only binding cannot create the file")
         self.path, self.create, self.size = Path(path), create, size
         self.o_direct, self.block_bytes, self.offset, self.readonly = o_direct, block_bytes, offset, readonly
+        self.allow_foreign, self.created = allow_foreign, False
         self.fd: int | None = None
         self.buffer: Buffer | None = None
         self._identity: tuple[int, int] | None = None
@@ -65,26 +128,35 @@ class FileBinding:
                 if value % self.block_bytes:
                     raise BindingError(name, f"{what} {value}", f"O_DIRECT needs multiples of the block size "
                                        f"{self.block_bytes} (declare Buffer(align_bytes={self.block_bytes}))")
-        flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC | (os.O_CREAT if self.create else 0)
-        flags |= os.O_DIRECT if self.o_direct else 0
+        flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | (os.O_DIRECT if self.o_direct else 0)
         try:
-            fd = os.open(self.path, flags, 0o644)
+            fd, created = open_file(self.path, flags, create=self.create)
         except FileNotFoundError:
             raise BindingError(name, str(self.path), "no such file (FileBinding(create=True) creates it)") from None
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise BindingError(name, str(self.path), "is a symbolic link: refused (it could point anywhere); "
+                                   "bind the file itself") from None
             if self.o_direct and e.errno == errno.EINVAL:
                 raise BindingError(name, str(self.path), "the filesystem refuses O_DIRECT (tmpfs such as /dev/shm "
                                    "does): use a disk-backed directory or o_direct=False") from None
             raise BindingError(name, str(self.path), f"cannot open: {e.strerror} (errno {e.errno})") from None
+        want = self.offset + (self.size if self.size is not None else buffer.nbytes)
         try:
             st = os.fstat(fd)
-            want = self.offset + (self.size if self.size is not None else buffer.nbytes)
+            why = None if created else untrusted(st, self.allow_foreign)
+            if why is not None:
+                raise BindingError(name, str(self.path), f"{why}; refused (FileBinding(allow_foreign=True) accepts a "
+                                   "file you trust)")
             if self.create and st.st_size < want:
                 os.ftruncate(fd, want)
         except OSError as e:
             os.close(fd)
             raise BindingError(name, str(self.path), f"cannot size the file to {want} bytes: {e.strerror}") from None
-        self.fd, self.buffer, self._identity = fd, buffer, (st.st_dev, st.st_ino)
+        except BindingError:
+            os.close(fd)
+            raise
+        self.fd, self.buffer, self._identity, self.created = fd, buffer, (st.st_dev, st.st_ino), created
         return self
 
     def _opened(self) -> tuple[int, Buffer]:
@@ -119,7 +191,7 @@ class FileBinding:
             return
         if address % self.block_bytes:
             raise BindingError(name, f"address {address:#x}", f"O_DIRECT I/O with {str(self.path)!r} needs memory "
-                               f"aligned to {self.block_bytes} bytes (kvxfer.executors.file_tier.aligned_empty)")
+                               f"aligned to {self.block_bytes} bytes (kvxfer.offload.aligned_empty)")
         if align_bytes % self.block_bytes:
             raise BindingError(name, f"align_bytes {align_bytes}", f"O_DIRECT I/O with {str(self.path)!r} needs the "
                                f"memory buffer's ranges aligned too: Buffer(align_bytes={self.block_bytes})")

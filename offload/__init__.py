@@ -2,19 +2,25 @@
 completion, shared host memory across TP ranks, a file tier for spills and restores), and a drop-in for the
 simple one-call copy path.
 
-Imports kvxfer.planner and kvxfer.executors only (``files``: the NIXL file tier, loaded lazily by
-``attach_files``).
+Imports kvxfer.planner and kvxfer.executors only (the file tier's NIXL executor is built lazily by
+``attach_files``). Modules: ``worker`` (OffloadWorker), ``jobs`` (results, errors, conflicts), ``lanes`` (in-order
+execution), ``spill`` (the worker's file tier), ``file_tier`` (FileTier: files, records, durability), ``shared``
+(host regions across processes), ``tier`` (the host tier's shape), ``build`` (create_worker), ``simple``.
 """
 from .build import DeviceKV, create_worker, device_from_tensors, host_memory
-from .files import FileLane, attach_files, spill_layout
+from .file_tier import Durability, FileTier, IntegrityError, TierError, TierResult, aligned_empty, tier_layout
+from .jobs import DependencyError, JobResult, OffloadError, SubmissionError, WorkerClosedError
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
 from .simple import CopyParams, build_params, copy_blocks, pin_tensor
+from .spill import FileLane, attach_files, spill_layout
 from .tier import Cell, Geometry, HostLayout, HostTier, KVTensor, SharedSpec, Sharing, TPRank, build_layout, make_geometry
-from .worker import JobResult, OffloadError, OffloadWorker, Pool, SubmissionError, WorkerClosedError
+from .worker import OffloadWorker
 
 __all__ = [
-    "Cell", "CopyParams", "DeviceKV", "FileLane", "Geometry", "HostLayout", "HostTier", "JobResult", "KVTensor", "OffloadError",
-    "OffloadWorker", "Pool", "SharedRegion", "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank",
-    "WorkerClosedError", "attach_files", "build_layout", "build_params", "copy_blocks", "create_worker",
-    "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "remove_stale", "spill_layout",
+    "Cell", "CopyParams", "DependencyError", "DeviceKV", "Durability", "FileLane", "FileTier", "Geometry", "HostLayout",
+    "HostTier", "IntegrityError", "JobResult", "KVTensor", "OffloadError", "OffloadWorker", "SharedRegion",
+    "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank", "TierError", "TierResult",
+    "WorkerClosedError", "aligned_empty", "attach_files", "build_layout", "build_params", "copy_blocks",
+    "create_worker", "device_from_tensors", "file_tier", "find_stale", "host_memory", "make_geometry", "pin_tensor",
+    "remove_stale", "spill_layout", "tier_layout",
 ]

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Location
+from kvxfer.planner import Buffer, LayoutError, Location
 
 from .shared import SharedRegion
-from .tier import Geometry, HostTier, KVTensor, LayoutError, Sharing, TPRank, build_layout, make_geometry
-from .worker import OffloadWorker
+from .tier import Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
+from .worker import ExecutorSpec, OffloadWorker
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,14 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
         page = t[0].numel() * t.element_size()
         out.append(KVTensor(name=name, buffer=buffers[ptr].name, page_bytes=page, byte_offset=t.data_ptr() - ptr,
                             stride_bytes=t.stride(0) * t.element_size() if t.shape[0] > 1 else None,
-                            group=groups.get(name, 0), sharing=sharing.get(name, Sharing.PRIVATE),
+                            group=groups.get(name, 0), sharing=Sharing(sharing.get(name, Sharing.PRIVATE)),
                             shard_rows=shard_rows.get(name, 1)))
     return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
 
 
 def _on_gpu(executor: Any) -> bool:
     if executor is not None and hasattr(executor, "target"):
-        return executor.target.platform.value != "cpu"
+        return bool(executor.target.platform.value != "cpu")
     if callable(executor):  # a factory: unknown until built; pin only when the tier asks (tier.pin=True)
         return False
     from kvxfer.executors import ExecutorConfig, choose_executor
@@ -79,7 +79,7 @@ def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry,
         region = SharedRegion.create(s.name, make_geometry(device.tensors, tier, tp), attachers=s.attachers,
                                      directory=s.directory)
     else:
-        region = SharedRegion.attach(s.name, s.directory)
+        region = SharedRegion.attach(s.name, s.directory, allow_foreign=s.allow_foreign)
     g = region.geometry
     checks = (("num_chunks", tier.num_chunks, g.num_chunks), ("blocks_per_chunk", tier.blocks_per_chunk, g.blocks_per_chunk),
               ("layout", tier.layout, g.layout))
@@ -90,7 +90,7 @@ def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry,
     return g, region.data, region
 
 
-def create_worker(device: DeviceKV, tier: HostTier, executor: Any = None, *, tp: TPRank | None = None,
+def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = None, *, tp: TPRank | None = None,
                   registrar: Any = None, **kw: Any) -> OffloadWorker:
     """An OffloadWorker over ``device`` and a host tier: builds the layout (canonical cells for replicated
     and sharded tensors in the canonical layout), maps or allocates the host rows and pins them when the

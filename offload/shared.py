@@ -1,17 +1,27 @@
 """One host region mapped by several processes (TP ranks): a file in /dev/shm holding a header and the rows.
 
 Lifecycle. One process ``create``s the region (written under a temporary name, then linked to its name, so
-no one attaches to a half-written header); the others ``attach`` by name. Each attach is counted under a
-file lock; the attach that reaches the expected count unlinks the name. From then on the memory belongs to
-the processes that map it and goes away with the last of them, however they end (SIGKILL included). A
-region whose name is still there but whose recorded processes are all dead is stale: ``find_stale`` lists
-such regions and ``remove_stale`` unlinks them.
+no one attaches to a half-written header); the others ``attach`` by name. Each attach is recorded under a file
+lock, and ``close`` marks the record detached; the attach that brings the counted attachers to the expected
+count unlinks the name. From then on the memory belongs to the processes that map it and goes away with the
+last of them, however they end (SIGKILL included). An attacher counts while its process lives or once it
+detached; one that died attached (killed, or gone without ``close``) is not counted, so a rank restarted after a
+crash still gets in. A region whose name is still there but whose recorded processes are all dead or detached
+is stale: ``find_stale`` lists such regions and ``remove_stale`` unlinks them.
 
-Header (``data_offset`` bytes, a multiple of 4 KiB): magic, sizes, the attach count and table of
-(pid, start time) pairs, then the Geometry as JSON. Rows start at ``data_offset``.
+Trust. A region file is created private to its owner (0600) without following links; ``attach`` never follows a
+link either, refuses a region owned by another user or writable by others unless ``allow_foreign``, waits at
+most ``lock_timeout_s`` for the attach lock, and checks every header field before mapping anything: a bad field
+raises one SharedRegionError naming the field and its value. Names are checked in one place (``tier.region_name``)
+for the SharedSpec model and this class alike.
+
+Header (``data_offset`` bytes, a multiple of 4 KiB): magic, sizes, the attach count and table of (pid, start
+time) pairs (slot 0: the creator; a negative pid: detached), then the Geometry as JSON. Rows start at
+``data_offset``.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -22,24 +32,32 @@ from typing import Any
 
 import numpy as np
 
-from .tier import Geometry
+from kvxfer.executors import nixl_files  # the trust helpers: open without links, foreign files, bounded locks
+
+from .tier import Geometry, region_name
 
 MAGIC = b"KVXFER01"
 PREFIX = "kvxfer-"
 MAX_PIDS = 64
+MAX_JSON_BYTES = 1 << 20
 _FIXED = struct.Struct("<8sqqqq")  # magic, data_offset, json_bytes, expected attachers, attached count
 _PID = struct.Struct("<qq")  # pid, process start time (clock ticks since boot; 0 = unknown)
 _PIDS_AT = 64
 _JSON_AT = _PIDS_AT + MAX_PIDS * _PID.size
 PAGE = 4096
+LOCK_TIMEOUT_S = 10.0
+
+StrPath = str | os.PathLike[str]
 
 
-class SharedRegionError(RuntimeError):
-    """A shared host region cannot be created, attached or read; names the region and the reason."""
+class SharedRegionError(RuntimeError, ValueError):
+    """A shared host region cannot be created, attached or read; names the region, the reason and, for a bad
+    header or argument, the ``field`` and its ``value``."""
 
-    def __init__(self, name: str, reason: str):
-        self.name, self.reason = name, reason
-        super().__init__(f"shared host region {name!r}: {reason}")
+    def __init__(self, name: str, reason: str, field: str | None = None, value: Any = None):
+        self.name, self.reason, self.field, self.value = name, reason, field, value
+        where = "" if field is None else f"{field} = {value!r}: "
+        super().__init__(f"shared host region {name!r}: {where}{reason}")
 
 
 def _start_time(pid: int) -> int:
@@ -60,9 +78,68 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or _start_time(pid) in (0, start)  # a reused pid has another start time
 
 
-def path_of(name: str, directory: str | os.PathLike = "/dev/shm") -> Path:
-    """The path of the shared region ``name`` in ``directory`` (the name gets the kvxfer prefix)."""
+def path_of(name: str, directory: StrPath = "/dev/shm") -> Path:
+    """The path of the shared region ``name`` in ``directory`` (the name gets the kvxfer prefix). Raises
+    SharedRegionError for a name that could leave the directory or is not a plain file name."""
+    why = region_name(name)
+    if why is not None:
+        raise SharedRegionError(str(name), why, "name", name)
     return Path(directory) / f"{PREFIX}{name}"
+
+
+def _open(name: str, path: Path, flags: int) -> int:
+    try:
+        return nixl_files.open_file(path, flags, create=False)[0]
+    except FileNotFoundError:
+        raise SharedRegionError(name, f"no such region at {path} (not created yet, or every rank already attached "
+                                "and the name was unlinked)") from None
+    except OSError as e:
+        why = "is a symbolic link: refused" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
+        raise SharedRegionError(name, f"{path} {why}") from None
+
+
+@dataclass(frozen=True)
+class _Header:
+    data_offset: int
+    json_bytes: int
+    expected: int
+    pids: tuple[tuple[int, int], ...]  # the recorded attachers (slot 0, the creator, excluded)
+    geometry: Geometry
+
+
+def _header(name: str, fd: int, size: int) -> _Header:
+    """Every header field of region file ``fd`` (of ``size`` bytes), each checked: SharedRegionError names the first
+    bad one."""
+    raw = os.pread(fd, _JSON_AT, 0)
+    if len(raw) < _JSON_AT:
+        raise SharedRegionError(name, f"the file ends inside the header (it needs {_JSON_AT} bytes)", "size", size)
+    magic, data_offset, json_bytes, expected, count = _FIXED.unpack_from(raw)
+    if magic != MAGIC:
+        raise SharedRegionError(name, "not a kvxfer region", "magic", magic)
+    if not 0 < json_bytes <= min(MAX_JSON_BYTES, size - _JSON_AT):
+        raise SharedRegionError(name, f"must be 1 ..{min(MAX_JSON_BYTES, size - _JSON_AT)} (the geometry fits in the file)",
+                                "json_bytes", json_bytes)
+    if data_offset % PAGE or data_offset < _JSON_AT + json_bytes or data_offset > size:
+        raise SharedRegionError(name, f"must be a multiple of {PAGE} past the header's {_JSON_AT + json_bytes} bytes "
+                                f"and inside the file of {size} bytes (rows never overlap the header)", "data_offset",
+                                data_offset)
+    if not 0 <= expected < MAX_PIDS:
+        raise SharedRegionError(name, f"must be 0 ..{MAX_PIDS - 1}", "expected attachers", expected)
+    if not 0 <= count <= expected:
+        raise SharedRegionError(name, f"must be 0 ..{expected} (the expected attachers)", "attached count", count)
+    pids = tuple(_PID.unpack_from(raw, _PIDS_AT + i * _PID.size) for i in range(1, count + 1))
+    for i, (pid, start) in enumerate(pids, start=1):
+        if pid == 0 or start < 0:
+            raise SharedRegionError(name, "must hold a process id and a start time", f"pids[{i}]", (pid, start))
+    try:
+        geometry = Geometry.model_validate_json(os.pread(fd, json_bytes, _JSON_AT))
+    except ValueError as e:
+        text = str(e)
+        raise SharedRegionError(name, f"not a valid Geometry: {text[:200]}", "geometry", f"{json_bytes} bytes of JSON") from None
+    if data_offset + geometry.nbytes > size:
+        raise SharedRegionError(name, f"the rows need {data_offset + geometry.nbytes} bytes, the file holds {size}",
+                                "size", size)
+    return _Header(data_offset, json_bytes, expected, pids, geometry)
 
 
 @dataclass
@@ -74,26 +151,35 @@ class SharedRegion:
     path: Path
     geometry: Geometry
     data: np.ndarray
-    _mmap: mmap.mmap = field(repr=False)
+    _mmap: mmap.mmap | None = field(repr=False)
     _pinned: Any = field(default=None, repr=False)
+    _fd: int | None = field(default=None, repr=False)  # kept to mark this process detached at close
 
     @classmethod
-    def create(cls, name: str, geometry: Geometry, *, attachers: int = 0, directory: str | os.PathLike = "/dev/shm",
+    def create(cls, name: str, geometry: Geometry, *, attachers: int = 0, directory: StrPath = "/dev/shm",
                fill: int | None = 0) -> SharedRegion:
-        """Create and map the region; ``attachers`` other processes will attach (0: the name is unlinked now).
-        ``fill`` None leaves the rows as the file system gives them (zeros on tmpfs)."""
+        """Create and map the region, private to this user; ``attachers`` other processes will attach (0: the name
+        is unlinked now). ``fill`` None leaves the rows as the file system gives them (zeros on tmpfs). Raises
+        SharedRegionError for a bad name or count, or when the name is taken."""
         path = path_of(name, directory)
+        if isinstance(attachers, bool) or not isinstance(attachers, int) or not 0 <= attachers < MAX_PIDS:
+            raise SharedRegionError(name, f"must be an integer 0 ..{MAX_PIDS - 1}", "attachers", attachers)
         body = geometry.model_dump_json().encode()
         data_offset = -(-(_JSON_AT + len(body)) // PAGE) * PAGE
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fd, created = nixl_files.open_file(tmp, os.O_RDWR, create=True)
+        except OSError as e:
+            raise SharedRegionError(name, f"cannot create {tmp}: {e.strerror}") from None
+        try:
+            if not created:  # never write through a file someone else put there
+                raise SharedRegionError(name, f"{tmp} exists already (a planted file, or a stale one: remove_stale)")
             os.ftruncate(fd, data_offset + geometry.nbytes)
             os.pwrite(fd, _FIXED.pack(MAGIC, data_offset, len(body), attachers, 0), 0)
             os.pwrite(fd, _PID.pack(os.getpid(), _start_time(os.getpid())), _PIDS_AT)
             os.pwrite(fd, body, _JSON_AT)
             try:
-                os.link(tmp, path)
+                os.link(tmp, path, follow_symlinks=False)
             except FileExistsError:
                 raise SharedRegionError(name, f"{path} exists (another live region, or a stale one: remove_stale)") from None
             finally:
@@ -101,45 +187,52 @@ class SharedRegion:
             if attachers == 0:
                 os.unlink(path)
             region = cls._map(name, path, fd, data_offset, geometry)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         if fill is not None and fill != 0:
             region.data[:] = fill
         return region
 
     @classmethod
-    def attach(cls, name: str, directory: str | os.PathLike = "/dev/shm") -> SharedRegion:
-        """Map the region created under ``name``; the last expected attach unlinks the name."""
+    def attach(cls, name: str, directory: StrPath = "/dev/shm", *, allow_foreign: bool = False,
+               lock_timeout_s: float = LOCK_TIMEOUT_S) -> SharedRegion:
+        """Map the region created under ``name``; the attach that brings the live attachers to the expected count
+        unlinks the name. Raises SharedRegionError: no such region, a link, a region of another user or writable by
+        others (unless ``allow_foreign``), the lock held past ``lock_timeout_s``, a bad header field, or every
+        expected attacher already attached and alive."""
         path = path_of(name, directory)
+        fd = _open(name, path, os.O_RDWR)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise SharedRegionError(name, f"no such region at {path} (not created yet, or every rank already "
-                                    "attached and the name was unlinked)") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            magic, data_offset, json_bytes, expected, count = _FIXED.unpack(os.pread(fd, _FIXED.size, 0))
-            if magic != MAGIC:
-                raise SharedRegionError(name, f"{path} is not a kvxfer region (magic {magic!r})")
-            geometry = Geometry.model_validate_json(os.pread(fd, json_bytes, _JSON_AT))
-            if count >= expected:
-                raise SharedRegionError(name, f"all {expected} expected attachers already attached")
-            count += 1
-            os.pwrite(fd, _FIXED.pack(magic, data_offset, json_bytes, expected, count), 0)
-            if count < MAX_PIDS:
-                os.pwrite(fd, _PID.pack(os.getpid(), _start_time(os.getpid())), _PIDS_AT + count * _PID.size)
-            if count == expected:
-                os.unlink(path)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return cls._map(name, path, fd, data_offset, geometry)
-        finally:
+            st = os.fstat(fd)
+            why = nixl_files.untrusted(st, allow_foreign)
+            if why is not None:
+                raise SharedRegionError(name, f"{path} is {why}; refused (attach(..., allow_foreign=True) accepts a region "
+                                        "you trust)")
+            if not nixl_files.lock_file(fd, lock_timeout_s):
+                raise SharedRegionError(name, f"the attach lock on {path} is held by another process for more than "
+                                        f"{lock_timeout_s} s (a stopped or hung attacher)")
+            h = _header(name, fd, st.st_size)
+            counted = [p for p in h.pids if p[0] < 0 or _alive(*p)]  # detached, or alive: not killed
+            if len(counted) >= h.expected:
+                raise SharedRegionError(name, f"all {h.expected} expected attachers already attached (pids: "
+                                        f"{[abs(pid) for pid, _ in counted][:8]})")
+            counted.append((os.getpid(), _start_time(os.getpid())))
+            os.pwrite(fd, b"".join(_PID.pack(*p) for p in counted), _PIDS_AT + _PID.size)
+            os.pwrite(fd, _FIXED.pack(MAGIC, h.data_offset, h.json_bytes, h.expected, len(counted)), 0)
+            if len(counted) == h.expected:
+                _unlink_if_same(path, st)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # now: the mapping keeps a duplicate of fd, which would keep the lock
+            return cls._map(name, path, fd, h.data_offset, h.geometry)
+        except BaseException:
             os.close(fd)
+            raise
 
     @classmethod
     def _map(cls, name: str, path: Path, fd: int, data_offset: int, geometry: Geometry) -> SharedRegion:
         mm = mmap.mmap(fd, data_offset + geometry.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         data = np.frombuffer(mm, dtype=np.uint8, count=geometry.nbytes, offset=data_offset)
-        return cls(name, path, geometry, data, mm)
+        return cls(name, path, geometry, data, mm, _fd=fd)
 
     def pin(self, registrar: Any = None, max_chunk_bytes: int | None = None) -> Any:
         """Register the rows with the GPU driver in row-aligned chunks (at most 64 GiB each; on a failed
@@ -151,10 +244,17 @@ class SharedRegion:
         return self._pinned
 
     def close(self) -> None:
-        """Unregister (if pinned) and unmap. Views of ``data`` must be gone first."""
+        """Unregister (if pinned), mark this process detached (it keeps counting as an attacher), and unmap. Views
+        of ``data`` must be gone first."""
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                _detach(fd)
+            finally:
+                os.close(fd)
         if self._mmap is not None:
             self.data = np.zeros(0, np.uint8)
             try:
@@ -164,20 +264,51 @@ class SharedRegion:
             self._mmap = None
 
 
-def _owners(path: Path) -> list[tuple[int, int]] | None:
-    """The (pid, start time) pairs recorded in a region file, or None when it is not a region."""
+def _detach(fd: int) -> None:
+    """Mark this process's first attached record detached (best effort: a header no one can lock or read is left)."""
+    me = (os.getpid(), _start_time(os.getpid()))
     try:
-        with open(path, "rb") as f:
-            head = f.read(_JSON_AT)
+        if not nixl_files.lock_file(fd, LOCK_TIMEOUT_S):
+            return
+        raw = os.pread(fd, _JSON_AT, 0)
+        count = min(max(_FIXED.unpack_from(raw)[4], 0), MAX_PIDS - 1)
+        for i in range(count + 1):  # slot 0: the creator
+            if _PID.unpack_from(raw, _PIDS_AT + i * _PID.size) == me:
+                os.pwrite(fd, _PID.pack(-me[0], me[1]), _PIDS_AT + i * _PID.size)
+                return
+    except (OSError, struct.error):
+        return
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _unlink_if_same(path: Path, st: os.stat_result) -> None:
+    """Unlink ``path`` if it still names the file ``st`` describes (not one put in its place since)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _owners(path: Path) -> list[tuple[int, int]] | None:
+    """The (pid, start time) pairs recorded in a region file (creator first), or None when it is not a region."""
+    try:
+        fd = nixl_files.open_file(path, os.O_RDONLY, create=False)[0]
     except OSError:
         return None
+    try:
+        head = os.pread(fd, _JSON_AT, 0)
+    finally:
+        os.close(fd)
     if len(head) < _JSON_AT or head[:8] != MAGIC:
         return None
     count = _FIXED.unpack(head[:_FIXED.size])[4]
-    return [_PID.unpack_from(head, _PIDS_AT + i * _PID.size) for i in range(min(count, MAX_PIDS - 1) + 1)]
+    return [_PID.unpack_from(head, _PIDS_AT + i * _PID.size) for i in range(min(max(count, 0), MAX_PIDS - 1) + 1)]
 
 
-def find_stale(directory: str | os.PathLike = "/dev/shm") -> list[Path]:
+def find_stale(directory: StrPath = "/dev/shm") -> list[Path]:
     """Region files (and leftover temporary files) whose every recorded process is dead."""
     out = []
     for p in sorted(Path(directory).glob(f"{PREFIX}*")) + sorted(Path(directory).glob(f".{PREFIX}*.tmp")):
@@ -187,12 +318,12 @@ def find_stale(directory: str | os.PathLike = "/dev/shm") -> list[Path]:
                 out.append(p)
             continue
         owners = _owners(p)
-        if owners is not None and not any(_alive(pid, start) for pid, start in owners if pid):
+        if owners is not None and not any(_alive(pid, start) for pid, start in owners if pid > 0):
             out.append(p)
     return out
 
 
-def remove_stale(directory: str | os.PathLike = "/dev/shm") -> list[Path]:
+def remove_stale(directory: StrPath = "/dev/shm") -> list[Path]:
     """Unlink every stale region in ``directory``; returns what was removed."""
     removed = []
     for p in find_stale(directory):

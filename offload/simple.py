@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvxfer.executors import Transfer
 from kvxfer.planner import BlockMapping, Direction, Layout, PlanOptions, plan_transfer
 
 
@@ -41,13 +44,13 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
     destination caches are in host memory and the sources are not, a load (h2d) when the sources are in
     host memory and the destinations are not; all-host caches count as a store. Raises LayoutError naming
     the layer for mismatched layers, dtypes or page sizes."""
-    from kvxfer.executors.torch_layout import layout_from_tensors
+    from kvxfer.executors import torch_layout  # a public submodule (CONTRACT: listed in kvxfer.executors.__all__)
 
     src, dst = _named(src_caches), _named(dst_caches)
     src_host = all(t.device.type == "cpu" for t in src.values())
     load = src_host and not all(t.device.type == "cpu" for t in dst.values())
     device, host = (dst, src) if load else (src, dst)
-    layout, bindings = layout_from_tensors(device, host)
+    layout, bindings = torch_layout.layout_from_tensors(device, host)
     if executor is None or not hasattr(executor, "run"):
         from kvxfer.executors import get_executor
         executor = get_executor(executor)
@@ -55,12 +58,14 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
                       executor.bind(layout, bindings), options or PlanOptions())
 
 
-def copy_blocks(src_ids: Any, dst_ids: Any, params: CopyParams, stream: Any = None) -> Any:
+def copy_blocks(src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray, params: CopyParams,
+                stream: Any = None) -> Transfer:
     """Copy ``src_ids[i] -> dst_ids[i]`` in every layer; returns the executor's Transfer (asynchronous on a
     GPU: ``stream`` is the compute stream the copy orders after). Raises MappingError naming a bad id."""
     m = BlockMapping(direction=params.direction, src_ids=src_ids, dst_ids=dst_ids)
     plan = plan_transfer(params.layout, m, params.executor.target, params.options)
-    return params.executor.run(plan, params.bound, stream)
+    transfer: Transfer = params.executor.run(plan, params.bound, stream)
+    return transfer
 
 
 def pin_tensor(t: Any, registrar: Any = None) -> Any:

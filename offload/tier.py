@@ -8,20 +8,38 @@ the direct layout). Rows are padded to ``row_align_bytes`` (4 KiB), so chunked p
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvxfer.planner import Buffer, Fragment, Layout, LayoutError, Location, Placement, Region
 
+# the planner's frozen model base, whose validation errors are the project's own (PlanError subclasses naming the
+# field); imported from its module until the planner exports it as kvxfer.planner.Spec
+from kvxfer.planner._model import Spec as _PlannerSpec
+
 HOST_BUFFER = "host"  # the one host buffer every region's host placement points into
+_REGION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 
 
-class Spec(BaseModel):
-    """Frozen, extra-forbidding value (a typo fails at construction with a ValueError naming the field)."""
+class Spec(_PlannerSpec):
+    """Frozen, extra-forbidding value: a typo or a bad value fails at construction with a LayoutError (a ValueError)
+    naming the field and the value."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    _error: ClassVar = LayoutError
+
+
+def region_name(name: object) -> str | None:
+    """Why ``name`` cannot name a shared region, or None: it must be a plain file name of 1 to 200 letters, digits,
+    ``_``, ``.`` and ``-``, not starting with ``.`` or ``-`` (so it never leaves its directory). The one check the
+    SharedSpec model and SharedRegion share."""
+    if not isinstance(name, str) or not _REGION_NAME.fullmatch(name):
+        return ("must be 1 to 200 of A-Z a-z 0-9 _ . - and start with a letter, digit or _ (a file name in the region "
+                "directory, never a path)")
+    return None
 
 
 class Sharing(StrEnum):
@@ -77,12 +95,22 @@ class TPRank(Spec):
 
 class SharedSpec(Spec):
     """A host region several processes map: created by one (``create``), attached by name by the others.
-    ``attachers`` is how many attach calls to expect; the name is unlinked after the last one."""
+    ``attachers`` is how many attach calls to expect; the name is unlinked after the last one. ``allow_foreign``:
+    attach a region owned by another user or writable by others (refused by default)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str
     directory: str = "/dev/shm"
     create: bool = False
-    attachers: int = Field(default=0, ge=0)
+    attachers: int = Field(default=0, ge=0, le=63)
+    allow_foreign: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        why = region_name(name)
+        if why is not None:
+            raise LayoutError("name", name, why)
+        return name
 
 
 class HostTier(Spec):
@@ -154,7 +182,8 @@ def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks
     range per tensor; ``row_stride_bytes`` is then the largest chunk (the pinning granularity)."""
     k, n = tier.blocks_per_chunk, tier.num_chunks
     ranks = list(range(tp.size)) if ranks is None else list(ranks)
-    slots = [(t, None, canonical_page(t, tp)) for t in tensors if _shared(t, tier.layout)]
+    slots: list[tuple[KVTensor, int | None, int]] = [(t, None, canonical_page(t, tp)) for t in tensors
+                                                       if _shared(t, tier.layout)]
     slots += [(t, r, t.page_bytes) for r in ranks for t in tensors if not _shared(t, tier.layout)]
     cells, at = [], 0
     for t, r, page in slots:

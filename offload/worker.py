@@ -1,330 +1,61 @@
-"""OffloadWorker: store (device -> host) and load (host -> device) jobs for a serving engine's loop.
+"""OffloadWorker: store (device -> host) and load (host -> device) jobs for a serving engine's loop, and spill
+(host -> file) and restore (file -> host) jobs once a file tier is attached.
 
-Each direction is a lane whose jobs complete in submission order. A job that touches host chunks or device
-blocks that an in-flight job of the other direction also touches is ordered after that job (the newest such
-one; lanes are in order, so that covers the older ones), which makes the result equal a sequential replay
-in submission order. Jobs are planned at submission, so a bad submission raises before anything is queued.
+One way to order. Each kind of job runs in a lane, in submission order (``lanes``). A job that conflicts with a
+pending job of another lane (one writes a device block, host chunk or file slot the other reads or writes:
+``jobs``) is ordered after the newest such job of that lane, which covers the older ones since lanes are in
+order. That is the one dependency mechanism: a job lists the jobs it is ordered after, and the executor
+receives their transfers as ``after`` (``Executor.run(plan, bound, stream, after)``), which it honours on the
+device where it can. A job waiting for a job of a host lane (the file tier, a synchronous executor) is not
+issued until that job is done, so submitting never blocks; lane order holds, and ``wait``, ``wait_for_layer``
+and ``stream_wait_for_layer`` wait for such a job to be issued first. The result equals a sequential replay in
+submission order.
 
-With a file tier attached (``kvxfer.offload.files.attach_files``), spill and restore jobs run in submission
-order on their own thread. A file job waits for the newest in-flight store (spill) or store and load
-(restore) touching its chunks; a store or load submitted while a file job touching its host chunks is in
-flight waits for that file job (host lanes: on the lane's thread; GPU lanes: on the host, at submission).
+Failures reach the jobs that depend on them: a job that reads bytes a failed job was to write (the last pending
+writer of an id it reads) is reported failed with a DependencyError naming that job, and it copies nothing when
+the failure is known before it starts (when it is known only later, on a GPU, its copies ran and its result is
+still a failure). A job that only overwrites what a failed job read or wrote is ordered after it, not failed.
 
-Two lane kinds, chosen by the executor:
-- GPU executors with a runtime (CUDA/HIP batch): ``submit`` issues at once on the lane's executor, whose copy
-  stream waits for the caller's compute stream and for the lane's previous job. A cross-direction dependency
-  goes through a pooled gate stream that waits for compute and for the other job's end, on the device.
-- Anything else (the NumPy executor): a background thread per lane runs the jobs in order, waiting on the
-  host for a dependency, so submission stays asynchronous.
+The caller's stream goes to the executor with every job: resolved on the submitting thread (None: that thread's
+current stream), so a store never reads blocks that compute queued before it is still writing.
 """
 from __future__ import annotations
 
+import os
 import threading
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+from pydantic import BaseModel
 
-from kvxfer.executors.dma import check, stream_handle
-from kvxfer.planner import BlockMapping, Direction, Layout, PlanError, PlanOptions, TransferPlan, plan_transfer
+from kvxfer.executors import BoundMemory, Executor
+from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
+from ._compat import chunked, group_count, stream_handle, synchronous
+from .jobs import (
+    LOAD,
+    STORE,
+    DependencyError,
+    Job,
+    JobResult,
+    OffloadError,
+    SubmissionError,
+    WorkerClosedError,
+    conflict,
+    overlap,
+    touched,
+)
+from .lanes import ExecutorLane, IssueLane, ThreadLane
+from .spill import FileLane
 from .tier import TPRank
 
-STORE, LOAD = Direction.D2H, Direction.H2D
+__all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
-
-class SubmissionError(ValueError):
-    """A submission that cannot be planned; names the job, the field and the value. Nothing was queued."""
-
-    def __init__(self, job_id: Any, field: str, value: Any, reason: str, index: int | None = None):
-        self.job_id, self.field, self.value, self.reason, self.index = job_id, field, value, reason, index
-        where = field if index is None else f"{field}[{index}]"
-        super().__init__(f"job {job_id!r}: {where} = {value!r}: {reason}")
-
-
-class WorkerClosedError(RuntimeError):
-    """The worker was shut down; it takes no more jobs."""
-
-
-class OffloadError(RuntimeError):
-    """Jobs failed and were not yet reported through ``get_finished``; ``results`` holds them."""
-
-    def __init__(self, results: list[JobResult]):
-        self.results = results
-        kind = [r.op if r.op in ("spill", "restore") else r.direction.value for r in results]
-        super().__init__("; ".join(f"job {r.job_id} ({k}) failed: {r.error}" for r, k in zip(results, kind)))
-
-
-@dataclass(frozen=True)
-class JobResult:
-    """What happened to one job. ``error`` is the exception of a failed job (``success`` False). ``op``: "store",
-    "load", "spill" (host -> file, ``direction`` d2h) or "restore" (file -> host, ``direction`` h2d)."""
-
-    job_id: int
-    direction: Direction
-    success: bool
-    nbytes: int
-    elapsed_s: float
-    num_ranges: int
-    error: BaseException | None = None
-    op: str = ""
-
-
-class Pool:
-    """Reusable handles (streams, events): ``acquire`` takes a free one or makes a new one, so it never
-    blocks; ``release`` returns it; ``clear`` destroys every handle made. ``made`` counts creations."""
-
-    def __init__(self, make: Callable[[], Any], destroy: Callable[[Any], Any] = lambda h: None):
-        self._make, self._destroy = make, destroy
-        self._free: list[Any] = []
-        self._all: list[Any] = []
-
-    @property
-    def made(self) -> int:
-        """Number of handles made since the last ``clear``."""
-        return len(self._all)
-
-    def acquire(self) -> Any:
-        """A free handle, or a newly made one when none is free."""
-        if self._free:
-            return self._free.pop()
-        h = self._make()
-        self._all.append(h)
-        return h
-
-    def release(self, handle: Any) -> None:
-        """Return ``handle`` to the free list."""
-        self._free.append(handle)
-
-    def clear(self) -> None:
-        """Destroy every handle made (free or not) and forget them."""
-        for h in self._all:
-            self._destroy(h)
-        self._all.clear()
-        self._free.clear()
-
-
-@dataclass(eq=False)
-class _Job:
-    job_id: int
-    seq: int
-    direction: Direction
-    plan: TransferPlan
-    device_ids: np.ndarray  # sorted unique: the job's device and host extents, for conflict checks
-    host_ids: np.ndarray
-    after: _Job | None = None
-    transfers: list[Any] = field(default_factory=list)
-    error: BaseException | None = None
-    elapsed_s: float = 0.0
-    finished: threading.Event | None = None
-    pooled: list[tuple[Pool, Any]] = field(default_factory=list)
-    layer_calls: np.ndarray | None = None  # per call: the layer of its first range (loads)
-    op: str = ""  # "store"/"load"; "spill"/"restore" for file jobs
-    waits: list[threading.Event] = field(default_factory=list)  # file jobs this one runs after
-    deps: list[tuple[Any, _Job]] = field(default_factory=list)  # file jobs: (lane, job) it runs after
-
-
-def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two sorted unique id arrays share an id."""
-    if not len(a) or not len(b) or a[-1] < b[0] or b[-1] < a[0]:
-        return False
-    i = np.searchsorted(b, a)
-    i[i == len(b)] = len(b) - 1
-    return bool(np.any(b[i] == a))
-
-
-class ThreadLane:
-    """Runs jobs in submission order on a background thread; a subclass's ``execute(job)`` does one job's work.
-    A job's error is recorded on it (never raised on the thread) and its ``finished`` event is set either way."""
-
-    def __init__(self, name: str):
-        self.jobs: deque[Any] = deque()
-        self._queue: deque[Any | None] = deque()
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-offload-{name}", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Any, stream: Any = None) -> None:
-        """Queue ``job`` behind the jobs already queued."""
-        job.finished = threading.Event()  # not pooled: a later job may still hold this one as its dependency
-        self.jobs.append(job)
-        with self._ready:
-            self._queue.append(job)
-            self._ready.notify()
-
-    def execute(self, job: Any) -> None:
-        """Do ``job``'s work on the lane's thread (subclasses); raise to fail it."""
-        raise NotImplementedError
-
-    def _loop(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                job = self._queue.popleft()
-            if job is None:
-                return
-            try:
-                self.execute(job)
-            except BaseException as e:  # reported on the job, never raised on this thread
-                job.error = e
-            finally:
-                job.finished.set()
-
-    def done(self, job: Any) -> bool:
-        """Whether ``job`` has finished (done or failed)."""
-        return bool(job.finished.is_set())
-
-    def wait(self, job: Any) -> None:
-        """Block until ``job`` has finished."""
-        job.finished.wait()
-
-    def wait_layer(self, job: Any, layer: int) -> None:
-        """Block until ``job`` has finished: a host lane completes a job as a whole."""
-        self.wait(job)
-
-    def stream_wait_layer(self, job: Any, layer: int, stream: Any) -> None:
-        """Block the host until ``job`` has finished (no device stream to order)."""
-        self.wait(job)
-
-    def retire(self, job: Any) -> None:
-        """Nothing to release per job."""
-
-    def close(self) -> None:
-        """Run what is queued, then stop the thread."""
-        with self._ready:
-            self._queue.append(None)
-            self._ready.notify()
-        self._thread.join()
-
-
-class _ExecutorLane(ThreadLane):
-    """Runs one direction's jobs in order on a background thread (host executors)."""
-
-    def __init__(self, executor: Any, bound: Any, name: str):
-        self.executor, self.bound = executor, bound
-        super().__init__(name)
-
-    def execute(self, job: _Job) -> None:
-        if job.after is not None and job.after.finished is not None:
-            job.after.finished.wait()
-        for ev in job.waits:
-            ev.wait()
-        t = self.executor.run(job.plan, self.bound).wait()
-        job.transfers.append(t)
-        job.elapsed_s += t.elapsed_s or 0.0
-
-
-class _StreamLane:
-    """Issues one direction's jobs on a GPU executor's copy stream at submission (DMA executors)."""
-
-    def __init__(self, executor: Any, bound: Any, runtime: Any, barrier: TransferPlan):
-        self.executor, self.bound, self.runtime, self.barrier = executor, bound, runtime, barrier
-        self.jobs: deque[_Job] = deque()
-        self.streams = Pool(self._stream_create, self._stream_destroy)
-        self.events = Pool(self._event_create, self._event_destroy)
-
-    def _stream_create(self) -> int:
-        with self.runtime.current():
-            return self.runtime.stream_create()
-
-    def _stream_destroy(self, s: int) -> None:
-        with self.runtime.current():
-            self.runtime.stream_destroy(s)
-
-    def _event_create(self) -> int:
-        with self.runtime.current():
-            return self.runtime.event_create()
-
-    def _event_destroy(self, e: int) -> None:
-        with self.runtime.current():
-            self.runtime.event_destroy(e)
-
-    def submit(self, job: _Job, stream: Any) -> None:
-        self.jobs.append(job)
-        for ev in job.waits:  # a file job writing or reading these host chunks: order on the host
-            ev.wait()
-        gate = stream
-        dep = job.after
-        if dep is not None and dep.transfers and not _done_quietly(dep):
-            rt = self.runtime
-            try:
-                gate, ready = self.streams.acquire(), self.events.acquire()
-                job.pooled += [(self.streams, gate), (self.events, ready)]
-                with rt.current():  # gate: the caller's compute so far, then the other direction's job
-                    check(rt, rt.event_record(ready, stream_handle(stream, rt.device)), "event record (compute stream)")
-                    check(rt, rt.stream_wait_event(gate, ready), "stream wait (compute stream)")
-                dep.transfers[-1].stream_wait(gate, -1)
-            except Exception as e:  # nothing issued: the job fails without copying
-                job.error = e
-                return
-        try:
-            job.transfers.append(self.executor.run(job.plan, self.bound, stream=gate))
-        except Exception as e:
-            job.error = e
-            try:  # an empty run: its end follows whatever the failed run issued, so successors can order on it
-                job.transfers.append(self.executor.run(self.barrier, self.bound, stream=gate))
-            except Exception:
-                pass
-
-    def done(self, job: _Job) -> bool:
-        return _done_quietly(job)
-
-    def wait(self, job: _Job) -> None:
-        for t in job.transfers:
-            try:
-                t.wait()
-            except Exception as e:
-                job.error = job.error or e
-
-    def _load_call(self, job: _Job, layer: int) -> tuple[Any, int] | None:
-        if job.error is not None or not job.transfers or job.layer_calls is None or not len(job.layer_calls):
-            return None
-        c = int(np.searchsorted(job.layer_calls, layer, side="right")) - 1
-        return job.transfers[0], max(c, 0)
-
-    def wait_layer(self, job: _Job, layer: int) -> None:
-        hit = self._load_call(job, layer)
-        if hit is None:
-            self.wait(job)
-        else:
-            hit[0].wait_call(hit[1])
-
-    def stream_wait_layer(self, job: _Job, layer: int, stream: Any) -> None:
-        hit = self._load_call(job, layer)
-        if hit is not None:
-            hit[0].stream_wait(stream, hit[1])
-        elif job.transfers:
-            job.transfers[-1].stream_wait(stream, -1)
-
-    def retire(self, job: _Job) -> None:
-        for t in job.transfers:
-            if t.elapsed_s is None:
-                try:
-                    t.wait()
-                except Exception as e:
-                    job.error = job.error or e
-            job.elapsed_s += t.elapsed_s or 0.0
-        for pool, h in job.pooled:
-            pool.release(h)
-        job.pooled.clear()
-
-    def close(self) -> None:
-        self.streams.clear()
-        self.events.clear()
-
-
-def _done_quietly(job: _Job) -> bool:
-    """Every transfer of ``job`` finished (a failing query counts as finished, with the error kept)."""
-    for t in job.transfers:
-        try:
-            if not t.done():
-                return False
-        except Exception as e:
-            job.error = job.error or e
-    return True
+Ids: TypeAlias = Sequence[int] | np.ndarray
+# an Executor (or an object with its interface), a zero-argument factory, or a config: ExecutorConfig, dict or path
+ExecutorSpec: TypeAlias = Executor | Callable[[], Executor] | BaseModel | Mapping[str, Any] | str | os.PathLike[str] | None
+Lane: TypeAlias = IssueLane | ThreadLane
 
 
 class OffloadWorker:
@@ -333,124 +64,182 @@ class OffloadWorker:
     ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor (shared by
     both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
     ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
-    factories and configs build one executor per direction, closed by ``shutdown``.
-    Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a replicated region
-    rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan. ``regions_per_layer``:
-    regions per layer for per-layer load completion (None: whole jobs only). ``on_close``: callables run
-    last by ``shutdown`` (releasing host memory).
+    factories and configs build one executor per direction, closed by ``shutdown``. A non-synchronous executor
+    (``Executor.synchronous`` False) must complete its runs in the order they were issued, as every kvxfer GPU
+    executor does. Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a
+    replicated region rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan.
+    ``regions_per_layer``: regions per layer for per-layer load completion (None: whole jobs only).
+    ``on_close``: callables run last by ``shutdown`` (releasing host memory).
+
+    Threading contract:
+
+    - Every public method may be called from any thread, concurrently with any other (an engine usually calls
+      from one). A submission racing ``shutdown`` either is accepted (returns True), and is then run and
+      reported before ``shutdown`` returns, or raises WorkerClosedError. ``get_finished`` reports each accepted
+      job exactly once.
+    - One lock, ``_lock``, guards all bookkeeping: the pending jobs (in submission order), the sequence counter,
+      the closed flag, every lane's ``jobs``, ``waiting`` and ``mark``, and every job's state (``ready``,
+      ``transfer``, ``mark``, ``error``, ``settled``). It is held to accept a job (its dependencies are computed
+      and it is queued or issued in one step, so every lane sees its jobs in submission order), to issue on a
+      non-synchronous executor (whose ``run`` only enqueues), to poll for completion and to retire jobs. It is
+      never held while anything is awaited: a copy, a file job, a lane thread, a synchronous executor's run.
+    - Planning a submission is pure and runs outside the lock; the job id is checked before planning and again
+      when the job is accepted.
+    - Lane threads (one per direction on a synchronous executor, one for the file tier) each run their lane's
+      jobs in order; they wait for a job's dependencies without the lock, then take it to record the outcome and
+      to issue jobs of issue lanes that were waiting for it.
+    - ``get_finished`` only polls, so it never blocks; ``wait``, ``wait_for_layer``, ``stream_wait_for_layer`` and
+      ``shutdown`` block without the lock.
     """
 
-    def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: Any = None, *,
-                 tp: TPRank | None = None, regions_per_layer: int | None = 1,
-                 max_descriptors: int | None = None, on_close: Sequence[Any] = ()):
+    def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
+                 tp: TPRank | None = None, regions_per_layer: int | None = 1, max_descriptors: int | None = None,
+                 on_close: Sequence[Callable[[], Any]] = ()):
         self.layout = layout
         self.tp = tp or TPRank()
-        self.host: Any = bindings.get("host")  # the host rows (set by create_worker)
-        self.geometry: Any = None
+        self.host: np.ndarray | None = bindings.get("host")  # the host rows (set by create_worker)
+        self.geometry: Any = None  # the host rows' Geometry (set by create_worker)
         self._executors, self._owned = self._make_executors(executor)
         self.target = self._executors[STORE].target
         self.regions_per_layer = regions_per_layer
         base = PlanOptions(max_descriptors=max_descriptors)
         self._options = {STORE: base, LOAD: base.model_copy(update={"regions_per_call": regions_per_layer})}
         self._on_close = list(on_close)
-        self._chunked = any(int(c.k.max(initial=1)) > 1 for c in layout.info.side.values())
-        self._bound: dict[Direction, Any] = {}
-        self._lanes: dict[Direction, _ExecutorLane | _StreamLane] = {}
-        groups = (0,) * layout.info.num_groups
-        for d in (STORE, LOAD):
-            ex = self._executors[d]
-            self._bound[d] = ex.bind(layout, bindings)
-            runtime = getattr(ex, "runtime", None)
-            if runtime is not None and hasattr(runtime, "event_record"):
-                barrier = plan_transfer(layout, BlockMapping(direction=d, src_ids=[], dst_ids=[], group_sizes=groups),
-                                        self.target, base)
-                self._lanes[d] = _StreamLane(ex, self._bound[d], runtime, barrier)
-            else:
-                self._lanes[d] = _ExecutorLane(ex, self._bound[d], d.value)
-        self._pending: dict[int, _Job] = {}
-        self._drained: list[_Job] = []
+        self._chunked, self._groups = chunked(layout), group_count(layout)
+        self._device = next((b.device for b in layout.buffers if b.location is Location.DEVICE), 0)
+        self._lock = threading.Lock()
+        self._pending: dict[int, Job] = {}  # accepted and not yet reported, in submission order
+        self._drained: list[Job] = []  # retired by shutdown, not yet reported
         self._seq = 0
         self._closed = False
-        self._files: Any = None  # a FileLane (kvxfer.offload.files.attach_files)
+        self._shut = threading.Event()  # set once shutdown has finished
+        self._files: FileLane | None = None  # set by attach_files (kvxfer.offload.attach_files)
+        self._bound: dict[Direction, BoundMemory] = {}
+        self._lanes: dict[Direction, Lane] = {}
+        try:
+            for d in (STORE, LOAD):
+                self._lanes[d] = self._lane(d, bindings)
+        except BaseException:  # what was made so far; the host memory is the caller's (on_close is not run)
+            self._close_lanes(on_close=False)
+            raise
+
+    def _lane(self, d: Direction, bindings: Mapping[str, Any]) -> Lane:
+        ex = self._executors[d]
+        bound = self._bound[d] = ex.bind(self.layout, bindings)
+        if synchronous(ex):
+            lane = ExecutorLane(d.value, ex, bound)
+            lane.step = self._step
+            return lane
+        empty = BlockMapping(direction=d, src_ids=[], dst_ids=[], group_sizes=(0,) * self._groups)
+        return IssueLane(d.value, ex, bound, plan_transfer(self.layout, empty, self.target, self._options[d]))
 
     @staticmethod
-    def _make_executors(executor: Any) -> tuple[dict[Direction, Any], bool]:
+    def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, Executor], bool]:
         if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
-            return {STORE: executor, LOAD: executor}, False
+            return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # anything with run() and bind()
         if callable(executor):  # a factory: one executor (one copy stream) per direction
             return {STORE: executor(), LOAD: executor()}, True
         from kvxfer.executors import ExecutorConfig, choose_executor, get_executor
 
         config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
-        if config.kind.value == "auto":  # one DMA executor per direction (the SM-kernel choice is per plan)
+        if config.kind.value == "auto":  # one executor per direction, of the kind the platform runs
             config = config.model_copy(update={"kind": choose_executor(config)[0]})
         return {STORE: get_executor(config), LOAD: get_executor(config)}, True
 
     # ---- submitting -----------------------------------------------------------------------------------------
-    def submit_store(self, job_id: int, device_ids: Any, host_ids: Any, group_sizes: Sequence[int] | None = None,
+    def submit_store(self, job_id: int, device_ids: Ids, host_ids: Ids, group_sizes: Sequence[int] | None = None,
                      group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
         """Copy device blocks ``device_ids`` into host chunks ``host_ids`` (per group: ``group_sizes`` blocks
-        from logical block ``group_starts``). Returns True once queued; raises SubmissionError (nothing queued)
-        or WorkerClosedError. ``stream``: the compute stream the copy waits for (None: current)."""
+        from logical block ``group_starts``). Returns True once accepted; raises SubmissionError (nothing queued)
+        or WorkerClosedError. ``stream``: the compute stream the copy waits for (None: the submitting thread's
+        current stream), in any form the executor takes (an int handle, a torch stream)."""
         return self._submit(STORE, job_id, device_ids, host_ids, group_sizes, group_starts, stream)
 
-    def submit_load(self, job_id: int, host_ids: Any, device_ids: Any, group_sizes: Sequence[int] | None = None,
+    def submit_load(self, job_id: int, host_ids: Ids, device_ids: Ids, group_sizes: Sequence[int] | None = None,
                     group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
         """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
         return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
 
-    def attach_files(self, lane: Any) -> None:
-        """Use ``lane`` (a FileLane; build it with ``kvxfer.offload.files.attach_files``) for spills and restores."""
-        if self._closed:
-            raise WorkerClosedError("the worker was shut down")
-        if self._files is not None:
-            raise ValueError("a file tier is already attached")
-        self._files = lane
+    def attach_files(self, lane: FileLane) -> None:
+        """Use ``lane`` (a FileLane; build it with ``kvxfer.offload.attach_files``) for spills and restores.
+        Raises WorkerClosedError after shutdown, ValueError when a file tier is already attached."""
+        with self._lock:
+            if self._closed:
+                raise WorkerClosedError("the worker was shut down")
+            if self._files is not None:
+                raise ValueError("a file tier is already attached")
+            lane.step = self._step
+            self._files = lane
 
-    def submit_spill(self, job_id: int, chunk_ids: Any) -> bool:
-        """Write host chunks ``chunk_ids`` to the file tier, after in-flight stores into them. Returns True once
-        queued; raises SubmissionError (nothing queued) or WorkerClosedError."""
+    def submit_spill(self, job_id: int, chunk_ids: Ids) -> bool:
+        """Write host chunks ``chunk_ids`` to the file tier, after in-flight jobs writing them. Returns True once
+        accepted; raises SubmissionError (nothing queued) or WorkerClosedError."""
         return self._submit_file("spill", job_id, chunk_ids)
 
-    def submit_restore(self, job_id: int, chunk_ids: Any) -> bool:
+    def submit_restore(self, job_id: int, chunk_ids: Ids) -> bool:
         """Read host chunks ``chunk_ids`` back from the file tier, after in-flight stores and loads touching them;
-        later stores and loads of these chunks wait for it. A chunk not spilled, stale or torn fails the job."""
+        later stores and loads of these chunks are ordered after it. A chunk not spilled, stale or torn fails the
+        job, and the loads that read it."""
         return self._submit_file("restore", job_id, chunk_ids)
 
-    def _submit_file(self, op: str, job_id: Any, chunk_ids: Any) -> bool:
+    def _submit_file(self, op: str, job_id: Any, chunk_ids: Ids) -> bool:
         job_id = self._check_id(job_id)
-        if self._files is None:
-            raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.files.attach_files)")
-        direction, plan, chunks = self._files.plan(job_id, op, chunk_ids)
-        job = _Job(job_id, self._seq, direction, plan, np.zeros(0, np.int64), chunks, op=op)
-        for d in ((STORE,) if op == "spill" else (STORE, LOAD)):
-            lane = self._lanes[d]
-            for prev in reversed(lane.jobs):  # newest first: the lane is in order
-                if _overlap(job.host_ids, prev.host_ids):
-                    if not lane.done(prev):
-                        job.deps.append((lane, prev))
-                    break
-        self._seq += 1
-        self._pending[job_id] = job
-        self._files.submit(job)
+        files = self._files
+        if files is None:
+            raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.attach_files)")
+        direction, plan, chunks = files.plan(job_id, op, chunk_ids)
+        self._check_chunks(job_id, "chunk_ids", chunk_ids, chunks)
+        reads, writes = touched(op, np.zeros(0, np.int64), chunks)
+        self._accept(Job(job_id, op, direction, plan, reads, writes), files)
         return True
 
     def _check_id(self, job_id: Any) -> int:
-        if self._closed:
-            raise WorkerClosedError(f"job {job_id!r}: the worker was shut down")
         if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
             raise SubmissionError(job_id, "job_id", job_id, "must be an integer")
-        job_id = int(job_id)
+        checked = int(job_id)
+        with self._lock:
+            self._refuse(checked)
+        return checked
+
+    def _refuse(self, job_id: int) -> None:
+        """Raise unless a job ``job_id`` may be accepted now (under the lock)."""
+        if self._closed:
+            raise WorkerClosedError(f"job {job_id!r}: the worker was shut down")
         if job_id in self._pending:
             raise SubmissionError(job_id, "job_id", job_id, "a job with this id is still pending (in flight or not "
                                   "yet returned by get_finished)")
-        return job_id
 
-    def _submit(self, direction: Direction, job_id: Any, src: Any, dst: Any, sizes: Any, starts: Any, stream: Any) -> bool:
+    def _submit(self, direction: Direction, job_id: Any, src: Ids, dst: Ids, sizes: Sequence[int] | None,
+                starts: Sequence[int] | None, stream: Any) -> bool:
         job_id = self._check_id(job_id)
+        plan = self._plan(direction, job_id, src, dst, sizes, starts)
+        dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
+        op = "load" if direction is LOAD else "store"
+        host_ids = np.unique(np.asarray(host, dtype=np.int64))
+        self._check_chunks(job_id, "host_ids", host, host_ids)
+        reads, writes = touched(op, np.unique(np.asarray(dev, dtype=np.int64)), host_ids)
+        layer_calls = None
+        if direction is LOAD and self.regions_per_layer:
+            layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
+                if plan.num_calls else np.zeros(0, np.int64)
+        resolved = stream if stream is not None else stream_handle(None, self._device)  # on this thread
+        self._accept(Job(job_id, op, direction, plan, reads, writes, resolved, layer_calls), self._lanes[direction])
+        return True
+
+    def _check_chunks(self, job_id: int, field: str, given: Ids, unique: np.ndarray) -> None:
+        """Refuse host chunk ids past the host tier's chunks: in tensor-major rows they would land in the next tensor's
+        cells (or in padding), inside the host buffer, where the planner cannot tell."""
+        n = self.geometry.num_chunks if self.geometry is not None else None
+        if n is not None and len(unique) and int(unique[-1]) >= n:
+            ids = np.asarray(given, dtype=np.int64)
+            i = int(np.argmax(ids >= n))
+            raise SubmissionError(job_id, field, int(ids[i]), f"past the host tier's {n} chunks", i)
+
+    def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
+              starts: Sequence[int] | None) -> TransferPlan:
         names = {"src_ids": "host_ids", "dst_ids": "device_ids"} if direction is LOAD else \
                 {"src_ids": "device_ids", "dst_ids": "host_ids"}
-        if sizes is None and self._chunked and self.layout.info.num_groups == 1:
+        if sizes is None and self._chunked and self._groups == 1:
             try:  # one group of every device block listed, from a chunk boundary
                 sizes = (len(dst if direction is LOAD else src),)
             except TypeError:
@@ -459,131 +248,290 @@ class OffloadWorker:
             mapping = {"direction": direction, "src_ids": src, "dst_ids": dst,
                        "group_sizes": None if sizes is None else tuple(sizes),
                        "group_starts": None if starts is None else tuple(starts)}
-            plan = plan_transfer(self.layout, mapping, self.target, self._options[direction])
+            return plan_transfer(self.layout, mapping, self.target, self._options[direction])
         except PlanError as e:
             head, _, rest = e.field.partition(".")
             raise SubmissionError(job_id, names.get(head, head) + (f".{rest}" if rest else ""), e.value, e.reason,
                                   e.index) from None
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
-        dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
-        job = _Job(job_id, self._seq, direction, plan, np.unique(np.asarray(dev, dtype=np.int64)),
-                   np.unique(np.asarray(host, dtype=np.int64)),
-                   op="load" if direction is LOAD else "store")
-        other = self._lanes[LOAD if direction is STORE else STORE]
-        for prev in reversed(other.jobs):  # newest first: the lane is in order, so the newest conflict suffices
-            if _overlap(job.device_ids, prev.device_ids) or _overlap(job.host_ids, prev.host_ids):
-                if not other.done(prev):
-                    job.after = prev
-                break
-        if self._files is not None:
-            for prev in reversed(self._files.jobs):  # newest in-flight file job on these chunks (in order)
-                if _overlap(job.host_ids, prev.host_ids):
-                    if not self._files.done(prev):
-                        job.waits.append(prev.finished)
-                    break
-        if direction is LOAD and self.regions_per_layer:
-            job.layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
-                if plan.num_calls else np.zeros(0, np.int64)
-        self._seq += 1
-        self._pending[job_id] = job
-        self._lanes[direction].submit(job, stream)
+
+    def _accept(self, job: Job, lane: Lane) -> None:
+        """Accept ``job`` into ``lane``: one step under the lock (or WorkerClosedError / SubmissionError)."""
+        with self._lock:
+            self._refuse(job.job_id)
+            job.seq, self._seq, job.lane = self._seq, self._seq + 1, lane
+            self._dependencies(job)
+            self._pending[job.job_id] = job
+            lane.jobs.append(job)
+            if isinstance(lane, IssueLane):
+                lane.waiting.append(job)
+                self._pump()
+            else:
+                lane.submit(job)
+
+    def _dependencies(self, job: Job) -> None:
+        """Fill ``job.after`` (per other lane, the newest pending conflicting job not known done) and
+        ``job.reads_from`` (the last pending writer of each id it reads, unless that one is known to have
+        succeeded). Under the lock."""
+        unexplained = dict(job.reads)  # id space -> ids it reads whose last writer is not found yet
+        ordered = {job.lane}  # lanes whose order already covers what is left
+        for prev in reversed(self._pending.values()):
+            if prev.lane not in ordered and not self._known_done(prev) and conflict(job, prev):
+                job.after.append(prev)
+                ordered.add(prev.lane)
+            for space, ids in prev.writes:
+                left = unexplained.get(space)
+                if left is not None and len(left) and overlap(left, ids):
+                    if not (prev.settled and prev.error is None):
+                        job.reads_from.append(prev)
+                    unexplained[space] = np.setdiff1d(left, ids, assume_unique=True)
+
+    @staticmethod
+    def _known_done(job: Job) -> bool:
+        return job.settled or (not job.lane.issues and job.ready.is_set())
+
+    # ---- issuing and running --------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Issue every waiting job of the issue lanes whose dependencies are issued (issue lanes) or done (thread
+        lanes), in lane order, until none is left that may go. Under the lock."""
+        progress = True
+        while progress:
+            progress = False
+            for lane in self._lanes.values():
+                while isinstance(lane, IssueLane) and lane.waiting and all(d.ready.is_set() for d in lane.waiting[0].after):
+                    self._issue(lane, lane.waiting.popleft())
+                    progress = True
+
+    def _issue(self, lane: IssueLane, job: Job) -> None:
+        """Run ``job`` on its lane's executor (which only issues), or fail it without running when a job it
+        reads from is known to have failed. Under the lock."""
+        source = self._failed_source(job)
+        interrupt: BaseException | None = None
+        if source is not None:
+            job.error, job.mark = _inherited(source), lane.mark
+        else:
+            after = [d.mark for d in job.after if d.lane.issues and d.mark is not None]
+            try:
+                job.transfer = job.mark = lane.run(job.plan, lane.bound, job.stream, after)
+            except BaseException as e:  # nothing or part of the plan was issued: successors order after an empty run
+                job.error, interrupt = e, (None if isinstance(e, Exception) else e)
+                try:
+                    job.transfer = job.mark = lane.run(lane.barrier, lane.bound, job.stream, ())
+                except Exception:
+                    job.mark = lane.mark
+        lane.mark = job.mark
+        job.ready.set()
+        if interrupt is not None:
+            raise interrupt
+
+    def _step(self, lane: ThreadLane, job: Job) -> None:
+        """Run one job of a thread lane, on its thread: wait for its dependencies, then run it (or fail it when a
+        job it reads from failed), then record the outcome and issue what was waiting for it."""
+        error: BaseException | None = None
+        seconds = 0.0
+        try:
+            for d in job.after:
+                d.ready.wait()
+            with self._lock:
+                source = self._failed_source(job)
+                after = [d.mark for d in job.after if d.lane.issues and d.mark is not None]
+            if source is not None:
+                error = _inherited(source)
+            else:
+                seconds = lane.execute(job, after)
+        except BaseException as e:  # reported on the job, never raised on the lane's thread
+            error = e
+        finally:
+            with self._lock:
+                job.error, job.elapsed_s = error, seconds
+                job.ready.set()
+                self._pump()
+
+    # ---- completion (under the lock, never blocking) ----------------------------------------------------------
+    def _failed_source(self, job: Job) -> Job | None:
+        """A job ``job`` reads from that is known to have failed (own or inherited failure), or None."""
+        for d in job.reads_from:
+            self._finished(d)  # settles it if it is done, so an inherited failure is known
+            if d.error is not None:
+                return d
+        return None
+
+    def _copies_done(self, job: Job) -> bool:
+        """Whether ``job`` ran (thread lanes) or its issued copies completed (issue lanes), recording their error."""
+        if not job.ready.is_set():
+            return False
+        if not job.lane.issues or job.copied or job.transfer is None:
+            return True
+        t = job.transfer
+        try:
+            if not t.done():
+                return False
+            t.wait()  # done: sets the measured time without blocking
+            if job.error is None:
+                job.elapsed_s = t.elapsed_s or 0.0
+        except Exception as e:
+            job.error = job.error or e
+        job.copied = True
         return True
 
-    # ---- completion -----------------------------------------------------------------------------------------
-    def _result(self, job: _Job) -> JobResult:
-        ok = job.error is None
-        return JobResult(job.job_id, job.direction, ok, job.plan.total_bytes if ok else 0, job.elapsed_s,
-                         job.plan.num_ranges, job.error, job.op)
+    def _finished(self, job: Job) -> bool:
+        """Whether ``job`` has finished and its outcome is final: its copies are done and so are those of every
+        job it reads from (settling them, oldest first). Never blocks."""
+        stack = [job]
+        while stack:
+            j = stack[-1]
+            if j.settled:
+                stack.pop()
+                continue
+            if not self._copies_done(j):
+                return False
+            older = [d for d in j.reads_from if not d.settled]
+            if older:
+                stack += older
+                continue
+            if j.error is None:
+                failed = next((d for d in j.reads_from if d.error is not None), None)
+                if failed is not None:
+                    j.error = _inherited(failed)
+            j.settled, j.after, j.reads_from = True, [], []
+            stack.pop()
+        return True
 
-    def _all_lanes(self) -> list[Any]:
+    def _all_lanes(self) -> list[Lane]:
         return [*self._lanes.values(), *([self._files] if self._files is not None else [])]
 
-    def _lane(self, job: _Job) -> Any:
-        return self._files if job.op in ("spill", "restore") else self._lanes[job.direction]
-
-    def _retire_ready(self) -> list[_Job]:
+    def _retire(self) -> list[Job]:
         out = []
         for lane in self._all_lanes():
-            while lane.jobs and lane.done(lane.jobs[0]):
-                job = lane.jobs.popleft()
-                lane.retire(job)
-                out.append(job)
+            while lane.jobs and self._finished(lane.jobs[0]):
+                out.append(lane.jobs.popleft())
         return out
 
     def get_finished(self) -> list[JobResult]:
-        """Results of the jobs finished since the last call, in submission order within each direction
-        (a direction stops at its first unfinished job). A failed job is reported with its error."""
-        jobs = sorted(self._drained + self._retire_ready(), key=lambda j: j.seq)
-        self._drained = []
-        for j in jobs:
-            self._pending.pop(j.job_id, None)
-        return [self._result(j) for j in jobs]
+        """Results of the jobs finished since the last call, in submission order within each lane (a lane stops at
+        its first unfinished job). A failed job is reported with its error. Never blocks."""
+        with self._lock:
+            jobs = sorted(self._drained + self._retire(), key=lambda j: j.seq)
+            self._drained = []
+            for j in jobs:
+                del self._pending[j.job_id]
+            return [j.result() for j in jobs]
 
-    def _job(self, job_id: int) -> _Job:
-        job = self._pending.get(int(job_id))
+    # ---- waiting (without the lock) ---------------------------------------------------------------------------
+    def _job(self, job_id: int) -> Job:
+        with self._lock:
+            job = self._pending.get(int(job_id))
         if job is None:
             raise KeyError(f"job {job_id!r} is not pending (never submitted, or already returned by get_finished)")
         return job
 
-    def wait(self, job_ids: Any) -> None:
+    def _block(self, job: Job) -> None:
+        """Block until ``job`` has finished (issued first, if it waits for a host lane's job), and record what its
+        transfer reports."""
+        job.ready.wait()
+        t = job.transfer
+        if not job.lane.issues or t is None:
+            return
+        error: Exception | None = None
+        try:
+            t.wait()
+        except Exception as e:
+            error = e
+        with self._lock:
+            if not job.copied:
+                job.copied = True
+                if error is not None:
+                    job.error = job.error or error
+                elif job.error is None:
+                    job.elapsed_s = t.elapsed_s or 0.0
+
+    def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs have finished (ids no longer pending return at once); collect their
         results with ``get_finished``."""
         for jid in sorted(int(j) for j in job_ids):
-            job = self._pending.get(jid)
+            with self._lock:
+                job = self._pending.get(jid)
             if job is not None:
-                self._lane(job).wait(job)
+                self._block(job)
+
+    def _layer_call(self, job: Job, layer: int) -> tuple[Any, int] | None:
+        if not job.lane.issues or job.error is not None or job.transfer is None or job.layer_calls is None \
+                or not len(job.layer_calls):
+            return None
+        c = int(np.searchsorted(job.layer_calls, layer, side="right")) - 1
+        return job.transfer, max(c, 0)
 
     def wait_for_layer(self, job_id: int, layer: int) -> None:
-        """Block until layer ``layer`` (regions ``layer*regions_per_layer ...``) of load ``job_id`` has arrived."""
+        """Block until layer ``layer`` (regions ``layer*regions_per_layer ...``) of load ``job_id`` has arrived
+        (the whole job on a host lane). KeyError when the job is not pending."""
         job = self._job(job_id)
-        self._lane(job).wait_layer(job, int(layer))
+        job.ready.wait()
+        hit = self._layer_call(job, int(layer))
+        if hit is None:
+            self._block(job)
+        else:
+            hit[0].wait_call(hit[1])
 
     def stream_wait_for_layer(self, job_id: int, layer: int, stream: Any) -> None:
-        """Make ``stream`` wait, on the device, until layer ``layer`` of load ``job_id`` has arrived (on the
-        host executor: blocks the host instead)."""
+        """Make ``stream`` wait, on the device, until layer ``layer`` of load ``job_id`` has arrived (a job not yet
+        issued is waited for on the host until it is; on a host lane the host waits for the whole job instead).
+        KeyError when the job is not pending."""
         job = self._job(job_id)
-        self._lane(job).stream_wait_layer(job, int(layer), stream)
+        job.ready.wait()
+        hit = self._layer_call(job, int(layer))
+        if hit is not None:
+            hit[0].stream_wait(stream, hit[1])
+        elif not job.lane.issues:
+            self._block(job)
+        elif job.mark is not None:
+            job.mark.stream_wait(stream, -1)
 
-    @property
-    def pool_sizes(self) -> dict[str, int]:
-        """Handles each pool has made (GPU lanes: gate streams and events; host lanes have none)."""
-        out = {}
-        for d, lane in self._lanes.items():
-            for name in ("streams", "events"):
-                pool = getattr(lane, name, None)
-                if pool is not None:
-                    out[f"{d.value}.{name}"] = pool.made
-        return out
-
+    # ---- shutting down ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Drain every job in order, release pools, bound memory and executors, then the host memory.
-        Raises OffloadError for failed jobs not yet reported; their results stay in ``get_finished``."""
-        if self._closed:
+        """Refuse new jobs, drain every accepted one, release the file tier, bound memory and executors, then the
+        host memory. Raises OffloadError for failed jobs not yet reported; their results stay in ``get_finished``.
+        A second call waits for the first to finish and returns."""
+        with self._lock:
+            first, self._closed = not self._closed, True
+            jobs = list(self._pending.values())
+        if not first:
+            self._shut.wait()
             return
-        self._closed = True
-        for lane in self._all_lanes():
-            for job in lane.jobs:
-                lane.wait(job)
-        self._drained += self._retire_ready()
+        try:
+            for job in jobs:
+                self._block(job)
+            with self._lock:
+                self._drained += self._retire()
+                failed = [j.result() for j in self._drained if j.error is not None]
+            self._close_lanes(on_close=True)
+        finally:
+            self._shut.set()
+        if failed:
+            raise OffloadError(failed)
+
+    def _close_lanes(self, on_close: bool) -> None:
         try:
             if self._files is not None:
                 self._files.close()
-            for d, lane in self._lanes.items():
+            for lane in self._lanes.values():
                 lane.close()
-                self._bound[d].close()
+            for bound in self._bound.values():
+                bound.close()
             if self._owned:
                 for ex in {id(e): e for e in self._executors.values()}.values():
                     ex.close()
         finally:
-            for close in self._on_close:
+            for close in self._on_close if on_close else ():
                 close()
-        failed = [self._result(j) for j in self._drained if j.error is not None]
-        if failed:
-            raise OffloadError(failed)
 
     def __enter__(self) -> OffloadWorker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _inherited(source: Job) -> DependencyError:
+    """The failure of a job that read what ``source`` (a failed job) was to write."""
+    return DependencyError(source.job_id, source.op, source.error or RuntimeError("failed"))

@@ -38,6 +38,8 @@ from kvxfer.planner import (
     presets,
 )
 
+from .offload_bad_inputs import ROWS as OFFLOAD_ROWS
+
 LAYOUT = presets.kv_layout(2, 16, 64)
 MAPPING = presets.mapping("runs8", 8, 16)
 CASE = Case(layout=LAYOUT, mapping=MAPPING, target=Target(platform="cuda", runtime_version="13.0"))
@@ -335,6 +337,8 @@ CATALOGUE: list[Bad] = [
         CLI_EXIT, "g.json"),
     Bad("kvxfer run on a case of CUDA 13", cli("run", "c.json", "-e", "numpy", files={
         "c.json": case_with("target", runtime_version=13)}), CLI_EXIT, "1000*major"),
+    # ---- offload: the worker, shared regions, files (rows built in tests/offload_bad_inputs.py) ------------------
+    *(Bad(*row) for row in OFFLOAD_ROWS),
 ]
 
 

@@ -19,8 +19,8 @@ for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports
     os.environ.setdefault(_k, _v)
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install 'kvxfer[nixl]')")
 
-from kvxfer.executors.file_tier import IntegrityError  # noqa: E402
-from kvxfer.offload.files import attach_files  # noqa: E402
+from kvxfer.offload import attach_files  # noqa: E402
+from kvxfer.offload.file_tier import IntegrityError  # noqa: E402
 
 NB, NCH, K, PAGE = 32, 12, 2, 4096
 
@@ -140,3 +140,38 @@ def test_bad_file_submissions_are_refused_before_queueing(executor, disk):
             plain.submit_spill(0, [0])
     finally:
         plain.shutdown()
+
+
+def test_a_load_after_a_failed_restore_is_failed_naming_the_restore(executor, disk):
+    """The restore finds a torn chunk (a byte flipped on disk); the load ordered after it must not report the
+    bytes it would copy as a success, and later jobs that read what the load wrote fail too."""
+    from kvxfer.offload import DependencyError
+
+    worker, device = _worker(executor, disk, seed=5, row_align_bytes=1)
+    before = {n: np.array(a, copy=True) for n, a in device.bindings.items()}
+    try:
+        worker.submit_store(0, [0, 1, 2, 3], [4, 5])
+        worker.submit_spill(1, [4, 5])
+        worker.wait([0, 1])
+        with open(disk / "spill.kv", "r+b") as f:  # tear chunk 4 of the first cell on disk
+            f.seek(4 * K * PAGE + 10)
+            byte = f.read(1)
+            f.seek(4 * K * PAGE + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        worker.host[:] = 0
+        worker.submit_restore(2, [4, 5])  # fails: chunk 4 is torn
+        worker.submit_load(3, [4, 5], [20, 21, 22, 23])  # reads what the restore was to bring back
+        worker.submit_store(4, [20, 21], [7])  # reads what the load was to write
+        worker.submit_load(5, [9], [30, 31])  # unrelated
+        worker.wait(range(6))
+        res = {r.job_id: r for r in worker.get_finished()}
+    finally:
+        worker.shutdown()
+    assert not res[2].success and isinstance(res[2].error, IntegrityError)
+    for j, src in ((3, 2), (4, 3)):
+        assert not res[j].success and res[j].nbytes == 0 and isinstance(res[j].error, DependencyError), res[j]
+        assert res[j].error.job_id == src and res[j].error.root_id == 2 and "IntegrityError" in str(res[j].error)
+    assert res[0].success and res[1].success and res[5].success
+    for i, t in enumerate(device.tensors):  # the failed load copied nothing into blocks 20-23
+        got = device.bindings[f"d{i}"][:NB * t.page_bytes].reshape(NB, -1)
+        assert np.array_equal(got[20:24], before[f"d{i}"][:NB * t.page_bytes].reshape(NB, -1)[20:24]), t.name

@@ -202,3 +202,176 @@ def test_worker_pins_its_host_tier_and_unpins_at_shutdown(shm):
     with pytest.raises(RuntimeError, match="pinning the host tier failed: fakeHostRegister failed on chunk 0"):
         create_worker(dev, t, {"kind": "numpy"}, registrar=refused.registrar())
     assert not list(Path(shm).glob("kvxfer-pinfail"))  # no attachers expected: the name went at creation
+
+
+# ---- shared regions trust nothing on disk -----------------------------------------------------------------------
+def _geometry():
+    return make_geometry(TENSORS, HostTier(num_chunks=3, layout=HostLayout.CANONICAL), TPRank(size=2))
+
+
+def test_region_files_are_private_to_their_owner(shm):
+    r = SharedRegion.create("mode", _geometry(), attachers=1, directory=shm)
+    assert (Path(shm) / "kvxfer-mode").stat().st_mode & 0o777 == 0o600
+    r.close()
+
+
+def test_a_killed_attacher_is_not_counted_so_the_last_rank_gets_in(shm):
+    import subprocess
+    import sys
+
+    creator = SharedRegion.create("killed", _geometry(), attachers=2, directory=shm)
+    code = ("import os, signal; from kvxfer.offload import SharedRegion; "
+            f"SharedRegion.attach('killed', {shm!r}); os.kill(os.getpid(), signal.SIGKILL)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -9  # attached, then killed
+    a = SharedRegion.attach("killed", shm)  # the rank restarted after the crash
+    b = SharedRegion.attach("killed", shm)  # and the last rank
+    assert not (Path(shm) / "kvxfer-killed").exists()  # two counted attachers: the name is gone
+    for r in (a, b, creator):
+        r.close()
+
+
+def test_attachers_that_detached_still_count(shm):
+    creator = SharedRegion.create("detached", _geometry(), attachers=2, directory=shm)
+    SharedRegion.attach("detached", shm).close()  # a rank that finished its work and closed
+    SharedRegion.attach("detached", shm).close()
+    assert not (Path(shm) / "kvxfer-detached").exists()
+    creator.close()
+    assert find_stale(shm) == []
+
+
+@pytest.mark.parametrize("how", ["writable by others", "owned by another user"])
+def test_attach_refuses_a_region_it_cannot_trust_unless_allowed(shm, how):
+    import os
+
+    r = SharedRegion.create("foreign", _geometry(), attachers=2, directory=shm)
+    path = Path(shm) / "kvxfer-foreign"
+    if how == "owned by another user":
+        if os.geteuid() != 0:
+            pytest.skip("changing a file's owner needs root (the CI and these machines run tests as root)")
+        os.chown(path, 12345, 12345)
+        fragment = "owned by uid 12345"
+    else:
+        path.chmod(0o666)
+        fragment = "writable by others"
+    with pytest.raises(SharedRegionError, match=fragment):
+        SharedRegion.attach("foreign", shm)
+    SharedRegion.attach("foreign", shm, allow_foreign=True).close()  # the caller trusts it: attached
+    r.close()
+
+
+def test_attach_never_follows_a_planted_link(shm, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    r = SharedRegion.create("target", _geometry(), attachers=1, directory=elsewhere)
+    (Path(shm) / "kvxfer-planted").symlink_to(Path(elsewhere) / "kvxfer-target")
+    with pytest.raises(SharedRegionError, match="symbolic link"):
+        SharedRegion.attach("planted", shm)
+    assert (Path(elsewhere) / "kvxfer-target").exists()  # not attached through the link: still expecting one
+    r.close()
+
+
+def test_region_names_are_checked_in_one_place_and_never_leave_the_directory(shm):
+    from kvxfer.offload import SharedSpec
+
+    (Path(shm) / "kvxfer-..").mkdir()  # a planted folder that "../x" would reach
+    reasons = set()
+    for act in (lambda: SharedRegion.create("../x", _geometry(), directory=shm), lambda: SharedRegion.attach("../x", shm),
+                lambda: SharedSpec(name="../x")):
+        with pytest.raises(ValueError, match=r"name = '\.\./x': must be 1 to 200 of") as e:
+            act()
+        reasons.add(e.value.reason)
+    assert len(reasons) == 1 and not list((Path(shm) / "kvxfer-..").iterdir())
+
+
+def _craft(shm, name, change):
+    """A region file whose header ``change(raw: bytearray)`` edits (a planted or corrupted region)."""
+    r = SharedRegion.create(name, _geometry(), attachers=1, directory=shm)
+    r.close()
+    path = Path(shm) / f"kvxfer-{name}"
+    raw = bytearray(path.read_bytes())
+    change(raw)
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def _put(offset, fmt, value):
+    import struct
+
+    def change(raw):
+        struct.pack_into(fmt, raw, offset, value)
+    return change
+
+
+BAD_HEADERS = [
+    ("magic", _put(0, "<8s", b"NOTKVXF0")),
+    ("data_offset", _put(8, "<q", 0)),  # rows mapped over the header
+    ("data_offset", _put(8, "<q", 4096 + 7)),
+    ("data_offset", _put(8, "<q", 1 << 40)),
+    ("json_bytes", _put(16, "<q", 0)),
+    ("json_bytes", _put(16, "<q", 1 << 62)),
+    ("json_bytes", _put(16, "<q", -5)),
+    ("expected attachers", _put(24, "<q", -1)),
+    ("expected attachers", _put(24, "<q", 1 << 40)),
+    ("attached count", _put(32, "<q", 9)),
+    ("geometry", lambda raw: raw.__setitem__(slice(1088, 1098), b"{not json!")),
+    ("geometry", _put(1088, "<9s", b'{"x": 1} ')),
+    ("size", lambda raw: raw.__delitem__(slice(len(raw) - 100, None))),  # rows cut short
+    ("size", lambda raw: raw.__delitem__(slice(500, None))),  # inside the header
+]
+
+
+@pytest.mark.parametrize("field,change", BAD_HEADERS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_HEADERS)])
+def test_every_bad_header_field_raises_one_precise_error(shm, field, change):
+    _craft(shm, "crafted", change)
+    with pytest.raises(SharedRegionError) as e:
+        SharedRegion.attach("crafted", shm)
+    assert e.value.field == field and f"{field} = " in str(e.value), str(e.value)
+
+
+def test_attach_waits_a_bounded_time_for_a_lock_holder(shm):
+    import fcntl
+    import os
+    import threading
+
+    r = SharedRegion.create("locked", _geometry(), attachers=1, directory=shm)
+    fd = os.open(Path(shm) / "kvxfer-locked", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped attacher holding the lock
+    outcome = []
+
+    def attach():
+        try:
+            SharedRegion.attach("locked", shm, lock_timeout_s=0.2)
+        except SharedRegionError as e:
+            outcome.append(e)
+    t = threading.Thread(target=attach, daemon=True)
+    t.start()
+    t.join(60)
+    os.close(fd)
+    assert not t.is_alive() and outcome and "held by another process for more than 0.2 s" in str(outcome[0])
+    r.close()
+
+
+def test_two_names_for_one_region_never_admit_more_attachers_than_expected(shm):
+    import os
+    import threading
+
+    creator = SharedRegion.create("twice", _geometry(), attachers=2, directory=shm)
+    os.link(Path(shm) / "kvxfer-twice", Path(shm) / "kvxfer-alias")  # a second name for the same file
+    start, got, refused = threading.Barrier(6), [], []
+
+    def attach(name):
+        start.wait()
+        try:
+            got.append(SharedRegion.attach(name, shm))
+        except SharedRegionError as e:
+            refused.append(str(e))
+    threads = [threading.Thread(target=attach, args=(n,), daemon=True) for n in ("twice", "alias") * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 2 and len(refused) == 4
+    assert all("all 2 expected attachers already attached" in m or "no such region" in m for m in refused), refused
+    with pytest.raises(SharedRegionError, match="already attached|no such region"):
+        SharedRegion.attach("alias", shm)
+    for r in (*got, creator):
+        r.close()

@@ -122,12 +122,12 @@ def test_rank_killed_mid_job_leaves_region_usable_and_removable(ctx, region_name
     creator.start()
     path = Path(SHM) / f"kvxfer-{region_name}"
     _wait_for(lambda: path.exists())
-    victim = ctx.Process(target=oc.run_rank, args=("store", names, 2, 1, region_name, SHM, None, out, 0.001))
+    victim = ctx.Process(target=oc.run_rank, args=("store", names, 2, 1, region_name, SHM, None, out, True))
     victim.start()
-    _wait_for(lambda: (tmp_path / "ready-1").exists())
-    time.sleep(0.05)
-    oc.kill(victim.pid)  # mid-job: it stores in a loop
+    _wait_for(lambda: (tmp_path / "ready-1").exists())  # half of its store's copies are done; it blocks there
+    oc.kill(victim.pid)  # mid-job, for certain
     victim.join()
+    assert victim.exitcode == -9
     # usable: another rank 1 attaches, stores, and a rank 0 loader reads back what rank 1 stored
     _run(ctx, [("store", names, 2, 1, region_name, SHM, None)], out)
     assert bool(np.load(tmp_path / "store-2-1.npz")["success"])

@@ -25,7 +25,9 @@ for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports
     os.environ.setdefault(_k, _v)
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install 'kvxfer[nixl]')")
 
-from kvxfer.executors.file_tier import (  # noqa: E402
+from kvxfer.executors.nixl_files import FileBinding  # noqa: E402
+from kvxfer.executors.ops_nixl import NixlExecutor  # noqa: E402
+from kvxfer.offload.file_tier import (  # noqa: E402
     Durability,
     FileTier,
     IntegrityError,
@@ -33,8 +35,6 @@ from kvxfer.executors.file_tier import (  # noqa: E402
     aligned_empty,
     tier_layout,
 )
-from kvxfer.executors.nixl_files import FileBinding  # noqa: E402
-from kvxfer.executors.ops_nixl import NixlExecutor  # noqa: E402
 
 REGIONS, BLOCKS, PAGE, FILES = 5, 32, 4096, 2
 SENTINEL = 0xAB
@@ -100,7 +100,7 @@ def test_round_trip_is_byte_exact(executor, disk, pattern, coalesce, o_direct):
         apply_copies(expected_copies(layout, spill_map), want)
         r = tier.spill(spill)
         assert r.success and r.error is None and r.nbytes == spill.total_bytes, r
-        assert r.chunks == 12 * REGIONS and r.epoch == 1
+        assert r.chunks == 12 * REGIONS and r.epoch is not None and r.epoch > 0
         got_files = _on_disk(layout, tier)
         for name in tier.files:
             assert np.array_equal(got_files[name], want[name]), name
@@ -113,12 +113,12 @@ def test_round_trip_is_byte_exact(executor, disk, pattern, coalesce, o_direct):
         assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:1]}"
 
 
-def test_tier_reopened_trusts_records_and_continues_epochs(executor, disk):
+def test_tier_reopened_trusts_records_and_never_repeats_an_epoch(executor, disk):
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=7, o_direct=False)
     spill_map, restore_map = _maps("runs8", 16, seed=7)
     with _tier(executor, layout, disk, mem) as tier:
-        assert tier.spill(plan_transfer(layout, spill_map)).epoch == 1
+        first = tier.spill(plan_transfer(layout, spill_map)).epoch
     want = {"mem": mem.copy(), **_zero_files(layout)}
     apply_copies(expected_copies(layout, spill_map), want)
     mem[:] = SENTINEL
@@ -128,7 +128,7 @@ def test_tier_reopened_trusts_records_and_continues_epochs(executor, disk):
     with FileTier(executor, layout, files, {"mem": mem}, chunk_bytes=PAGE) as tier:
         tier.restore(plan_transfer(layout, restore_map)).raise_for_error()
         assert np.array_equal(mem, want["mem"])
-        assert tier.spill(plan_transfer(layout, spill_map)).epoch == 2
+        assert tier.spill(plan_transfer(layout, spill_map)).epoch > first
 
 
 def _zero_files(layout: Layout) -> dict[str, np.ndarray]:
@@ -137,7 +137,7 @@ def _zero_files(layout: Layout) -> dict[str, np.ndarray]:
 
 # ---- durability --------------------------------------------------------------------------------------------
 def test_fdatasync_policy_syncs_every_touched_file_and_its_records_before_done(executor, disk, monkeypatch):
-    import kvxfer.executors.file_tier as ft
+    import kvxfer.offload.file_tier as ft
 
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=3, o_direct=False)
@@ -162,7 +162,7 @@ def test_fdatasync_policy_syncs_every_touched_file_and_its_records_before_done(e
 
 
 def test_failed_fdatasync_is_a_failed_spill_naming_the_file(executor, disk, monkeypatch):
-    import kvxfer.executors.file_tier as ft
+    import kvxfer.offload.file_tier as ft
 
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=4, o_direct=False)
@@ -227,8 +227,10 @@ def _done(t) -> bool:
 
 def test_o_direct_needs_an_aligned_layout_and_aligned_memory(executor, disk):
     unaligned = tier_layout(2, 8, PAGE)  # align_bytes 1 on memory and file
+    mem_only = Layout(buffers=[b.model_copy(update={"align_bytes": 1 if b.name == "mem" else 4096})
+                               for b in unaligned.buffers], regions=unaligned.regions)
     with pytest.raises(BindingError, match=r"bindings\['mem'\] = align_bytes 1: O_DIRECT .* Buffer\(align_bytes=4096\)"):
-        _tier(executor, unaligned, disk, _memory(unaligned, 0, True), o_direct=True)
+        _tier(executor, mem_only, disk, _memory(mem_only, 0, True), o_direct=True)
     file_only = Layout(buffers=[b.model_copy(update={"align_bytes": 4096 if b.name == "mem" else 1})
                                 for b in unaligned.buffers], regions=unaligned.regions)
     with pytest.raises(BindingError, match=r"bindings\['file0'\] = buffer's align_bytes 1: O_DIRECT needs multiples "
@@ -246,7 +248,7 @@ def test_misaligned_plan_for_o_direct_is_refused_before_any_io(executor, disk):
         odd = tier_layout(2, 8, PAGE)  # the same shape, planned without alignment: a hand-made plan
         plan = plan_transfer(odd, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[1]))
         r = tier.spill(plan)
-        assert not r.success and isinstance(r.error, BindingError) and "differs from the tier's buffer" in str(r.error)
+        assert not r.success and isinstance(r.error, BindingError) and "bind the plan's layout" in str(r.error)  # the binding's table check
         assert os.path.getsize(tier.files["file0"].path) == lay.buffers[1].nbytes  # sized, never written
 
 
@@ -290,7 +292,7 @@ def test_closed_descriptor_is_reported_and_never_done(executor, disk):
 FULL_FS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
-    from kvxfer.executors.file_tier import FileTier, tier_layout
+    from kvxfer.offload.file_tier import FileTier, tier_layout
     from kvxfer.executors.nixl_files import FileBinding
     from kvxfer.executors.ops_nixl import NixlExecutor
     from kvxfer.planner import BlockMapping, plan_transfer
@@ -345,19 +347,20 @@ def test_stale_spill_is_refused(executor, disk):
     spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1, 2], dst_ids=[4, 5, 6]))
     restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[4, 5, 6], dst_ids=[0, 1, 2]))
     with _tier(executor, layout, disk, mem) as tier:
-        assert tier.spill(spill).epoch == 1
+        e1 = tier.spill(spill).epoch
         old = {p: Path(p).read_bytes() for fb in tier.files.values() for p in (str(fb.path), f"{fb.path}.kvxsum")}
         mem[:] = 1
-        assert tier.spill(spill).epoch == 2
+        e2 = tier.spill(spill).epoch
+        assert e2 > e1
         new = {p: Path(p).read_bytes() for p in old}
         for p, data in old.items():  # an older copy of the files comes back (a restored backup, a stale mount)
             Path(p).write_bytes(data)
         before = mem.copy()
         r = tier.restore(restore)
         assert not r.success and isinstance(r.error, IntegrityError)
-        assert "stale: the file holds epoch 1, the last spill of this chunk wrote epoch 2" in str(r.error)
+        assert f"stale: the file holds epoch {e1}, the last spill of this chunk wrote epoch {e2}" in str(r.error)
         assert np.array_equal(mem, before)  # refused before reading
-        for p in old:  # records of epoch 2 over data of epoch 1: a torn spill
+        for p in old:  # records of the second spill over data of the first: a torn spill
             if p.endswith(".kvxsum"):
                 Path(p).write_bytes(new[p])
         r = tier.restore(restore)
@@ -405,7 +408,7 @@ def test_epochs_alone_without_checksums(executor, disk):
         assert np.array_equal(mem, want["mem"])
         sidecar = Path(f"{tier.files['file0'].path}.kvxsum")
         old = sidecar.read_bytes()
-        assert tier.spill(spill).epoch == 2
+        assert tier.spill(spill).success
         sidecar.write_bytes(old)
         r = tier.restore(restore)
         assert not r.success and "stale" in str(r.error)
@@ -462,7 +465,8 @@ def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, d
     with _tier(executor, layout, disk, mem) as tier:
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda m: tier.spill(plan_transfer(layout, m)), maps))
-        assert all(r.success for r in results) and sorted(r.epoch for r in results) == list(range(1, 9))
+        epochs = sorted(r.epoch for r in results)
+        assert all(r.success for r in results) and epochs == list(range(epochs[0], epochs[0] + 8))
         on_disk = _on_disk(layout, tier)
         assert all(np.array_equal(on_disk[n], want[n]) for n in on_disk)
         mem[:] = SENTINEL
@@ -471,3 +475,201 @@ def test_jobs_of_one_tier_from_several_threads_run_one_after_another(executor, d
         want["mem"][:] = SENTINEL
         apply_copies(expected_copies(layout, back), want)
         assert np.array_equal(mem, want["mem"])
+
+
+# ---- records name their file; one tier per file; epochs never repeat ---------------------------------------------
+def _spill_all(executor, layout, disk, seed):
+    """Spill every block of a fresh tier over ``disk``; returns the memory spilled."""
+    mem = _memory(layout, seed=seed, o_direct=False)
+    ids = list(range(BLOCKS))
+    with _tier(executor, layout, disk, mem) as tier:
+        tier.spill(plan_transfer(layout, BlockMapping(direction="d2h", src_ids=ids, dst_ids=ids))).raise_for_error()
+    return mem
+
+
+def _swap(a: Path, b: Path) -> None:
+    tmp = a.with_name(a.name + ".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+def test_data_and_records_of_two_files_swapped_are_refused(executor, disk):
+    """One spill wrote both files (one epoch); their data and records trade places: never restored as success."""
+    layout = tier_layout(4, BLOCKS, PAGE, files=2)  # two files of one size: their headers agree on the layout
+    _spill_all(executor, layout, disk, seed=30)
+    for suffix in (".kv", ".kv.kvxsum"):
+        _swap(disk / f"file0{suffix}", disk / f"file1{suffix}")
+    with pytest.raises(BindingError, match=r"file0\.kv\.kvxsum: the records were written for '.*file1\.kv', not for the "
+                       r"file beside them: files moved or swapped"):
+        _tier(executor, layout, disk, _memory(layout, 0, False))
+
+
+def test_files_renamed_into_each_others_place_between_runs_are_refused(executor, disk):
+    """Two tiers (two engines), one file each; between runs the files and their records swap places."""
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    a, b = disk / "a", disk / "b"
+    a.mkdir(), b.mkdir()
+    _spill_all(executor, layout, a, seed=31)
+    _spill_all(executor, layout, b, seed=32)
+    for suffix in (".kv", ".kv.kvxsum"):
+        _swap(a / f"file0{suffix}", b / f"file0{suffix}")
+    for here, there in ((a, b), (b, a)):
+        with pytest.raises(BindingError, match=rf"{here.name}/file0\.kv\.kvxsum: the records were written for "
+                           rf"'.*{there.name}/file0\.kv', not for the file beside them"):
+            _tier(executor, layout, here, _memory(layout, 0, False))
+
+
+def test_records_of_another_file_at_the_same_path_are_refused(executor, disk):
+    """The data file was replaced (a copy renamed into its place, as a restored backup would be) while its records
+    stayed."""
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    _spill_all(executor, layout, disk, seed=33)
+    data = disk / "file0.kv"
+    copy = disk / "copy"
+    copy.write_bytes(bytes(data.stat().st_size))  # another file of the same size
+    copy.chmod(0o600)
+    copy.replace(data)
+    with pytest.raises(BindingError, match="written for another file at this path"):
+        _tier(executor, layout, disk, _memory(layout, 0, False))
+
+
+def test_two_tiers_on_one_file_are_refused_and_epochs_never_repeat(executor, disk):
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    mem = _memory(layout, seed=34, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[0, 1]))
+    with _tier(executor, layout, disk, mem) as first:
+        last = first.spill(spill).epoch
+        with pytest.raises(BindingError, match=r"locked by another FileTier for more than 0.2 s"):
+            _tier(executor, layout, disk, mem, lock_timeout_s=0.2)
+    with _tier(executor, layout, disk, mem) as second:  # released with the first: the next tier goes on above it
+        assert second.spill(spill).epoch > last
+        second.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1], dst_ids=[2, 3]))).raise_for_error()
+
+
+def test_records_of_an_older_format_are_refused_with_what_to_do(executor, disk):
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    (disk / "file0.kv").write_bytes(bytes(layout.buffers[1].nbytes))
+    (disk / "file0.kv").chmod(0o600)
+    (disk / "file0.kv.kvxsum").write_bytes(b"KVXSUM01" + bytes(56))
+    (disk / "file0.kv.kvxsum").chmod(0o600)
+    with pytest.raises(BindingError, match=r"file0\.kv\.kvxsum: integrity records of an older format .*remove them and "
+                       r"the data file to start over"):
+        _tier(executor, layout, disk, _memory(layout, 0, False))
+
+
+def test_a_record_copied_into_another_chunks_slot_is_refused_without_checksums(executor, disk):
+    from kvxfer.offload.file_tier import HEADER_BYTES, RECORD
+
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=35, o_direct=False)
+    with _tier(executor, layout, disk, mem, verify=False) as tier:
+        tier.spill(plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[4, 5]))).raise_for_error()
+        records = Path(f"{tier.files['file0'].path}.kvxsum")
+        raw = bytearray(records.read_bytes())
+        n = RECORD.itemsize
+        raw[HEADER_BYTES + 5 * n:HEADER_BYTES + 6 * n] = raw[HEADER_BYTES + 4 * n:HEADER_BYTES + 5 * n]  # chunk 4's into 5
+        records.write_bytes(bytes(raw))
+        r = tier.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[5], dst_ids=[9])))
+        assert not r.success and isinstance(r.error, IntegrityError) and r.error.chunk == 5
+        assert "belongs to another chunk or file" in str(r.error)
+
+
+class _CutsShortAfterReading:
+    """The tier's executor, except that the file ``victim`` is cut to ``keep`` bytes once a read completes."""
+
+    def __init__(self, inner, victim, keep):
+        self.inner, self.victim, self.keep = inner, victim, keep
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, plan, memory, stream=None, after=None):
+        t = self.inner.run(plan, memory)
+        wait, victim, keep = t.wait, self.victim, self.keep
+
+        def wait_then_cut():
+            wait()
+            os.truncate(victim, keep)
+            return t
+        t.wait = wait_then_cut
+        return t
+
+
+def test_a_file_cut_short_under_a_read_is_caught_without_checksums(executor, disk):
+    layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
+    mem = _memory(layout, seed=36, o_direct=False)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[6, 7]))
+    with _tier(executor, layout, disk, mem, verify=False) as tier:
+        tier.spill(spill).raise_for_error()
+    cutting = _CutsShortAfterReading(executor, disk / "file0.kv", PAGE * 2)
+    with FileTier(cutting, layout, _files(layout, disk), {"mem": mem}, chunk_bytes=PAGE, verify=False) as tier:
+        r = tier.restore(plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[6, 7], dst_ids=[2, 3])))
+        assert not r.success and isinstance(r.error, TierError) and r.error.step == "extent check after reading"
+        assert "short file" in str(r.error) and "file0.kv" in str(r.error)
+
+
+@pytest.mark.parametrize("op", ["spill", "restore"])
+@pytest.mark.parametrize("where", ["offset", "size"])
+def test_file_ranges_must_cover_whole_integrity_chunks(executor, disk, op, where):
+    from kvxfer.planner import TransferPlan
+
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    mem = _memory(layout, seed=37, o_direct=False)
+    d = "d2h" if op == "spill" else "h2d"
+    good = plan_transfer(layout, BlockMapping(direction=d, src_ids=[1], dst_ids=[1]))
+    file_side = "dst" if op == "spill" else "src"
+    plan = good.to_dict()
+    plan.pop("fingerprint")
+    column = plan["columns"][f"{file_side}_offset" if where == "offset" else "nbytes"]
+    column[0] += 512 if where == "offset" else -512  # starts, or ends, inside an integrity chunk
+    bad = TransferPlan.from_dict(plan)  # a plan read from a file: well-formed, but not in whole chunks
+    with _tier(executor, layout, disk, mem) as tier:
+        before = mem.copy()
+        r = getattr(tier, op)(bad)
+        field = f"{file_side}_offset" if where == "offset" else "nbytes"
+        assert not r.success and isinstance(r.error, BindingError), r
+        assert f"{field}[0]" in str(r.error) and "whole integrity chunks of 4096 bytes" in str(r.error)
+        assert np.array_equal(mem, before) and not _on_disk(layout, tier)["file0"].any()  # nothing moved
+
+
+# ---- files the tier did not create are not trusted ---------------------------------------------------------------
+def test_file_binding_never_follows_a_planted_link(executor, disk):
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    target = disk / "precious"
+    target.write_bytes(b"keep me")
+    (disk / "file0.kv").symlink_to(target)
+    with pytest.raises(BindingError, match=r"file0\.kv: is a symbolic link: refused"):
+        _tier(executor, layout, disk, _memory(layout, 0, False))
+    assert target.read_bytes() == b"keep me"  # neither sized nor written
+
+
+@pytest.mark.parametrize("how", ["writable by others", "owned by another user", "not a file"])
+def test_file_binding_refuses_a_file_it_cannot_trust_unless_allowed(executor, disk, how):
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    path = disk / "file0.kv"
+    if how == "not a file":
+        os.mkfifo(path)
+        fragment = "not a regular file"
+    else:
+        path.write_bytes(bytes(layout.buffers[1].nbytes))
+        if how == "owned by another user":
+            if os.geteuid() != 0:
+                pytest.skip("changing a file's owner needs root (the CI and these machines run tests as root)")
+            os.chown(path, 12345, 12345)
+            path.chmod(0o600)
+            fragment = "owned by uid 12345"
+        else:
+            path.chmod(0o666)
+            fragment = "writable by others"
+    with pytest.raises(BindingError, match=f"{fragment}.*refused"):
+        _tier(executor, layout, disk, _memory(layout, 0, False))
+    if how != "not a file":  # the caller vouches for it
+        files = {"file0": FileBinding(path, allow_foreign=True)}
+        FileTier(executor, layout, files, {"mem": _memory(layout, 0, False)}, chunk_bytes=PAGE).close()
+
+
+def test_spill_files_and_records_are_private_to_their_owner(executor, disk):
+    layout = tier_layout(2, BLOCKS, PAGE, files=1)
+    _spill_all(executor, layout, disk, seed=38)
+    assert {p.name: p.stat().st_mode & 0o777 for p in disk.iterdir()} == {"file0.kv": 0o600, "file0.kv.kvxsum": 0o600}

@@ -1,4 +1,4 @@
-"""The worker's file tier: host chunks spill to a file and restore from it, as jobs reported like stores and loads.
+"""Spilling the worker's host chunks to a file and restoring them: jobs reported like stores and loads.
 
 ``attach_files(worker, path)`` builds a FileLane over the worker's host memory and hands it to the worker; then
 ``worker.submit_spill(job_id, chunk_ids)`` / ``worker.submit_restore(job_id, chunk_ids)`` queue jobs whose
@@ -8,22 +8,25 @@ results come out of ``get_finished`` (``JobResult.op`` "spill" / "restore"), whi
 The spill layout places every host cell twice: its ``device`` side is the cell in the worker's host buffer
 (one "block" is one whole chunk of the cell), its ``host`` side the cell's slot in one file (cells back to back,
 ``num_chunks`` chunk slots each). A spill is a d2h plan of that layout, a restore an h2d plan, both run by a
-``FileTier`` (NIXL storage backend; durability and per-chunk integrity are the tier's).
+``FileTier`` (``file_tier``: NIXL storage backend; durability and per-chunk integrity are the tier's).
 
-Ordering (the worker enforces it; see ``OffloadWorker``): a file job waits for the in-flight stores (a spill)
-or stores and loads (a restore) touching its chunks; a store or load submitted after an in-flight file job
-touching its host chunks waits for it; file jobs run one at a time in submission order. A spill moves every
-cell of a chunk in the host memory this worker maps (with a shared region, one rank should spill).
+Ordering is the worker's (``OffloadWorker``): a spill reads host chunks and writes their file slots, a restore
+reads the slots and writes the chunks, so each is ordered after the in-flight jobs it conflicts with, and later
+stores and loads after it; file jobs run one at a time in submission order, on the lane's own thread, so no
+submission waits for the disk. A spill moves every cell of a chunk in the host memory this worker maps (with a
+shared region, one rank should spill).
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
+from kvxfer.executors import Transfer
 from kvxfer.planner import (
     BlockMapping,
     Buffer,
@@ -37,8 +40,11 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
+from ._compat import wait_quietly
+from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
+from .jobs import Job, SubmissionError
+from .lanes import ThreadLane
 from .tier import HOST_BUFFER, Geometry
-from .worker import OffloadWorker, SubmissionError, ThreadLane
 
 FILE_BUFFER = "file"
 SPILL, RESTORE = "spill", "restore"
@@ -56,20 +62,30 @@ def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
                                                stride_bytes=cell.stride_bytes or geometry.row_stride_bytes),
                               host=Placement(buffer=FILE_BUFFER, byte_offset=at)))
         at += n * page
-    buffers = [Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST, align_bytes=align_bytes),
-               Buffer(name=FILE_BUFFER, nbytes=max(at, 1), location=Location.FILE, align_bytes=align_bytes)]
-    return Layout(buffers=buffers, regions=regions)
+    buffers = (Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST, align_bytes=align_bytes),
+               Buffer(name=FILE_BUFFER, nbytes=max(at, 1), location=Location.FILE, align_bytes=align_bytes))
+    return Layout(buffers=buffers, regions=tuple(regions))
+
+
+class Worker(Protocol):
+    """What ``attach_files`` needs of an OffloadWorker: its host rows and their geometry, and ``attach_files``."""
+
+    host: np.ndarray | None
+    geometry: Geometry | None
+
+    def attach_files(self, lane: FileLane) -> None:
+        """Use ``lane`` for spills and restores."""
 
 
 class FileLane(ThreadLane):
     """Spill and restore jobs of one worker, run in submission order on a background thread through ``tier``
     (a FileTier over ``layout``, whose memory buffer is the worker's host rows). ``owned``: closed with the lane."""
 
-    def __init__(self, tier: Any, layout: Layout, owned: tuple[Any, ...] = ()):
+    def __init__(self, tier: FileTier, layout: Layout, owned: tuple[Any, ...] = ()):
         self.tier, self.layout, self._owned = tier, layout, owned
         super().__init__("files")
 
-    def plan(self, job_id: int, op: str, chunk_ids: Any) -> tuple[Direction, TransferPlan, np.ndarray]:
+    def plan(self, job_id: int, op: str, chunk_ids: Sequence[int] | np.ndarray) -> tuple[Direction, TransferPlan, np.ndarray]:
         """The direction, plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``;
         SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
         direction = Direction.D2H if op == SPILL else Direction.H2D
@@ -80,18 +96,17 @@ class FileLane(ThreadLane):
             raise SubmissionError(job_id, "chunk_ids", e.value, e.reason, e.index) from None
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "chunk_ids", chunk_ids, str(e)) from None
-        ids = np.unique(np.asarray(m.src_ids, dtype=np.int64))
-        return direction, plan, ids
+        return direction, plan, np.unique(np.asarray(m.src_ids, dtype=np.int64))
 
-    def execute(self, job: Any) -> None:
-        """Wait for the in-flight stores/loads touching the job's chunks, then spill or restore them."""
-        for lane, dep in job.deps:
-            lane.wait(dep)
+    def execute(self, job: Job, after: Sequence[Transfer]) -> float:
+        """Wait on the host for the device jobs it is ordered after, then spill or restore; raises the tier's
+        error when the job failed."""
+        wait_quietly(after)
         t0 = time.perf_counter()
         r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
-        job.elapsed_s = r.seconds if r.seconds else time.perf_counter() - t0
         if not r.success:
-            job.error = r.error or RuntimeError(f"{job.op} failed without an error")
+            raise r.error or RuntimeError(f"{job.op} failed without an error")
+        return r.seconds or time.perf_counter() - t0
 
     def close(self) -> None:
         """Drain the queue, stop the thread, close the tier and what the lane owns."""
@@ -103,14 +118,14 @@ class FileLane(ThreadLane):
                 obj.close()
 
 
-def attach_files(worker: OffloadWorker, file: Any, *, executor: Any = None, durability: str = "fdatasync",
+def attach_files(worker: Worker, file: str | os.PathLike[str] | FileBinding, *,
+                 executor: StorageExecutor | None = None, durability: Durability | str = Durability.FDATASYNC,
                  verify: bool = True) -> FileLane:
-    """Give ``worker`` a file tier: ``file`` is a path (created, sized to the host rows) or a FileBinding.
-    ``executor``: a NixlExecutor with a storage backend (None: one on NIXL's POSIX backend, closed with the
-    worker). ``durability``/``verify``: the FileTier's. Raises BindingError when the file or memory do not fit."""
-    from kvxfer.executors.file_tier import FileTier
-    from kvxfer.executors.nixl_files import FileBinding
-
+    """Give ``worker`` a file tier: ``file`` is a path (created private to its owner, sized to the host rows) or
+    a FileBinding. ``executor``: a NixlExecutor with a storage backend (None: one on NIXL's POSIX backend, closed
+    with the worker). ``durability``/``verify``: the FileTier's. Raises BindingError when the file or memory do
+    not fit, or the file cannot be trusted or is held by another tier; ValueError for a worker without host
+    rows (one not built by ``create_worker``)."""
     if worker.geometry is None or worker.host is None:
         raise ValueError("attach_files needs a worker built by create_worker (its host rows and geometry)")
     binding = file if isinstance(file, FileBinding) else FileBinding(os.fspath(file), create=True)
@@ -130,5 +145,9 @@ def attach_files(worker: OffloadWorker, file: Any, *, executor: Any = None, dura
             obj.close()
         raise
     lane = FileLane(tier, layout, owned)
-    worker.attach_files(lane)
+    try:
+        worker.attach_files(lane)
+    except BaseException:
+        lane.close()
+        raise
     return lane

@@ -3,20 +3,26 @@
 
 A tier layout places each region's blocks twice: the ``device`` placement in memory, the ``host`` placement
 in a file buffer (``Buffer(location="file")``). A spill is then a d2h plan (memory -> file) and a restore an
-h2d plan (file -> memory); merged plans make one I/O request per merged range.
+h2d plan (file -> memory); merged plans make one I/O request per merged range. The tier binds its memory and
+files once, through the executor's one binding path (``executor.bind``), and runs every job on that binding.
 
 What a result promises:
 - a spill is reported done only when its data is durable under ``durability`` (``none``: written to the
   page cache; ``fdatasync``: every touched file and its integrity records synced before the result);
 - a failed write is reported failed, naming the files and the call (NIXL call, fdatasync, record write);
-- a restore checks file extents before reading and every chunk's record and checksum after, so a short,
-  torn, stale or corrupted spill is refused and never reported done.
+- a restore checks file extents before reading and after, and every chunk's record and checksum after, so a
+  short, torn, stale, corrupted or foreign spill is refused and never reported done.
 
 Integrity: each file is cut into chunks of ``chunk_bytes`` (file-side ranges must be whole chunks). Beside the
-file, ``<path>.kvxsum`` holds one 16-byte record per chunk: the epoch of the spill that wrote it (a counter
-that grows with every spill of the tier), the CRC-32 of its bytes, and a check over both. The tier keeps the
-epoch it expects per chunk; a record holding another epoch is stale, a mismatching checksum a torn or
-corrupted chunk. Records are written only after the data (and, under fdatasync, after the data is synced).
+file, ``<path>.kvxsum`` holds a header and one 16-byte record per chunk: the epoch of the spill that wrote it,
+the CRC-32 of its bytes, and a check word over chunk, epoch, CRC and the file's identity. The identity is 16
+random bytes written into the header when the records are created; the header also names the data file (its
+resolved path, device and inode), so records that travel to another file (swapped, renamed into each other's
+place, copied into another chunk's slot) are refused. The tier keeps the epoch it expects per chunk; a record
+holding another epoch is stale, a mismatching checksum a torn or corrupted chunk. Epochs never repeat: each
+tier starts above both the records it finds and the wall clock in microseconds, and a tier holds an exclusive
+lock on its files (bounded wait, then BindingError), so two tiers never write one file. Records are written
+only after the data (and, under fdatasync, after the data is synced). Files are created private (0600).
 
 For an offload worker: build one FileTier per engine over the host region and its spill files, then run
 each spill or restore job as ``tier.spill(plan)`` / ``tier.restore(plan)``; a TierResult maps one to one onto
@@ -24,31 +30,53 @@ a job result (success, ``nbytes``, ``seconds``). Jobs block the calling thread a
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from kvxfer.executors import (
+    BindingError,
+    BoundMemory,
+    ExecutorError,
+    Transfer,
+    nixl_files,  # FileBinding and the trust helpers (CONTRACT: FileBinding stays in executors)
+)
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
-from kvxfer.planner.alignment import check_alignment
 
-from .base import ExecutorError
-from .binding import BindingError, resolve
-from .nixl_files import FileBinding
+FileBinding = nixl_files.FileBinding
 
-MAGIC = b"KVXSUM01"
-HEADER = struct.Struct("<8sQQQ")  # magic, chunk_bytes, chunks, buffer nbytes
-HEADER_BYTES = 64
+MAGIC = b"KVXSUM02"
+OLD_MAGICS = (b"KVXSUM01",)
+# magic, chunk_bytes, chunks, buffer nbytes, identity, data file device, inode and offset, path length
+HEADER = struct.Struct("<8sQQQ16sQQQI")
+HEADER_BYTES = 4096  # the header and the data file's path; records follow
 RECORD = np.dtype([("epoch", "<u8"), ("crc", "<u4"), ("check", "<u4")])
 FAILED = np.uint64(2**64 - 1)  # expected epoch of a chunk whose last spill failed
+LOCK_TIMEOUT_S = 5.0
+
+
+class StorageExecutor(Protocol):
+    """What a tier needs of its executor (a NixlExecutor with a storage backend): FILE registration, the one
+    binding path, and runs on the binding."""
+
+    def register(self, bindings: Mapping[str, Any], buffers: Layout | Sequence[Buffer] | None = None) -> Any:
+        """Register ``bindings`` (here: FileBindings, opened for their buffers) with the agent; the result deregisters."""
+
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
+        """Resolve and check every buffer's memory once (registering local memory)."""
+
+    def run(self, plan: TransferPlan, memory: BoundMemory, stream: Any = None) -> Transfer:
+        """Post ``plan`` on ``memory``; the Transfer's ``wait`` raises ExecutorError when it failed."""
 
 
 class Durability(StrEnum):
@@ -117,35 +145,83 @@ def tier_layout(num_regions: int, num_blocks: int, page_bytes: int, *, files: in
                       device=Placement(buffer="mem", byte_offset=r * num_blocks * page_bytes),
                       host=Placement(buffer=f"file{r % files}", byte_offset=(r // files) * slots * page_bytes))
                for r in range(num_regions)]
-    return Layout(buffers=buffers, regions=regions)
+    return Layout(buffers=tuple(buffers), regions=tuple(regions))
 
 
-def _record_check(chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray) -> np.ndarray:
-    """A check word per record: a record torn or written for another chunk does not verify."""
+def _record_check(chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray, identity: np.uint64) -> np.ndarray:
+    """A check word per record: a record torn, written for another chunk or for another file does not verify."""
     mix = (chunks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ epochs ^ (crcs.astype(np.uint64) << np.uint64(17))
-    return ((mix ^ (mix >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(0xA5A5A5A5)
+    mix = (mix ^ identity) * np.uint64(0xBF58476D1CE4E5B9)
+    word: np.ndarray = ((mix ^ (mix >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return word ^ np.uint32(0xA5A5A5A5)
 
 
-class _Sums:
-    """The integrity records of one file, in ``<path>.kvxsum``, and the epochs the tier expects."""
+class _Records:
+    """The integrity records of one data file, in ``<path>.kvxsum``, and the epochs the tier expects.
 
-    def __init__(self, path: Path, chunk_bytes: int, buffer: Buffer):
-        self.path = path
+    Opened without following a link and refused when foreign (the data file's FileBinding policy). A new (or
+    reset) record file gets a fresh random identity and the data file's resolved path, device and inode; an
+    existing one must name this very file at this path, with this layout, or it is refused (BindingError)."""
+
+    def __init__(self, fb: FileBinding, chunk_bytes: int, buffer: Buffer):
+        self.path = Path(f"{fb.path}.kvxsum")
         self.chunks = -(-buffer.nbytes // chunk_bytes)
-        header = HEADER.pack(MAGIC, chunk_bytes, self.chunks, buffer.nbytes).ljust(HEADER_BYTES, b"\0")
+        name, where = buffer.name, str(self.path)
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.fd, created = nixl_files.open_file(self.path, os.O_RDWR, create=True)
         except OSError as e:
-            raise BindingError(buffer.name, str(path), f"cannot open the integrity records: {e.strerror}") from None
-        size = os.fstat(self.fd).st_size
-        if size == 0:
-            os.pwrite(self.fd, header, 0)
-            os.ftruncate(self.fd, HEADER_BYTES + self.chunks * RECORD.itemsize)
-        elif os.pread(self.fd, HEADER_BYTES, 0) != header:
+            why = "is a symbolic link: refused" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
+            raise BindingError(name, where, f"integrity records {why}") from None
+        try:
+            data = os.fstat(self._data_fd(fb))
+            st = os.fstat(self.fd)
+            distrust = None if created else nixl_files.untrusted(st, fb.allow_foreign)
+            if distrust is not None:
+                raise BindingError(name, where, f"integrity records {distrust}; refused")
+            fields = (chunk_bytes, self.chunks, buffer.nbytes)
+            target = os.path.realpath(fb.path).encode()
+            if len(target) > HEADER_BYTES - HEADER.size:
+                raise BindingError(name, str(fb.path), f"path longer than {HEADER_BYTES - HEADER.size} bytes")
+            if created or st.st_size == 0 or fb.created:  # nothing on disk can be trusted: start over
+                identity = os.urandom(16)
+                head = HEADER.pack(MAGIC, *fields, identity, data.st_dev, data.st_ino, fb.offset, len(target))
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, (head + target).ljust(HEADER_BYTES, b"\0"), 0)
+                os.ftruncate(self.fd, HEADER_BYTES + self.chunks * RECORD.itemsize)
+            else:
+                identity = self._check_header(name, fields, target, data, fb.offset)
+        except BaseException:
             os.close(self.fd)
-            raise BindingError(buffer.name, str(path), f"integrity records of another layout (want {chunk_bytes}-byte "
-                               f"chunks of a {buffer.nbytes}-byte buffer); remove the file to start over")
-        self.expected = self.read(0, self.chunks)["epoch"].copy()  # what this tier trusts: the records at open
+            raise
+        self.identity: np.uint64 = np.frombuffer(identity[:8], "<u8")[0] ^ np.frombuffer(identity[8:], "<u8")[0]
+        self.expected: np.ndarray = self.read(0, self.chunks)["epoch"].copy()  # what this tier trusts: the records at open
+
+    @staticmethod
+    def _data_fd(fb: FileBinding) -> int:
+        if fb.fd is None:
+            raise BindingError(str(fb.path), "not open", "the data file must be open before its records")
+        return fb.fd
+
+    def _check_header(self, name: str, fields: tuple[int, int, int], target: bytes, data: os.stat_result,
+                      offset: int) -> bytes:
+        raw = os.pread(self.fd, HEADER_BYTES, 0)
+        start_over = "; remove them and the data file to start over"
+        if raw[:8] in OLD_MAGICS:
+            raise BindingError(name, str(self.path), f"integrity records of an older format (magic {raw[:8]!r}){start_over}")
+        if len(raw) < HEADER.size or raw[:8] != MAGIC:
+            raise BindingError(name, str(self.path), f"not kvxfer integrity records (magic {raw[:8]!r}){start_over}")
+        magic, chunk_bytes, chunks, nbytes, identity, dev, ino, at, length = HEADER.unpack_from(raw)
+        if (chunk_bytes, chunks, nbytes) != fields:
+            raise BindingError(name, str(self.path), f"integrity records of another layout (want {fields[0]}-byte chunks "
+                               f"of a {fields[2]}-byte buffer, found {chunk_bytes}-byte chunks of {nbytes}){start_over}")
+        path = raw[HEADER.size:HEADER.size + length]
+        if path != target:
+            raise BindingError(name, str(self.path), f"the records were written for {path.decode(errors='replace')!r}, "
+                               f"not for the file beside them: files moved or swapped{start_over}")
+        if (dev, ino, at) != (data.st_dev, data.st_ino, offset):
+            raise BindingError(name, str(self.path), f"the records were written for another file at this path (device "
+                               f"{dev}, inode {ino}, offset {at}; found {data.st_dev}, {data.st_ino}, {offset}){start_over}")
+        return bytes(identity)
 
     def read(self, lo: int, hi: int) -> np.ndarray:
         """Records of chunks [lo, hi) as stored now (zeros past a short file)."""
@@ -154,13 +230,17 @@ class _Sums:
         out.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         return out
 
+    def check(self, chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray) -> np.ndarray:
+        """The check words records of ``chunks`` with these epochs and CRCs must hold in this file."""
+        return _record_check(chunks, epochs, crcs, self.identity)
+
     def write(self, chunks: np.ndarray, epoch: int, crcs: np.ndarray) -> None:
         """Store records for ``chunks`` (one pwrite over their span, merged with the records around them)."""
         lo, hi = int(chunks.min()), int(chunks.max()) + 1
         span = self.read(lo, hi)
         span["epoch"][chunks - lo] = epoch
         span["crc"][chunks - lo] = crcs
-        span["check"][chunks - lo] = _record_check(chunks, np.full(len(chunks), epoch, np.uint64), crcs)
+        span["check"][chunks - lo] = self.check(chunks, np.full(len(chunks), epoch, np.uint64), crcs)
         data = span.tobytes()
         if os.pwrite(self.fd, data, HEADER_BYTES + lo * RECORD.itemsize) != len(data):
             raise OSError(0, "short write of the integrity records")
@@ -170,7 +250,7 @@ class _Sums:
 
 
 @dataclass
-class _Job:
+class _Checked:
     """A plan checked against the tier: per range, the file side and the memory side."""
 
     plan: TransferPlan
@@ -190,55 +270,73 @@ class FileTier:
     storage backend, e.g. ``NixlExecutor(backends=["POSIX"])`` or ``get_executor({"kind": "nixl", "nixl":
     {"backends": ["POSIX"]}})``).
 
-    ``buffers``: the layout (or its buffers) the plans are made from. ``files``: a FileBinding per file buffer.
-    ``memory``: host memory per memory buffer (numpy arrays or CPU tensors), registered once here.
-    ``chunk_bytes``: the integrity unit (default: the largest ``align_bytes`` of the file buffers).
-    ``verify``: checksum chunks (needs host memory; a VRAM tier through GDS passes False and keeps epochs).
-    Raises BindingError for bindings that do not fit. Use from one thread at a time or share it: jobs
-    of one tier run one after another.
+    ``buffers``: the layout (or its buffer table, in order) the plans are made from. ``files``: a FileBinding per
+    file buffer. ``memory``: host memory per memory buffer (numpy arrays or CPU tensors). Every buffer of the table
+    is bound once, here, with ``executor.bind``. ``chunk_bytes``: the integrity unit (default: the largest
+    ``align_bytes`` of the file buffers; it must be a multiple of each). ``verify``: checksum chunks (needs host
+    memory; a VRAM tier through GDS passes False and keeps epochs). ``lock_timeout_s``: how long to wait for
+    another tier to release a file. Raises BindingError for bindings that do not fit, files or records that cannot
+    be trusted, and files another tier holds. Use from one thread at a time or share it: jobs of one tier run one
+    after another.
     """
 
-    def __init__(self, executor: Any, buffers: Any, files: Mapping[str, FileBinding], memory: Mapping[str, Any], *,
-                 durability: Durability | str = Durability.FDATASYNC, chunk_bytes: int | None = None, verify: bool = True):
+    def __init__(self, executor: StorageExecutor, buffers: Layout | Sequence[Buffer], files: Mapping[str, FileBinding],
+                 memory: Mapping[str, Any], *, durability: Durability | str = Durability.FDATASYNC,
+                 chunk_bytes: int | None = None, verify: bool = True, lock_timeout_s: float = LOCK_TIMEOUT_S):
         self.executor, self.durability, self.verify = executor, Durability(durability), verify
-        self.buffers = {b.name: b for b in getattr(buffers, "buffers", buffers)}
+        table = tuple(buffers.buffers if isinstance(buffers, Layout) else buffers)
+        self.buffers = {b.name: b for b in table}
         for name in list(files) + list(memory):
             if name not in self.buffers:
                 raise BindingError(name, "unknown buffer", f"the layout has {sorted(self.buffers)}")
-            is_file = self.buffers[name].location is Location.FILE
-            if is_file != (name in files):
+            if (self.buffers[name].location is Location.FILE) != (name in files):
                 raise BindingError(name, "file" if name in files else "memory",
                                    f"the layout places this buffer in {self.buffers[name].location.value}")
         self.chunk_bytes = chunk_bytes or max([self.buffers[n].align_bytes for n in files] or [1])
-        self.files = dict(files)
-        self.views = {}
-        for name, obj in memory.items():
-            buf = self.buffers[name]
-            if verify:
-                self.views[name] = _host_view(obj, name)  # BindingError for device memory: checksums read host bytes
-            addr = int(self.views[name].ctypes.data) if verify else _address(obj)
-            for fb in self.files.values():
-                fb.check_memory(name, addr, buf.align_bytes)
+        for name in files:  # whole chunks on the file side then honour every file's alignment
+            if self.chunk_bytes % self.buffers[name].align_bytes:
+                raise BindingError(name, f"chunk_bytes {self.chunk_bytes}", f"not a multiple of the buffer's align_bytes "
+                                   f"{self.buffers[name].align_bytes}")
+        self.files, self.memory = dict(files), dict(memory)
         self._lock = threading.Lock()
         self._registrations: list[Any] = []
-        self._sums: dict[str, _Sums] = {}
+        self._records: dict[str, _Records] = {}
+        self.bound: BoundMemory | None = None
+        self.views: dict[str, np.ndarray] = {}
         try:
-            self._registrations.append(executor.register(dict(memory), [self.buffers[n] for n in memory]))
-            self._registrations.append(executor.register(self.files, [self.buffers[n] for n in files]))
+            self._registrations.append(executor.register(self.files, table))  # opens the files: NIXL FILE memory
+            self.bound = executor.bind(table, {**self.memory, **self.files})
+            self._check_memory(self.bound)
             for name, fb in self.files.items():
-                self._sums[name] = _Sums(Path(f"{fb.path}.kvxsum"), self.chunk_bytes, self.buffers[name])
-        except Exception:
+                if fb.fd is None or not nixl_files.lock_file(fb.fd, lock_timeout_s):
+                    raise BindingError(name, str(fb.path), f"locked by another FileTier for more than {lock_timeout_s} s "
+                                       "(another process, or another tier in this one): one tier writes a file at a time")
+                self._records[name] = _Records(fb, self.chunk_bytes, self.buffers[name])
+        except BaseException:
             self.close()
             raise
-        self.memory = dict(memory)
-        top = max([int(s.expected[s.expected != FAILED].max(initial=0)) for s in self._sums.values()] or [0])
-        self._epoch = top + 1
+        top = max([int(r.expected[r.expected != FAILED].max(initial=0)) for r in self._records.values()] or [0])
+        self._epoch = max(top + 1, time.time_ns() // 1000)  # never an epoch a file may already hold
+
+    def _check_memory(self, bound: BoundMemory) -> None:
+        """Host views for checksums (BindingError for device memory when verifying) and O_DIRECT addresses."""
+        for name in self.memory:
+            mem = bound.memory[bound.index[name]]
+            if mem is None:
+                continue
+            if self.verify:
+                if mem.view is None:
+                    raise BindingError(name, type(mem.owner).__name__, "expected a numpy array or CPU torch tensor "
+                                       "(host memory: checksums read host bytes)")
+                self.views[name] = mem.view()
+            for fb in self.files.values():
+                fb.check_memory(name, mem.address, self.buffers[name].align_bytes)
 
     # ---- checks -----------------------------------------------------------------------------------------------
-    def _job(self, plan: TransferPlan, op: str) -> _Job:
-        """Check ``plan`` for ``op`` before anything moves: shape, buffers, alignment, chunks, O_DIRECT."""
-        plan.check()
-        check_alignment(plan)
+    def _job(self, plan: TransferPlan, op: str) -> _Checked:
+        """Check ``plan`` for ``op`` before anything moves: the binding's checks (buffer table, shape, ranges), the
+        sides, whole chunks, O_DIRECT."""
+        self._bound().check(plan)
         spill = op == "spill"
         file_col, mem_col = ("dst", "src") if spill else ("src", "dst")
         names: dict[int, str] = {}
@@ -249,12 +347,10 @@ class FileTier:
                     what = "file" if pool is self.files else "memory"
                     raise BindingError(buf.name, "not bound", f"a {op} {'writes' if spill == (what == 'file') else 'reads'}"
                                        f" this buffer as {what}; the tier binds {what} {sorted(pool)}")
-                if buf != self.buffers[buf.name]:
-                    raise BindingError(buf.name, repr(buf), f"differs from the tier's buffer {self.buffers[buf.name]!r}")
                 if pool is self.files:
                     names[i] = buf.name
-        job = _Job(plan, getattr(plan, f"{file_col}_buf"), getattr(plan, f"{file_col}_offset"),
-                   getattr(plan, f"{mem_col}_buf"), getattr(plan, f"{mem_col}_offset"), names)
+        job = _Checked(plan, getattr(plan, f"{file_col}_buf"), getattr(plan, f"{file_col}_offset"),
+                       getattr(plan, f"{mem_col}_buf"), getattr(plan, f"{mem_col}_offset"), names)
         nb, chunk = plan.nbytes, np.uint64(self.chunk_bytes)
         for field, col in ((f"{file_col}_offset", job.file_off), ("nbytes", nb)):
             bad = col % chunk != 0
@@ -262,22 +358,29 @@ class FileTier:
                 i = int(np.argmax(bad))
                 raise BindingError(names[int(job.file_buf[i])], f"{field}[{i}] = {int(col[i])}",
                                    f"file ranges must be whole integrity chunks of {self.chunk_bytes} bytes")
-        for i, name in names.items():
+        self._check_o_direct(job)
+        return job
+
+    def _bound(self) -> BoundMemory:
+        if self.bound is None:
+            raise BindingError("tier", "closed", "the tier was closed")
+        return self.bound
+
+    def _check_o_direct(self, job: _Checked) -> None:
+        nb, addr = job.plan.nbytes, self._bound().base  # per buffer: its bound address (0 where unbound)
+        for i, name in job.names.items():
             fb = self.files[name]
             if not fb.o_direct:
                 continue
             m = job.file_buf == i
-            addr = np.array([_address(self.memory[plan.buffers[j].name]) if plan.buffers[j].name in self.memory else 0
-                             for j in range(len(plan.buffers))], dtype=np.uint64)
             bad = ((job.file_off[m] + np.uint64(fb.offset)) | nb[m] | (addr[job.mem_buf[m]] + job.mem_off[m])) \
                 % np.uint64(fb.block_bytes) != 0
             if bad.any():
                 k = int(np.flatnonzero(m)[np.argmax(bad)])
                 raise BindingError(name, f"range {k}", f"O_DIRECT I/O on {str(fb.path)!r} needs file offset, size and "
                                    f"memory address aligned to {fb.block_bytes} bytes")
-        return job
 
-    def _chunks(self, job: _Job, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _chunks(self, job: _Checked, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For file buffer ``i``: chunk ids, and each chunk's memory buffer and offset (vectorized)."""
         m = job.file_buf == i
         count = (job.plan.nbytes[m] // np.uint64(self.chunk_bytes)).astype(np.int64)
@@ -292,7 +395,7 @@ class FileTier:
         if not self.verify:
             return out
         n = self.chunk_bytes
-        views = [self.views.get(b.name) for b in plan.buffers]
+        views = [self.views.get(b.name, np.zeros(0, np.uint8)) for b in plan.buffers]  # memory buffers all have one
         for k, (b, o) in enumerate(zip(mem_buf.tolist(), mem_off.tolist())):
             out[k] = zlib.crc32(views[b][o:o + n])
         return out
@@ -308,7 +411,7 @@ class FileTier:
         are not the ones last spilled. The memory may be partly written when the result is a failure."""
         return self._guarded("restore", plan, self._restore)
 
-    def _guarded(self, op: str, plan: TransferPlan, body: Any) -> TierResult:
+    def _guarded(self, op: str, plan: TransferPlan, body: Callable[[TransferPlan], tuple[int, int | None]]) -> TierResult:
         t0 = time.perf_counter()
         with self._lock:
             try:
@@ -317,18 +420,18 @@ class FileTier:
                 return TierResult(op, False, 0, time.perf_counter() - t0, error=e)
         return TierResult(op, True, plan.total_bytes, time.perf_counter() - t0, chunks, epoch)
 
-    def _io(self, op: str, job: _Job, before_wait: Any = None) -> None:
-        """Run the plan through the executor; a NIXL failure becomes a TierError naming the call's files."""
-        bindings = {**self.memory, **self.files}
+    def _io(self, op: str, job: _Checked, before_wait: Callable[[], None] | None = None) -> None:
+        """Run the plan through the executor on the tier's binding; a NIXL failure becomes a TierError naming the
+        call's files."""
         try:
-            t = self.executor.run(job.plan, bindings)
+            t = self.executor.run(job.plan, self._bound())
             if before_wait is not None:
                 before_wait()
             t.wait()
         except ExecutorError as e:
             raise TierError(op, e.call, job.files_of_call(self.files, e.chunk), e.reason, e.chunk) from e
 
-    def _spill(self, plan: TransferPlan) -> tuple[int, int]:
+    def _spill(self, plan: TransferPlan) -> tuple[int, int | None]:
         job = self._job(plan, "spill")
         for name in job.names.values():
             self._alive("spill", name)
@@ -344,24 +447,24 @@ class FileTier:
             self._io("spill", job, checksum)
             if self.durability is Durability.FDATASYNC:
                 for name in job.names.values():
-                    self._sync("spill", name, self.files[name].fd, str(self.files[name].path))
+                    self._sync("spill", self.files[name].fd, str(self.files[name].path))
             for i, name in job.names.items():
-                sums = self._sums[name]
+                records = self._records[name]
                 try:
-                    sums.write(parts[i][0], epoch, crcs[i])
+                    records.write(parts[i][0], epoch, crcs[i])
                 except OSError as e:
-                    raise TierError("spill", "integrity record write", [str(sums.path)], e.strerror or str(e)) from None
+                    raise TierError("spill", "integrity record write", [str(records.path)], e.strerror or str(e)) from None
                 if self.durability is Durability.FDATASYNC:
-                    self._sync("spill", name, sums.fd, str(sums.path))
+                    self._sync("spill", records.fd, str(records.path))
         except TierError:
             for i, name in job.names.items():  # the chunks may be torn: never restore them as the old ones
-                self._sums[name].expected[parts[i][0]] = FAILED
+                self._records[name].expected[parts[i][0]] = FAILED
             raise
         for i, name in job.names.items():
-            self._sums[name].expected[parts[i][0]] = epoch
+            self._records[name].expected[parts[i][0]] = epoch
         return sum(len(p[0]) for p in parts.values()), epoch
 
-    def _restore(self, plan: TransferPlan) -> tuple[int, None]:
+    def _restore(self, plan: TransferPlan) -> tuple[int, int | None]:
         job = self._job(plan, "restore")
         parts = {i: self._chunks(job, i) for i in job.names}
         records, ends = {}, {}
@@ -386,15 +489,17 @@ class FileTier:
         return sum(len(p[0]) for p in parts.values()), None
 
     def _check_records(self, name: str, chunks: np.ndarray) -> np.ndarray:
-        """The stored records of ``chunks``, refused unless each is intact and holds the epoch expected."""
-        sums, path = self._sums[name], str(self.files[name].path)
+        """The stored records of ``chunks``, refused unless each is intact, names this file and holds the epoch
+        expected."""
+        records, path = self._records[name], str(self.files[name].path)
         lo, hi = int(chunks.min()), int(chunks.max()) + 1
-        rec = sums.read(lo, hi)[chunks - lo]
-        expect = sums.expected[chunks]
-        problems = (
+        rec: np.ndarray = records.read(lo, hi)[chunks - lo]
+        expect = records.expected[chunks]
+        problems: tuple[tuple[np.ndarray, Callable[[int], str]], ...] = (
             (expect == FAILED, lambda k: "its last spill failed; the bytes may be torn"),
             (rec["epoch"] == 0, lambda k: "never spilled (no integrity record)"),
-            (rec["check"] != _record_check(chunks, rec["epoch"], rec["crc"]), lambda k: "integrity record is corrupted"),
+            (rec["check"] != records.check(chunks, rec["epoch"], rec["crc"]),
+             lambda k: "integrity record is corrupted, or belongs to another chunk or file"),
             (rec["epoch"] != expect, lambda k: f"stale: the file holds epoch {int(rec['epoch'][k])}, the last spill "
                                                f"of this chunk wrote epoch {int(expect[k])}"),
         )
@@ -417,19 +522,23 @@ class FileTier:
         except BindingError as e:
             raise TierError(op, "descriptor check", [str(fb.path)], e.reason) from None
 
-    def _sync(self, op: str, name: str, fd: int | None, path: str) -> None:
+    def _sync(self, op: str, fd: int | None, path: str) -> None:
         try:
             os.fdatasync(fd if fd is not None else -1)
         except OSError as e:
             raise TierError(op, "fdatasync", [path], f"{e.strerror} (errno {e.errno})") from None
 
     def close(self) -> None:
-        """Deregister memory and files, close the records and the files this tier opened."""
+        """Release the binding (memory registrations), deregister the files, close the records and the files this
+        tier opened (which drops the locks)."""
+        if self.bound is not None:
+            self.bound.close()
+            self.bound = None
         while self._registrations:
             self._registrations.pop().deregister()
-        for s in self._sums.values():
-            s.close()
-        self._sums = {}
+        for r in self._records.values():
+            r.close()
+        self._records = {}
         for fb in self.files.values():
             fb.close()
 
@@ -439,15 +548,3 @@ class FileTier:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _host_view(obj: Any, name: str) -> np.ndarray:
-    """A flat uint8 view of host memory numpy can reach; BindingError for anything else (device memory)."""
-    mem = resolve(obj, name)
-    if mem.view is None:
-        raise BindingError(name, type(obj).__name__, "expected a numpy array or CPU torch tensor (host memory)")
-    return mem.view()
-
-
-def _address(obj: Any) -> int:
-    """Start address of memory bound to a buffer (host arrays, CPU or CUDA tensors)."""
-    return resolve(obj, "memory").address
