@@ -3,8 +3,12 @@ completion, shared host memory across TP ranks, a file tier for spills and resto
 simple one-call copy path.
 
 Imports kvxfer.planner and kvxfer.executors only (``files``: the NIXL file tier, loaded lazily by
-``attach_files``).
+``attach_files``). ``vllm``: vLLM's offloading spec over this worker (``kvxfer.offload.vllm``), a submodule
+loaded on first access; importing it does not import vLLM.
 """
+import importlib
+from typing import Any
+
 from .build import DeviceKV, create_worker, device_from_tensors, host_memory
 from .files import FileLane, attach_files, spill_layout
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
@@ -17,4 +21,11 @@ __all__ = [
     "OffloadWorker", "Pool", "SharedRegion", "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank",
     "WorkerClosedError", "attach_files", "build_layout", "build_params", "copy_blocks", "create_worker",
     "device_from_tensors", "find_stale", "host_memory", "make_geometry", "pin_tensor", "remove_stale", "spill_layout",
+    "vllm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "vllm":
+        return importlib.import_module(".vllm", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
