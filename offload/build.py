@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Location
+from kvxfer.planner import Buffer, LayoutError, Location
 
 from .shared import SharedRegion
-from .tier import Geometry, HostTier, KVTensor, LayoutError, Sharing, TPRank, build_layout, make_geometry
+from .tier import Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
 from .worker import OffloadWorker
 
 
@@ -62,7 +62,7 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
                 bindings[buffers[ptr].name] = storage_bytes(view)
             out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
                                 stride_bytes=stride, group=groups.get(name, 0),
-                                sharing=sharing.get(name, Sharing.PRIVATE), shard_rows=shard_rows.get(name, 1)))
+                                sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
     return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
 
 

@@ -363,7 +363,7 @@ def _check_extra(extra: Mapping[str, Any]) -> None:
 
 def _import_vllm() -> Any:
     try:
-        import vllm
+        import vllm  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
         raise ImportError(INSTALL_HINT.format(supported=", ".join(SUPPORTED_VLLM)) + f" ({e})") from None
     version = str(getattr(vllm, "__version__", "unknown"))
@@ -375,7 +375,10 @@ def _import_vllm() -> Any:
 
 def _all_ranks_barrier() -> None:
     """Every worker rank of this engine reaches this point (vLLM's CPU process group)."""
-    from vllm.distributed.parallel_state import get_inner_dp_world_group, get_world_group
+    from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
+        get_inner_dp_world_group,
+        get_world_group,
+    )
 
     try:
         group = get_inner_dp_world_group()
@@ -388,8 +391,11 @@ def _all_ranks_barrier() -> None:
 def _classes() -> dict[str, type]:
     """Build the vLLM-facing classes (imports vLLM; once per process)."""
     _import_vllm()
-    from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingWorker,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
 
     class KvxferOffloadingWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
         """vLLM's OffloadingWorker over a kvxfer OffloadWorker (see WorkerCore)."""
@@ -410,7 +416,7 @@ def _classes() -> dict[str, type]:
             return self._kvxfer_shared
 
         def get_worker(self, kv_caches: Any) -> Any:
-            if self._worker is None:
+            if getattr(self, "_worker", None) is None:
                 self._worker = self._make_worker(kv_caches)
             return self._worker
 

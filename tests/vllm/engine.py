@@ -13,7 +13,8 @@ few per process to pay vLLM's import once). A case holds:
 
 The output, per case: ``tokens`` (generated ids per request), ``metrics`` (vLLM's counters and histogram sums by name),
 ``stats`` (kvxfer's counters, one dict per rank, written by each worker at shutdown), ``error`` (the engine's
-failure, if it failed to start or run), and timings (``start_s``, ``request_s``).
+failure, if it failed to start or run), and timings (``start_s``; ``request_s`` for all requests and
+``request_times_s`` per request, wall time of each generate call).
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     kw = {**BASE, **case.get("engine", {})}
     if case.get("offload") is not None:
         kw["kv_transfer_config"] = kv_transfer_config({"kvxfer_stats_path": str(stats_dir / "stats.json"), **case["offload"]})
-    out: dict[str, Any] = {"name": case.get("name"), "tokens": [], "metrics": {}, "stats": [], "error": None}
+    out: dict[str, Any] = {"name": case.get("name"), "tokens": [], "metrics": {}, "stats": [], "error": None,
+                           "request_times_s": []}
     t0 = time.perf_counter()
     try:
         llm = LLM(model=str(folder), **kw)
@@ -75,7 +77,9 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     t1 = time.perf_counter()
     try:
         for prompt in case["requests"]:
+            t2 = time.perf_counter()
             res = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+            out["request_times_s"].append(time.perf_counter() - t2)
             out["tokens"].append(list(res[0].outputs[0].token_ids))
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
