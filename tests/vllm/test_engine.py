@@ -63,8 +63,9 @@ BATCHES: dict[str, tuple[list[dict[str, Any]], dict[str, str]]] = {
                  "requests": _groups_requests()} for n, o in (("baseline", None), ("k2", {**OFFLOAD, "blocks_per_chunk": 2}))],
                {}),
     # one core per rank: vLLM's own thread binding wants a NUMA node per rank
-    "tp2": ([{"name": "k2", "offload": {**OFFLOAD, "blocks_per_chunk": 2}, "model": {},
-              "engine": {**MAIN["engine"], "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}],
+    "tp2": ([{"name": n, "offload": o, "model": {},
+              "engine": {**MAIN["engine"], "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}
+             for n, o in (("k2", {**OFFLOAD, "blocks_per_chunk": 2}), ("canonical", {**OFFLOAD, "canonical_layout": True}))],
             {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
 }
 
@@ -146,8 +147,11 @@ def test_two_kv_cache_groups_sharing_one_tensor_reload_both_groups(tmp: Path) ->
     assert stats["bytes_loaded"] == (sliding + full) * PAGE_BYTES == r["metrics"]["vllm:kv_offload_load_bytes"]
 
 
-def test_tensor_parallel_ranks_share_one_host_region(tmp: Path) -> None:
-    r, baseline = _ok(_batch(tmp, "tp2")["k2"]), _ok(_batch(tmp, "main")["baseline"])
+@pytest.mark.parametrize("case", ["k2", "canonical"])
+def test_tensor_parallel_ranks_share_one_host_region(tmp: Path, case: str) -> None:
+    # canonical: vLLM's canonical page mapping (each rank's head at rank x page in a 2-page canonical page)
+    # laid out as kvxfer's fragments in cells both ranks share
+    r, baseline = _ok(_batch(tmp, "tp2")[case]), _ok(_batch(tmp, "main")["baseline"])
     assert r["tokens"] == baseline["tokens"]
     assert len(r["stats"]) == 2 and {rank["host_tier"] for rank in r["stats"]} == {"shared"}
     for rank in r["stats"]:  # each rank holds one of the 2 KV heads: half a page per layer
