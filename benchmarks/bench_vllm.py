@@ -11,7 +11,8 @@ Two engines run in this process: without offloading (P' recomputes the prefix) a
 loads it). The memcpy baseline is ``np.copyto`` of the loaded (stored) byte count between two buffers, best of
 5, in this process.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py [--layers 8] [--hidden 512] [--prefix-blocks 64] [--quick]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--layers 8] [--hidden 512] [--prefix-blocks 64]
+                                                   [--blocks-per-chunk 1] [--omp-bind 0] [--quick]
 
 ``--quick``: a small model and prefix (a smoke run; its figures are not for notes). Needs .venv-vllm
 (``make venv-vllm``).
@@ -51,12 +52,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--prefix-blocks", type=int, default=64)
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
+    ap.add_argument("--omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the engines (for example 0: the "
+                    "forward pass on core 0, leaving core 1 to kvxfer's copy threads)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args()
     if a.quick:
         a.layers, a.hidden, a.prefix_blocks = 2, 128, 8
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if a.omp_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.omp_bind
     from tests.vllm.engine import run
 
     r = random.Random(0)
@@ -87,7 +92,8 @@ def main() -> None:
     m = kv["metrics"]
     kv_mib = stats["bytes_loaded"] / 2**20
     print(f"vLLM CPU build, Llama {a.layers} layers x hidden {a.hidden} ({heads} KV heads of 64, float32), prefix "
-          f"{prefix_tokens} tokens = {a.prefix_blocks} blocks, blocks_per_chunk {a.blocks_per_chunk}")
+          f"{prefix_tokens} tokens = {a.prefix_blocks} blocks, blocks_per_chunk {a.blocks_per_chunk}, "
+          f"VLLM_CPU_OMP_THREADS_BIND {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(vLLM default)')}")
     print("\ntime to first token (wall time of a 1-token generate), the prefix re-requested after eviction")
     print(f"{'':28} {'recomputed':>10} {'kvxfer':>10}")
     print(f"{'cold prefill of P (s)':28} {rec['request_times_s'][0]:10.3f} {kv['request_times_s'][0]:10.3f}")

@@ -430,16 +430,22 @@ def _classes() -> dict[str, type]:
             if self.num_chunks <= 0:
                 raise UnsupportedFeatureError("a host tier of 0 chunks",
                                               f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no chunk")
-            caches = read_caches(kv_caches, rank=p.rank, world_size=p.world_size, canonical=bool(self.config.canonical_layout),
-                                 replicated=bool(self.replicated_layout))
             shared = None
             if self._kvxfer_shared:
                 shared = SharedSpec(name=_region_name(self.config.engine_id), create=p.rank == 0,
                                     attachers=p.world_size - 1 if p.rank == 0 else 0)
-            tier = HostTier(num_chunks=self.num_chunks, blocks_per_chunk=self.blocks_per_chunk, layout=caches.layout,
-                            shared=shared, pin=kind == "cuda")
+            barrier = _all_ranks_barrier if shared is not None and p.world_size > 1 else None
+            try:
+                caches = read_caches(kv_caches, rank=p.rank, world_size=p.world_size,
+                                     canonical=bool(self.config.canonical_layout), replicated=bool(self.replicated_layout))
+                tier = HostTier(num_chunks=self.num_chunks, blocks_per_chunk=self.blocks_per_chunk, layout=caches.layout,
+                                shared=shared, pin=kind == "cuda")
+            except BaseException:
+                if barrier is not None:
+                    barrier()  # every rank passes the barrier once, so a refusal on one rank never hangs the others
+                raise
             worker = build_worker(caches, tier, self.extra_config.get("kvxfer_executor"), pin=kind == "cuda",
-                                  barrier=_all_ranks_barrier if p.world_size > 1 else None, creator=p.rank == 0)
+                                  barrier=barrier, creator=p.rank == 0)
             _log.info("kvxfer offloading worker: rank %d/%d, %d chunks of %d block(s), %d regions in %d group(s), %s host tier",
                       p.rank, p.world_size, self.num_chunks, self.blocks_per_chunk, len(caches.refs), caches.num_groups,
                       "shared" if shared else "private")
