@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import mmap
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -303,12 +304,16 @@ def _stats_path(extra: Mapping[str, Any], rank: int, world_size: int) -> Path | 
 def build_worker(caches: CacheMap, tier: HostTier, executor: Any, *, pin: bool, barrier: Callable[[], None] | None,
                  creator: bool) -> OffloadWorker:
     """An OffloadWorker over ``caches``: the host cells (a private tier, or the shared region that ``creator``
-    makes and the other ranks attach after ``barrier``), one region per ref, pinned when ``pin``.
-    Everything acquired is released if a step fails."""
+    makes and the other ranks attach after ``barrier``), committed (every page touched) by the rank that made
+    them, one region per ref, pinned when ``pin``. Everything acquired is released if a step fails."""
     if tier.shared is not None and not creator and barrier is not None:
         barrier()  # the creator has made the region
     try:
         geometry, memory, region = host_memory(caches.device, tier, caches.tp)
+        if creator or tier.shared is None:
+            # commit the host rows now, as vLLM's own CPU tier does (zeroed tensors, a populated region): otherwise
+            # the first store into each page pays its page fault inside an engine step
+            memory[::mmap.PAGESIZE] = 0
     finally:
         if tier.shared is not None and creator and barrier is not None:
             barrier()  # made (or failed: the others then find no region and say so)
