@@ -126,7 +126,7 @@ def _block_page(name: str, t: Any, first_dim: int) -> tuple[int, int | None]:
 
 def _on_gpu(executor: Any) -> bool:
     if executor is not None and hasattr(executor, "target"):
-        return executor.target.platform.value != "cpu"
+        return bool(executor.target.platform.value != "cpu")
     if callable(executor):  # a factory: unknown until built; pin only when the tier asks (tier.pin=True)
         return False
     from kvxfer.executors import ExecutorConfig, choose_executor
