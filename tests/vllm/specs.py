@@ -1,0 +1,42 @@
+"""Test-only offloading specs, loaded by the engine through ``spec_module_path="tests.vllm.specs"``.
+
+``SwappedLoadsSpec`` is the negative control: kvxfer's spec whose loads read other host chunks than the
+scheduler asked for (chunks stored earlier for other blocks, never the requested ones), so the engine
+attends over another prompt's KV. Tokens that still matched would mean the tests do not depend on the bytes
+kvxfer moves.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from kvxfer.offload.vllm import KvxferOffloadingSpec
+
+
+class SwappedLoadsSpec(KvxferOffloadingSpec):  # type: ignore[misc, valid-type]
+    """Loads copy in the bytes of other stored chunks (the earliest stored ones not in the load)."""
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        worker = super().get_worker(kv_caches)
+        if getattr(worker, "_swapped", False):
+            return worker
+        stored: list[int] = []
+        store, load = worker.submit_store, worker.submit_load
+
+        def submit_store(job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            stored.extend(int(c) for c in dst_spec.block_ids if int(c) not in stored)
+            return bool(store(job_id, src_spec, dst_spec))
+
+        def submit_load(job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            wanted = {int(c) for c in src_spec.block_ids}
+            others = [c for c in stored if c not in wanted][:len(wanted)]
+            if len(others) < len(wanted):
+                raise RuntimeError(f"negative control: {len(others)} other stored chunks, {len(wanted)} needed")
+            swapped = copy.copy(src_spec)
+            swapped.block_ids = np.asarray(others, dtype=np.int32)
+            return bool(load(job_id, swapped, dst_spec))
+
+        worker.submit_store, worker.submit_load, worker._swapped = submit_store, submit_load, True
+        return worker
