@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from .case import Case
-from .diff import DEFAULT_DIFF_ROWS, PlanDiff, diff_plans
+from .diff import DEFAULT_DIFF_ROWS, TEXT_HINT, PlanDiff, diff_plans
 from .errors import PlanError
 from .files import PlanFileError, golden_columns, parse_json, read_json
 from .plan import COLUMNS, TransferPlan
+from .render import EXPLAIN_HINT
 
 GOLDEN_SCHEMA = 1
 _WIDTH = 120  # containers whose one-line form is longer are broken, one element per line
@@ -214,24 +215,21 @@ def check(path: str | Path, case: Case | None, plan: TransferPlan | None = None,
     except PlanError as e:
         return GoldenCheck(path, "unplannable", f"the case of {path} no longer plans: {e}")
     if not path.is_file():
-        shown = plan.explain(max_rows=None if max_rows is None else min(max_rows, 10), **_hint(hint))
+        shown = plan.explain(max_rows=None if max_rows is None else min(max_rows, 10),
+                             hint=EXPLAIN_HINT if hint is None else hint)
         return GoldenCheck(path, "missing", f"no golden file at {path}; the plan is:\n{shown}")
     try:
         stored = load(path)
         diff = diff_plans(stored.plan, plan)
     except PlanError as e:
         return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
+    rows = diff.text(max_rows, hint=TEXT_HINT if hint is None else hint)
     if case is not None and stored.case != case:
-        what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{diff.text(max_rows, **_hint(hint))}"
+        what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{rows}"
         return GoldenCheck(path, "case-changed", f"the case differs from the one stored in {path}{what}", diff)
     if diff:
-        return GoldenCheck(path, "differs", f"plan differs from {path} (stored -> new):\n{diff.text(max_rows, **_hint(hint))}",
-                           diff)
+        return GoldenCheck(path, "differs", f"plan differs from {path} (stored -> new):\n{rows}", diff)
     return GoldenCheck(path, "ok", f"{path}: ok", diff)
-
-
-def _hint(hint: str | None) -> dict[str, str]:
-    return {} if hint is None else {"hint": hint}
 
 
 def check_file(path: str | Path, *, max_rows: int | None = DEFAULT_DIFF_ROWS, hint: str | None = None) -> GoldenCheck:

@@ -20,7 +20,9 @@ _LABELLED_CALLS = 32
 _LABELLED_BUFFERS = 16
 
 
-def _matplotlib() -> Any:
+def require_matplotlib() -> Any:
+    """The matplotlib module; raises ImportError with the install hint when the ``viz`` extra is missing
+    (callers that write other files first check here, so nothing is written half-way)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -67,7 +69,7 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = 
                  title: str | None = None, linewidth: float = 3.0) -> Any:
     """Draw the transfer map of ``plan`` on ``ax`` (a new Figure when None, no pyplot state) and return the
     Figure. With ``layout``, block lengths use each region's page size. Raises ImportError without matplotlib."""
-    _matplotlib()
+    require_matplotlib()
     from matplotlib import colormaps
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
