@@ -172,7 +172,7 @@ def html_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: s
 
 
 # ---- shared pieces ----------------------------------------------------------------------------------------
-def _runs(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
+def run_lengths(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
     """[8192, 8192, 8192, 5632] -> '8192 x3, 5632' (run-length, in order; long lists elided)."""
     if len(values) == 0:
         return "none"
@@ -208,7 +208,7 @@ def _attrs_line(plan: TransferPlan) -> str:
     if not plan.passes_attrs:
         return "not passed (numAttrs 0)"
     per_call = [len(plan.attr_runs(c)[0]) for c in range(plan.num_calls)]
-    return f"passed (numAttrs per call: {_runs(per_call)})"
+    return f"passed (numAttrs per call: {run_lengths(per_call)})"
 
 
 def _buffers_line(plan: TransferPlan) -> str:
@@ -221,7 +221,7 @@ def _buffers_line(plan: TransferPlan) -> str:
 def _calls_line(plan: TransferPlan) -> str:
     if not plan.num_calls:
         return "none"
-    line = f"{plan.num_calls}: {_runs(plan.call_sizes.tolist())} ranges"
+    line = f"{plan.num_calls}: {run_lengths(plan.call_sizes.tolist())} ranges"
     if plan.api in (CopyApi.CUDA_PER_RANGE, CopyApi.HIP_PER_RANGE, CopyApi.MEMCPY):
         line += f" ({plan.api.value} per range: {plan.num_ranges} driver calls)"
     return line
@@ -432,4 +432,4 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
 
 
 __all__ = ["DEFAULT_MAX_ROWS", "EXPLAIN_HINT", "VIEW_HINT", "block_bytes", "elision", "explain", "header_rows",
-           "run_length_histogram", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]
+           "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]
