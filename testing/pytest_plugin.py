@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+__all__ = ["golden_plan", "GoldenPlan", "golden_folder", "ENV_UPDATE"]  # the pytest hooks are pytest's to call
+
 ENV_UPDATE = "KVXFER_UPDATE_GOLDEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _UPDATED = pytest.StashKey[list[str]]()
@@ -108,7 +110,15 @@ class GoldenPlan:
 
 @pytest.fixture
 def golden_plan(request: pytest.FixtureRequest) -> GoldenPlan:
-    """Compare plans with golden files; see kvxfer.testing.pytest_plugin."""
+    """The fixture: ``golden_plan(case_or_plan, name=None, plan=None) -> plan`` compares with
+    ``<kvxfer_golden_dir>/<name>.json``.
+
+    ``case_or_plan`` is a ``Case`` (or a case dict or a case file path), planned now unless ``plan`` is given,
+    or a ``TransferPlan``, compared alone. ``name`` defaults to the test's name, numbered from the second
+    unnamed call in one test (``test_x``, ``test_x.1``, ...). Returns the plan. A mismatch fails the test with
+    the diff and the command that accepts the new plan; ``--update-golden`` (or ``KVXFER_UPDATE_GOLDEN=1``)
+    writes the file instead. See the module's description for unused files and ``--prune-golden``.
+    """
     return GoldenPlan(request)
 
 
