@@ -313,3 +313,17 @@ def test_twice(golden_plan):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ValueError: golden_plan(plan, plan=...): pass a plan once*"])
+
+
+def test_the_oracles_names_are_real_attributes_and_loading_the_plugin_loads_no_planner():
+    """Documentation tools and IDEs read a module's attributes; the plugin loads in every pytest run."""
+    import subprocess
+    import sys
+
+    import kvxfer.testing as testing
+
+    assert set(testing.__all__) <= set(vars(testing))
+    code = ("import sys, kvxfer.testing.pytest_plugin, kvxfer.testing; "
+            "print(sorted(m for m in sys.modules if m.startswith('kvxfer.planner')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
