@@ -78,14 +78,15 @@ def run_case(case_path: Path, ex: Any, cfg: Any, *, verify: bool = False, explai
 
     say = echo or _print
     case, stored = read_input(case_path)
-    if case is None:  # a plan file runs as stored
-        assert stored is not None  # read_input gives a case, a plan or both
-        plan = stored
-    else:
+    if case is not None:
         target = ex.target if cfg.replan else case.target
         options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
             case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
         plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
+    elif stored is not None:  # a plan file runs as stored
+        plan = stored
+    else:  # read_input gives a case, a plan or both, or raises
+        raise ValueError(f"{case_path}: holds neither a case nor a plan")
     if on_gpu is None:  # host memory for numpy, and for auto on a machine without a GPU runtime
         on_gpu = not (cfg.kind is ExecutorKind.NUMPY or (isinstance(ex, AutoExecutor) and ex.platform is Platform.CPU))
     names = [b.name for b in plan.buffers]
