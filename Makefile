@@ -47,13 +47,11 @@ bench: $(BIN)/.installed-demo
 	$(BIN)/kvxfer bench
 
 # ---- docs and the example notebook (output under build/, git-ignored) ----------------------------------------
-# API reference for every package in pyproject's package-dir except the CLI (packages added later are picked up)
-DOC_MODULES = $(shell $(BIN)/python -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
-	print(*[m for m in d["tool"]["setuptools"]["package-dir"] if m != "kvxfer.cli"])')
-
+# API reference (docs/reference.py over pdoc): every package in pyproject's package-dir, their public submodules,
+# a page per CLI command, and an index that opens on the entry points (packages added later are picked up)
 docs: $(BIN)/.installed
-	$(BIN)/python -m pdoc --docformat google -o build/docs $(DOC_MODULES)
-	@echo "API reference: build/docs/index.html"
+	rm -rf build/docs
+	$(BIN)/python docs/reference.py build/docs
 
 # executes the example notebook (nbclient + ipykernel) and renders it to HTML (nbconvert)
 notebook: $(BIN)/.installed

@@ -1,21 +1,25 @@
-"""Reading what the commands accept: a case file, a plan file (.json or .npz) or a golden file."""
+"""Reading what the commands accept: a case file, a plan file (.json or .npz) or a golden file.
+
+Commands import this module inside their bodies: it loads the planner, which ``kvxfer --version`` and
+``--help`` never need.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
 
-from kvxfer.planner import Case, PlanError, TransferPlan, golden
-from kvxfer.planner.files import PlanFileError, read_bytes, read_json
+from kvxfer.planner import Case, PlanError, PlanFileError, TransferPlan, files, golden
 
 
 def read_input(path: str | Path) -> tuple[Case | None, TransferPlan | None]:
     """(case or None, stored plan or None) from ``path``: a case file gives its case, a plan file its plan, a
-    golden file both. Raises PlanFileError (a ValueError) naming the file when it is none of these."""
+    golden file both (its plan alone when it was made from a plan). Raises PlanFileError (a ValueError) naming
+    the file when it is none of these."""
     path = Path(path)
     if path.suffix == ".npz":
-        return None, TransferPlan.from_npz_bytes(read_bytes(path, "plan file"), str(path))
-    d = read_json(path)
+        return None, TransferPlan.from_npz_bytes(files.read_bytes(path, "plan file"), str(path))
+    d = files.read_json(path)
     if "kvxfer_golden" in d:
         g = golden.from_dict(d, str(path))
         return g.case, g.plan

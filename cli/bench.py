@@ -12,11 +12,12 @@ import platform
 import time
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, Layout, Target, plan_transfer, presets
+from kvxfer.planner import BlockMapping, Layout, Location, Platform, Target, plan_transfer, presets
 
 
 def best_time(fn: Callable[[], Any], repeat: int, min_s: float = 0.05) -> float:
@@ -34,14 +35,46 @@ def best_time(fn: Callable[[], Any], repeat: int, min_s: float = 0.05) -> float:
     return float(np.median(samples))
 
 
-def naive_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The baseline: absolute offsets for every block of every region, one descriptor each."""
-    info = layout.info
-    src, dst = info.side[mapping.direction.src_side], info.side[mapping.direction.dst_side]
+@dataclass(frozen=True)
+class SideArrays:
+    """One side's placement of every region as arrays (what an engine without a planner keeps per KV tensor):
+    block 0's byte offset, the bytes between chunks, the page size and the blocks per chunk."""
+
+    base: np.ndarray
+    stride: np.ndarray
+    page: np.ndarray
+    k: np.ndarray
+
+    @classmethod
+    def of(cls, layout: Layout, side: Location) -> SideArrays:
+        """The arrays of ``side`` (host or device) for every region of ``layout``."""
+        regions = layout.regions
+        return cls(base=np.array([r.placement(side).byte_offset for r in regions], np.int64),
+                   stride=np.array([r.stride(side) for r in regions], np.int64),
+                   page=np.array([r.side_page(side) for r in regions], np.int64),
+                   k=np.array([r.placement(side).blocks_per_chunk for r in regions], np.int64))
+
+
+def engine_arrays(layout: Layout) -> dict[Location, SideArrays]:
+    """Both sides' arrays, made once per layout outside the timed baselines."""
+    return {side: SideArrays.of(layout, side) for side in (Location.DEVICE, Location.HOST)}
+
+
+def prepare(layout: Layout) -> Layout:
+    """Build the layout's per-layout structures before anything is timed (``Layout.prepare``; a planner
+    without it builds them on the first plan, which the warm-up call makes)."""
+    ready = getattr(layout, "prepare", None)
+    return ready() if callable(ready) else layout
+
+
+def naive_descriptors(sides: dict[Location, SideArrays], mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The baseline: absolute offsets for every block of every region, one descriptor each (``sides`` from
+    ``engine_arrays``)."""
+    src, dst = sides[mapping.direction.src_side], sides[mapping.direction.dst_side]
     s, d = mapping.src_ids, mapping.dst_ids
     srcs = (src.base[:, None] + s[None, :] * src.stride[:, None]).ravel()
     dsts = (dst.base[:, None] + d[None, :] * dst.stride[:, None]).ravel()
-    sizes = np.repeat(info.page, len(s))
+    sizes = np.repeat(sides[Location.DEVICE].page, len(s))
     return srcs, dsts, sizes
 
 
@@ -63,23 +96,24 @@ def bench_plan(full: bool = True, repeat: int = 5) -> list[dict[str, Any]]:
     """One row per ``plan_cases(full)`` case: plan_transfer (ROCm 7.16 target) timed against ``naive_descriptors``, with
     requested copies, ranges, calls, both times in ms and the ratio plan / naive."""
     rows = []
-    target = Target(platform="rocm", runtime_version=71600000)
+    target = Target(platform=Platform.ROCM, runtime_version=71600000)
     for name, layout, mapping in plan_cases(full):
-        _ = layout.info  # layout-derived arrays are built once per layout, outside the per-transfer cost
+        prepare(layout)  # layout-derived arrays are built once per layout, outside the per-transfer cost
+        sides = engine_arrays(layout)
         plan = plan_transfer(layout, mapping, target)
         t_plan = best_time(lambda: plan_transfer(layout, mapping, target), repeat)
-        t_naive = best_time(lambda: naive_descriptors(layout, mapping), repeat)
+        t_naive = best_time(lambda: naive_descriptors(sides, mapping), repeat)
         rows.append({"case": name, "requested": plan.requested_copies, "ranges": plan.num_ranges,
                      "calls": plan.num_calls, "plan_ms": t_plan * 1e3, "naive_ms": t_naive * 1e3,
                      "ratio": t_plan / t_naive})
     return rows
 
 
-def naive_fragment_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def naive_fragment_descriptors(layout: Layout, sides: dict[Location, SideArrays],
+                               mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The baseline for chunked and fragmented layouts: one descriptor per page piece per region, by broadcasting.
 
     Ids are taken as already-expanded page ids on both sides (the baseline skips the chunk enumeration)."""
-    info = layout.info
     side = {"src": mapping.direction.src_side, "dst": mapping.direction.dst_side}
     pages = {"src": mapping.src_ids, "dst": mapping.dst_ids}
     n = min(len(mapping.src_ids), len(mapping.dst_ids))
@@ -87,7 +121,7 @@ def naive_fragment_descriptors(layout: Layout, mapping: BlockMapping) -> tuple[n
     for r, reg in enumerate(layout.regions):
         frags = reg.fragments
         for key in ("src", "dst"):
-            col = info.side[side[key]]
+            col = sides[side[key]]
             p = np.resize(pages[key], n)
             k = int(col.k[r])
             off = col.base[r] + (p // k) * col.stride[r] + (p % k) * col.page[r]
@@ -122,10 +156,11 @@ def bench_layouts(repeat: int = 5) -> list[dict[str, Any]]:
     """One row per ``layout_cases()`` case: plan_transfer timed against ``naive_fragment_descriptors``, with the ratio."""
     rows = []
     for name, layout, mapping in layout_cases():
-        _ = layout.info  # layout-derived arrays are built once, outside the timed calls
+        prepare(layout)  # layout-derived arrays are built once, outside the timed calls
+        sides = engine_arrays(layout)
         plan = plan_transfer(layout, mapping)
         t_plan = best_time(lambda: plan_transfer(layout, mapping), repeat)
-        t_naive = best_time(lambda: naive_fragment_descriptors(layout, mapping), repeat)
+        t_naive = best_time(lambda: naive_fragment_descriptors(layout, sides, mapping), repeat)
         rows.append({"case": f"118x256 {name}", "requested": plan.requested_copies, "ranges": plan.num_ranges,
                      "calls": plan.num_calls, "plan_ms": t_plan * 1e3, "naive_ms": t_naive * 1e3, "ratio": t_plan / t_naive})
     return rows
@@ -137,7 +172,7 @@ def bench_memory() -> dict[str, Any]:
     big = 16128
     layout = presets.kv_layout(118, 2 * big, 32 * 1024)
     mapping = presets.mapping("fragmented", big, 2 * big)
-    _ = layout.info  # layout-derived arrays are built once, outside the timed calls
+    prepare(layout)  # layout-derived arrays are built once, outside the measured call
     plan_transfer(layout, mapping)  # warm caches
     gc.collect()
     tracemalloc.start()
@@ -190,28 +225,49 @@ def run_all(full: bool = True) -> dict[str, Any]:
             "executor": bench_executor()}
 
 
+Column = tuple[str, int, str, Callable[[dict[str, Any]], Any]]  # header, width, format, the row's value
+
+
+def _table(columns: tuple[Column, ...], rows: list[dict[str, Any]]) -> list[str]:
+    """Fixed-width lines, the first column left-aligned and the others right-aligned."""
+    def line(cells: list[str]) -> str:
+        return "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, (_, w, _, _)) in
+                       enumerate(zip(cells, columns))).rstrip()
+
+    return [line([h for h, _, _, _ in columns])] + [line([format(key(r), f) for _, _, f, key in columns])
+                                                    for r in rows]
+
+
+def _key(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda r: r[name]
+
+
+PLAN_COLUMNS: tuple[Column, ...] = (
+    ("case", 24, "", _key("case")), ("copies", 9, "", _key("requested")), ("ranges", 9, "", _key("ranges")),
+    ("calls", 6, "", _key("calls")), ("plan ms", 10, ".3f", _key("plan_ms")),
+    ("naive ms", 10, ".3f", _key("naive_ms")), ("ratio", 8, ".3f", _key("ratio")))
+LAYOUT_COLUMNS: tuple[Column, ...] = (("layout case", 24, "", lambda r: r["case"].removeprefix("118x256 ")),
+                                      *PLAN_COLUMNS[1:])
+EXECUTOR_COLUMNS: tuple[Column, ...] = (
+    ("case", 19, "", _key("case")), ("ranges", 7, "", _key("ranges")), ("MiB", 5, ".0f", lambda r: r["bytes"] / 2**20),
+    ("exec ms", 9, ".2f", _key("exec_ms")), ("GB/s", 6, ".1f", _key("exec_gbps")),
+    ("memcpy ms", 10, ".2f", _key("memcpy_ms")), ("speed", 6, ".2f", _key("speed_vs_memcpy")),
+    ("memmove ms", 11, ".2f", _key("ranges_memmove_ms")), ("speed", 6, ".2f", _key("speed_vs_ranges")))
+
+
 def format_tables(res: dict[str, Any]) -> str:
-    """``run_all()`` results as fixed-width text tables, one per benchmark."""
-    lines = ["plan_transfer vs naive per-block descriptor build (ratio = plan / naive; lower is better)",
-             f"{'case':<26}{'requested':>10}{'ranges':>9}{'calls':>6}{'plan ms':>10}{'naive ms':>10}{'ratio':>8}"]
-    for r in res["plan"]:
-        lines.append(f"{r['case']:<26}{r['requested']:>10}{r['ranges']:>9}{r['calls']:>6}{r['plan_ms']:>10.3f}"
-                     f"{r['naive_ms']:>10.3f}{r['ratio']:>8.3f}")
-    lines += ["", "layout model: plan_transfer vs naive per-piece descriptors (ratio = plan / naive)",
-              f"{'case':<36}{'requested':>10}{'ranges':>9}{'calls':>6}{'plan ms':>10}{'naive ms':>10}{'ratio':>8}"]
-    for r in res.get("layouts", []):
-        lines.append(f"{r['case']:<36}{r['requested']:>10}{r['ranges']:>9}{r['calls']:>6}{r['plan_ms']:>10.3f}"
-                     f"{r['naive_ms']:>10.3f}{r['ratio']:>8.3f}")
+    """``run_all()`` results as fixed-width text tables, one per benchmark, none wider than 80 columns."""
+    import textwrap
+
     m = res["memory"]
-    lines += ["", f"planning memory, {m['case']}: tracemalloc peak {m['peak_mb']:.1f} MiB, plan's stored arrays "
-              f"{m['plan_arrays_mb']:.1f} MiB (ratio {m['ratio']:.2f}); all columns expanded would be "
-              f"{m['dense_columns_mb']:.1f} MiB", "",
-              "NumpyExecutor vs one memcpy of the same bytes, and vs bare memmove of the same ranges",
-              "(speed = baseline time / executor time; higher is better)",
-              f"{'case':<26}{'ranges':>9}{'MiB':>8}{'exec ms':>10}{'memcpy ms':>11}{'speed':>8}"
-              f"{'memmove/range ms':>18}{'speed':>8}{'GB/s':>7}"]
-    for r in res["executor"]:
-        lines.append(f"{r['case']:<26}{r['ranges']:>9}{r['bytes'] / 2**20:>8.0f}{r['exec_ms']:>10.2f}"
-                     f"{r['memcpy_ms']:>11.2f}{r['speed_vs_memcpy']:>8.2f}{r['ranges_memmove_ms']:>18.2f}"
-                     f"{r['speed_vs_ranges']:>8.2f}{r['exec_gbps']:>7.1f}")
+    lines = ["plan_transfer vs the naive per-block descriptor build (ratio = plan / naive;",
+             "lower is better)", *_table(PLAN_COLUMNS, res["plan"]), "",
+             "layout model, 118 regions x 256 blocks: plan_transfer vs naive per-piece",
+             "descriptors (ratio = plan / naive)", *_table(LAYOUT_COLUMNS, res.get("layouts", [])), "",
+             *textwrap.wrap(f"planning memory, {m['case']}: tracemalloc peak {m['peak_mb']:.1f} MiB, the plan's "
+                            f"stored arrays {m['plan_arrays_mb']:.1f} MiB (ratio {m['ratio']:.2f}); all columns "
+                            f"expanded would be {m['dense_columns_mb']:.1f} MiB", 80), "",
+             "NumpyExecutor vs one memcpy of the same bytes and vs bare memmove of the same",
+             "ranges (speed = that baseline's time / executor time; higher is better)",
+             *_table(EXECUTOR_COLUMNS, res["executor"])]
     return "\n".join(lines)

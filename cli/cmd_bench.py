@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -13,18 +15,19 @@ def register(app: typer.Typer) -> None:
     """Add the ``bench`` command to ``app``."""
 
     @app.command("bench")
-    def bench(out: Path = typer.Option(Path("bench-results.json"), help="where to write the JSON results"),
-              quick: bool = typer.Option(False, help="fewer 16,128-block patterns")) -> None:
+    def bench(out: Path = typer.Option(Path("bench-results.json"), metavar="OUT", help="where to write the JSON results"),
+              quick: bool = typer.Option(False, "--quick", help="fewer 16,128-block patterns")) -> None:
         """Plan time vs naive per-block descriptors, planning memory, NumPy executor vs memcpy."""
         import numpy as np
 
         from kvxfer.cli import bench as b
 
-        steps = (("plan", "planner vs naive descriptors", lambda: b.bench_plan(not quick)),
-                 ("layouts", "layout model vs naive pieces", b.bench_layouts),
-                 ("memory", "planning memory", b.bench_memory),
-                 ("executor", "NumPy executor vs memcpy", b.bench_executor))
-        res = {"date": time.strftime("%Y-%m-%d"), "numpy": np.__version__,
+        steps: tuple[tuple[str, str, Callable[[], Any]], ...] = (
+            ("plan", "planner vs naive descriptors", lambda: b.bench_plan(not quick)),
+            ("layouts", "layout model vs naive pieces", b.bench_layouts),
+            ("memory", "planning memory", b.bench_memory),
+            ("executor", "NumPy executor vs memcpy", b.bench_executor))
+        res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "numpy": np.__version__,
                "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
         for i, (key, what, run) in enumerate(steps, 1):  # progress on stderr, so stdout stays the tables
             typer.echo(f"[{i}/{len(steps)}] {what} ...", err=True)

@@ -5,19 +5,23 @@ an 80-column terminal; the driver call and attributes of each target are listed 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
-# (header, width, row key or formatter); the widths add up to well under 80 columns
-PATTERN_COLUMNS = (("pattern", -12, "pattern"), ("target", -10, "target"), ("copies", 8, "requested"),
+Row = dict[str, Any]
+Column = tuple[str, int, str | Callable[[Row], str]]  # header, width (< 0: left-aligned), key or formatter
+
+# the widths add up to well under 80 columns
+PATTERN_COLUMNS: tuple[Column, ...] = (("pattern", -12, "pattern"), ("target", -10, "target"), ("copies", 8, "requested"),
                    ("ranges", 8, "ranges"), ("calls", 6, "calls"), ("plan ms", 9, lambda r: f"{r['plan_ms']:.2f}"))
-LAYOUT_COLUMNS = (("layout", -28, "layout"), ("copies", 7, "requested"), ("ranges", 7, "ranges"),
+LAYOUT_COLUMNS: tuple[Column, ...] = (("layout", -28, "layout"), ("copies", 7, "requested"), ("ranges", 7, "ranges"),
                   ("calls", 6, "calls"), ("MiB", 6, lambda r: f"{r['bytes'] / 2**20:.1f}"),
                   ("plan ms", 8, lambda r: f"{r['plan_ms']:.2f}"))
 
 
-def _cells(columns: tuple, row: dict[str, Any] | None) -> str:
+def _cells(columns: tuple[Column, ...], row: Row | None) -> str:
     out = []
     for header, width, key in columns:
         text = header if row is None else (key(row) if callable(key) else str(row[key]))
@@ -42,8 +46,8 @@ def register(app: typer.Typer) -> None:
         page = page_bytes or (32 * 1024 if full else 1024)
         console = Console(highlight=False, width=None if Console().is_terminal else 80)
 
-        def show(columns: tuple):
-            def row(r: dict[str, Any]) -> None:
+        def show(columns: tuple[Column, ...]) -> Callable[[Row], None]:
+            def row(r: Row) -> None:
                 verdict = "[green]yes[/]" if r["verified"] else "[red]NO[/]"
                 console.print(f"{escape(_cells(columns, r))}  {verdict}")
             return row

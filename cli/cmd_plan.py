@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._inputs import max_rows as parse_rows
-from ._inputs import read_plan
+CLI_HINT = "--full shows all"  # what shows every range, said where the command's output is read
 
 
 def register(app: typer.Typer) -> None:
@@ -15,42 +14,49 @@ def register(app: typer.Typer) -> None:
 
     @app.command("plan")
     def plan_cmd(
-        case: Path = typer.Argument(..., help="case file (kvxfer schema), plan file (.json/.npz) or golden file"),
+        case: Path = typer.Argument(..., metavar="FILE",
+                                    help="case file (kvxfer schema), plan file (.json/.npz) or golden file"),
         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
         explain: bool = typer.Option(False, "--explain", help="print the fixed-width explain() text"),
         stats: bool = typer.Option(False, "--stats", help="print statistics as JSON"),
         full: bool = typer.Option(False, "--full", help="show every range (no elision)"),
-        max_rows: str = typer.Option("20", "--max-rows", help="ranges shown before eliding the middle ('all' or 0: every range)"),
-        html: Path | None = typer.Option(None, "--html", help="write the HTML view to this file"),
-        png: Path | None = typer.Option(None, "--png", help="write the transfer map (needs kvxfer\\[viz])"),
+        max_rows: str = typer.Option("20", "--max-rows", metavar="N|all",
+                                     help="ranges shown before eliding the middle ('all' or 0: every range)"),
+        html: Path | None = typer.Option(None, "--html", metavar="OUT", help="write the HTML view to this file"),
+        png: Path | None = typer.Option(None, "--png", metavar="OUT",
+                                        help="write the transfer map (PNG, SVG or PDF; needs kvxfer\\[viz])"),
     ) -> None:
-        """Plan CASE and print a summary (or one of --explain, --json, --stats); --html/--png write files."""
+        """Plan FILE and print a summary (or one of --explain, --json, --stats); --html/--png write files."""
         chosen = [name for name, on in (("--json", as_json), ("--explain", explain), ("--stats", stats)) if on]
         if len(chosen) > 1:
             raise typer.BadParameter(f"{' and '.join(chosen)} each print the whole output; choose one "
                                      "(--explain and --json both? run the command twice)", param_hint=chosen[1])
+        from kvxfer.planner import render, viz
+
+        from ._inputs import max_rows as parse_rows
+        from ._inputs import read_plan
+
         rows_limit = parse_rows(max_rows)
-        from rich.console import Console
-
-        from kvxfer.planner.render import stats as plan_stats
-        from kvxfer.planner.render import to_html, to_rich
-
+        if png is not None:
+            viz.require_matplotlib()  # before anything is planned or written
         c, plan = read_plan(case)
         layout = c.layout if c is not None else None
         rows = None if full else rows_limit
         if as_json:
             typer.echo(plan.to_json(indent=1))
         elif explain:
-            typer.echo(plan.explain(max_rows=rows, layout=layout), nl=False)
+            typer.echo(plan.explain(max_rows=rows, layout=layout, hint=CLI_HINT), nl=False)
         elif stats:
-            typer.echo(json.dumps(plan_stats(plan, layout), indent=1))
+            typer.echo(json.dumps(render.stats(plan, layout), indent=1))
         elif html is None and png is None:
-            Console(highlight=False).print(to_rich(plan, ranges=False, layout=layout))
+            from rich.console import Console
+
+            Console(highlight=False).print(render.to_rich(plan, ranges=False, layout=layout))
         if html is not None:
             page = f"<!doctype html>\n<meta charset=\"utf-8\">\n<title>{case.name}</title>\n"
-            html.write_text(page + to_html(plan, max_rows=rows, layout=layout) + "\n")
+            html.write_text(page + render.to_html(plan, max_rows=rows, layout=layout, hint="kvxfer plan --full "
+                                                  "shows all") + "\n")
             typer.echo(f"wrote {html}", err=True)
         if png is not None:
-            from kvxfer.planner.viz import save_transfer_map
-            save_transfer_map(plan, png, layout=layout)
+            viz.save_transfer_map(plan, png, layout=layout)
             typer.echo(f"wrote {png}", err=True)

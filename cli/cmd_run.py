@@ -1,8 +1,9 @@
 """kvxfer run CASE: plan a case file, run it on an executor, optionally verify every byte.
 
 Memory: GPU executors get torch tensors (device buffers on the GPU, host buffers pinned); the numpy
-executor (and auto on a machine without a GPU runtime) runs on host memory. ``run_case`` is the command
-without its flags: tests call it with an executor built on a host-memory runtime.
+executor (and auto on a machine without a GPU runtime) runs on host memory mapped lazily, so only the pages
+the plan touches take memory (``run_memory``). ``run_case`` is the command without its flags: tests call it
+with an executor built on a host-memory runtime.
 """
 from __future__ import annotations
 
@@ -11,45 +12,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import typer
 
-
-def _allocate(plan: Any, on_gpu: bool, seed: int) -> dict[str, Any]:
-    """Random bytes in every buffer of the plan (host numpy arrays, or torch tensors when ``on_gpu``)."""
-    rng = np.random.default_rng(seed)
-    host = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in plan.buffers}
-    if not on_gpu:
-        return host
-    import torch
-    return {b.name: (torch.from_numpy(host[b.name]).to(f"cuda:{b.device}") if b.location.value == "device"
-                     else torch.from_numpy(host[b.name]).pin_memory()) for b in plan.buffers}
-
-
-def _to_host(mem: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: (v if isinstance(v, np.ndarray) else v.cpu().numpy()) for k, v in mem.items()}
+PROGRESS_BYTES = 256 << 20  # runs that touch this much say what they are doing at each stage (on stderr)
 
 
 def _print(message: str, err: bool = False) -> None:
     print(message, file=sys.stderr if err else sys.stdout)
 
 
-def register(app) -> None:
+def register(app: typer.Typer) -> None:
     """Add the ``run`` command to ``app``."""
-    import typer
 
     @app.command("run")
-    def _cmd(case_path: Path = typer.Argument(..., help="case file, plan file (.json/.npz) or golden file"),
+    def _cmd(case_path: Path = typer.Argument(..., metavar="FILE", help="case file, plan file (.json/.npz) or golden file"),
              executor: str | None = typer.Option(
-                 None, "--executor", "-e", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
-             config: Path | None = typer.Option(None, "--config", help="executor config file (TOML or JSON)"),
-             verify: bool = typer.Option(False, "--verify", help="compare every byte with the NumPy reference"),
+                 None, "--executor", "-e", metavar="NAME", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
+             config: Path | None = typer.Option(None, "--config", metavar="FILE",
+                                                help="executor config file (TOML or JSON)"),
+             verify: bool = typer.Option(False, "--verify", help="compare every byte with the test oracle"),
              explain_executor: bool = typer.Option(False, "--explain-executor", help="print the executor chosen and why"),
              replan: bool | None = typer.Option(
                  None, "--replan/--no-replan", help="plan for the runtime found instead of the case's target"),
-             max_descriptors: int | None = typer.Option(None, "--max-descriptors", help="per-call cap (0 = unlimited)"),
-             seed: int = typer.Option(0, "--seed", help="seed of the random buffer contents")) -> None:
-        """Plan CASE, run it, report bytes, calls and time; with --verify exit 1 on any differing byte."""
-        from kvxfer.executors.config import ExecutorConfig, ExecutorKind, get_executor
+             max_descriptors: int | None = typer.Option(None, "--max-descriptors", metavar="N",
+                                                        help="per-call cap (0 = unlimited)"),
+             seed: int = typer.Option(0, "--seed", metavar="N", help="seed of the buffers' random contents")) -> None:
+        """Plan FILE, run it, report bytes, calls and time; with --verify exit 1 on any differing byte."""
+        from kvxfer.executors import ExecutorConfig, ExecutorKind, get_executor
 
         from ._inputs import read_input
 
@@ -75,45 +64,75 @@ def register(app) -> None:
 def run_case(case_path: Path, ex: Any, cfg: Any, *, verify: bool = False, explain_executor: bool = False, seed: int = 0,
              echo: Callable[..., None] | None = None, on_gpu: bool | None = None) -> bool:
     """Plan the case at ``case_path`` for ``ex`` (``cfg``: its ExecutorConfig, for replan, the descriptor cap and
-    the kind), run it on fresh random memory and report; with ``verify``, compare every byte with the NumPy
-    reference. ``on_gpu``: allocate device buffers on the GPU (default: unless the executor is numpy or auto
-    without a GPU runtime). Returns False when bytes differ."""
-    from kvxfer.executors import NumpyExecutor
-    from kvxfer.executors.config import AutoExecutor, ExecutorKind
+    the kind), run it on fresh memory (seeded random bytes in every page the plan touches) and report; with
+    ``verify``, compare every byte of every buffer with the test oracle (``kvxfer.testing.expected_copies``;
+    a plan file, which holds no mapping, against its own ranges). ``on_gpu``: allocate device buffers on the
+    GPU (default: unless the executor is numpy or auto without a GPU runtime). Returns False when bytes differ.
+    Raises MemoryError naming the buffer and its size when memory cannot be had."""
+    from kvxfer.executors import AutoExecutor, ExecutorKind
     from kvxfer.planner import Case, PlanOptions, Platform
+    from kvxfer.testing import expected_copies
 
-    echo = echo or _print
-
+    from . import run_memory as rm
     from ._inputs import read_input
 
+    say = echo or _print
     case, stored = read_input(case_path)
-    if case is None:  # a plan file runs as stored
-        plan = stored
-    else:
+    if case is not None:
         target = ex.target if cfg.replan else case.target
         options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
             case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
         plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
+    elif stored is not None:  # a plan file runs as stored
+        plan = stored
+    else:  # read_input gives a case, a plan or both, or raises
+        raise ValueError(f"{case_path}: holds neither a case nor a plan")
     if on_gpu is None:  # host memory for numpy, and for auto on a machine without a GPU runtime
         on_gpu = not (cfg.kind is ExecutorKind.NUMPY or (isinstance(ex, AutoExecutor) and ex.platform is Platform.CPU))
-    mem = _allocate(plan, on_gpu, seed)
+    names = [b.name for b in plan.buffers]
+    ranges = rm.Pieces.of(tuple(names), names, plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset, plan.nbytes)
+    if case is None:
+        oracle, against = ranges, "the plan's own ranges (a plan file holds no mapping)"
+    else:
+        c = expected_copies(case.layout, case.mapping, plan.options)
+        oracle = rm.Pieces.of(c.buffers, names, c.src_buf, c.src_offset, c.dst_buf, c.dst_offset, c.nbytes)
+        against = "the test oracle"
+    touched = rm.touched_pages([b.nbytes for b in plan.buffers], ranges, oracle)
+    touched_bytes = sum(int((t[:, 1] - t[:, 0]).sum()) for t in touched)
+    loud = touched_bytes >= PROGRESS_BYTES
+
+    def stage(message: str) -> None:
+        if loud:
+            say(message, err=True)
+
+    stage(f"memory: {len(names)} buffers, {rm.size_text(sum(b.nbytes for b in plan.buffers))} mapped, "
+          f"{rm.size_text(touched_bytes)} touched")
+    mem = rm.allocate(list(plan.buffers), on_gpu)
+    rm.fill(mem, touched, seed, say)
     if explain_executor:
-        echo(ex.explain(plan, mem) if isinstance(ex, AutoExecutor) else f"executor: {cfg.kind.value} (configured)")
-    want = None
-    if verify:
-        want = {k: v.copy() for k, v in _to_host(mem).items()}
-        NumpyExecutor().run(plan, want)
-    echo(repr(plan))
-    t = ex.run(plan, mem).wait()
+        say(ex.explain(plan, mem.arrays) if isinstance(ex, AutoExecutor) else f"executor: {cfg.kind.value} (configured)")
+    say(repr(plan))
+    stage(f"running {plan.num_ranges} ranges ({rm.size_text(plan.total_bytes)}) ...")
+    t = ex.run(plan, mem.arrays).wait()
     secs = t.elapsed_s or 0.0
     rate = f", {t.nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else ""
-    echo(f"ran {t.nbytes} bytes in {t.ranges} range{'s' * (t.ranges != 1)}, {t.calls} call{'s' * (t.calls != 1)}: "
-         f"{secs * 1e3:.3f} ms{rate}")
-    if want is not None:
-        got = _to_host(mem)
-        bad = {k: int((got[k] != want[k]).sum()) for k in want if not np.array_equal(got[k], want[k])}
-        if bad:
-            echo(f"verify: FAILED, differing bytes per buffer: {bad}", err=True)
-            return False
-        echo(f"verify: OK, all {sum(v.nbytes for v in want.values())} bytes match the reference")
+    say(f"ran {t.nbytes} bytes in {t.ranges} range{'s' * (t.ranges != 1)}, {t.calls} call{'s' * (t.calls != 1)}: "
+        f"{secs * 1e3:.3f} ms{rate}")
+    if not verify:
+        return True
+    if not rm.independent(oracle, names):
+        raise ValueError(f"--verify: {against} write a byte twice or read a byte they write, so their order "
+                         "matters and the check cannot tell the result; run without --verify")
+    stage(f"verifying every byte against {against} ...")
+    bad = rm.check(mem, oracle, touched, seed, say)
+    total = sum(b.nbytes for b in plan.buffers)
+    if bad:
+        say(f"verify: FAILED against {against}: bytes differ in {len(bad)} buffer(s)", err=True)
+        for m in bad[:10]:
+            say(m.line(), err=True)
+        if len(bad) > 10:
+            say(f"  ... and {len(bad) - 10} more buffers", err=True)
+        return False
+    say(f"verify: OK, all {total} bytes match {against}")
     return True
+

@@ -12,6 +12,7 @@ from kvxfer.planner import (
     BlockMapping,
     Layout,
     PlanOptions,
+    Platform,
     Target,
     TransferPlan,
     cuda_version,
@@ -22,9 +23,9 @@ from kvxfer.planner import (
 from kvxfer.testing import random_buffers, run_reference
 
 TARGETS = {
-    "rocm-7.2": Target(platform="rocm", runtime_version=hip_version(7, 2, 53211)),
-    "rocm-7.16": Target(platform="rocm", runtime_version=hip_version(7, 16)),
-    "cuda-13.0": Target(platform="cuda", runtime_version=cuda_version(13, 0)),
+    "rocm-7.2": Target(platform=Platform.ROCM, runtime_version=hip_version(7, 2, 53211)),
+    "rocm-7.16": Target(platform=Platform.ROCM, runtime_version=hip_version(7, 16)),
+    "cuda-13.0": Target(platform=Platform.CUDA, runtime_version=cuda_version(13, 0)),
 }
 
 

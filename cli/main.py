@@ -1,16 +1,45 @@
 """Entry point for the ``kvxfer`` console script. Each ``cmd_*`` module registers its commands on ``app``.
 
 Exit codes: 0 success, 1 a result that is "no" (plans differ, golden files fail, bytes differ, a driver
-failed), 2 bad input (one short line per problem, never a traceback).
+failed), 2 bad input (one short line per problem, never a traceback; running out of memory included).
+
+The command modules import the planner, numpy and the executors inside their commands, so ``kvxfer
+--version`` and ``--help`` load typer alone (tests/test_cli_width.py checks it).
 """
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench")
 MAX_ERRORS = 10  # problems listed one per line before the rest are counted
 MAX_LINE = 300  # characters of one message line; a message never dumps a whole object
+
+
+def _plain_flags(cls: type) -> type:
+    """``cls`` (a typer command or group class) whose help shows an on/off flag without a ``<bool>`` type."""
+
+    class PlainFlags(cls):  # type: ignore[misc]
+        def get_params(self, ctx: Any) -> list[Any]:
+            params: list[Any] = super().get_params(ctx)
+            for p in params:  # the help option (made on demand) included
+                if getattr(p, "is_flag", False) and p.metavar is None:
+                    p.metavar = ""
+            return params
+
+    PlainFlags.__name__ = PlainFlags.__qualname__ = f"PlainFlags{cls.__name__}"
+    return PlainFlags
+
+
+def _use_plain_flags(app: Any, command: type, group: type) -> None:
+    """Make every command and group of ``app`` (recursively) use the plain-flag classes."""
+    app.info.cls = group
+    for info in app.registered_commands:
+        if info.cls is None or info.cls is command.__base__:  # the default class, not one a command chose
+            info.cls = command
+    for sub in app.registered_groups:
+        _use_plain_flags(sub.typer_instance, command, group)
 
 
 def _version(value: bool) -> None:
@@ -22,10 +51,11 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-def build_app():
+def build_app() -> Any:
     """The typer app with every command of COMMAND_MODULES registered. Exits (SystemExit with an install hint) without typer."""
     try:
         import typer
+        from typer.core import TyperCommand, TyperGroup
     except ImportError as e:
         raise SystemExit(f"kvxfer's CLI needs typer and rich: pip install 'kvxfer[cli]' ({e})") from None
     app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -38,6 +68,7 @@ def build_app():
 
     for name in COMMAND_MODULES:
         importlib.import_module(f"kvxfer.cli.{name}").register(app)
+    _use_plain_flags(app, _plain_flags(TyperCommand), _plain_flags(TyperGroup))
     return app
 
 
@@ -74,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("kvxfer: interrupted", file=sys.stderr)
         code = 130
-    except (ValueError, OSError, ImportError, LookupError, TypeError, EOFError) as e:  # bad input, files, extras
-        print("\n".join(error_lines(e)), file=sys.stderr)
+    except (ValueError, OSError, ImportError, LookupError, TypeError, EOFError, MemoryError) as e:
+        # bad input, files, extras, memory the machine (or its limits) cannot give
+        print("\n".join(error_lines(e) if str(e) else [f"kvxfer: error: out of memory ({type(e).__name__})"]),
+              file=sys.stderr)
         code = 2
     except (RuntimeError, TimeoutError) as e:  # ExecutorError: no driver, a failed call, a transfer that hung
         print(clip(f"kvxfer: {type(e).__name__}: {e}"), file=sys.stderr)

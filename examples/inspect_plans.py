@@ -2,14 +2,13 @@
 # # Inspecting, comparing and drawing kvxfer plans
 #
 # A plan is a value: build it on a laptop for any runtime version, look at it, and compare it with another.
-# This is the plain-script twin of `inspect_plans.ipynb` (same cells; `python examples/sync_notebook.py`
-# rebuilds the notebook from this file).
+# The notebook `examples/inspect_plans.ipynb` and the script `examples/inspect_plans.py` hold the same cells;
+# `python examples/sync_notebook.py` rebuilds the notebook from the script.
 
 # %%
-import matplotlib.pyplot as plt
-
-from kvxfer.planner import PlanOptions, Target, hip_version, plan_transfer, presets
-from kvxfer.planner.diff import diff_plans
+# IPython's magic that shows figures (the transfer maps) in a notebook; inspect_plans.py keeps it a comment
+# %matplotlib inline
+from kvxfer.planner import PlanOptions, Target, diff_plans, hip_version, plan_transfer, presets
 from kvxfer.planner.render import stats_frame
 from kvxfer.planner.viz import transfer_map
 
@@ -53,12 +52,28 @@ print(d.text(max_rows=6))
 assert d.equivalent and not d.identical
 
 # %% [markdown]
-# The transfer map: source blocks across, destination blocks up; each band is one range, coloured by region.
-# A small layout shows the shape (four interleaved runs, calls of six ranges).
+# The transfer map shows what a plan does. The strips (one row per region) lay each region's copies end to end
+# in plan order, one segment per range in alternating shades: a merged run is one long segment, a fragmented
+# restore a row of thin stripes. Colour is the driver call; a black tick marks where a call starts inside a
+# row. Beside them: how many ranges have each size, and one region's source block against destination block.
+#
+# One region first: 24 blocks in four interleaved runs, planned into calls of at most three ranges.
 
 # %%
-small = plan_transfer(presets.kv_layout(4, 64, 4096), presets.mapping("interleaved", 24, 64), rocm_716,
-                      PlanOptions(max_descriptors=6))
-fig, ax = plt.subplots(figsize=(7, 6), layout="constrained")
-transfer_map(small, ax=ax)
-print(small.explain(max_rows=4))
+one = plan_transfer(presets.kv_layout(1, 64, 4096), presets.mapping("interleaved", 24, 64), rocm_716,
+                    PlanOptions(max_descriptors=3))
+print(one.explain())
+transfer_map(one)
+
+# %% [markdown]
+# The 118-region restore from the top: 256 blocks per region in runs of 8, merged into 32 ranges per region,
+# all in one call.
+
+# %%
+transfer_map(plan)
+
+# %% [markdown]
+# The same restore without merging: a range per block, 30208 in all, cut into 8 calls of at most 4096.
+
+# %%
+transfer_map(unmerged)

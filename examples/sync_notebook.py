@@ -1,6 +1,10 @@
-"""Rebuild inspect_plans.ipynb from inspect_plans.py (cells split at '# %%'; outputs left empty)."""
+"""Rebuild inspect_plans.ipynb from inspect_plans.py (cells split at '# %%'; outputs left empty).
+
+A code line ``# %matplotlib ...`` is a comment in the script and IPython's magic in the notebook.
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -15,7 +19,7 @@ def cells(text: str) -> list[tuple[str, str]]:
         if head.strip() == "[markdown]":
             out.append(("markdown", "\n".join(line[2:] for line in body.strip().splitlines())))
         else:
-            out.append(("code", body.strip()))
+            out.append(("code", re.sub(r"^# (%matplotlib\b.*)$", r"\1", body.strip(), flags=re.M)))
     return out
 
 

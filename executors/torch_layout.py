@@ -20,16 +20,17 @@ def _torch() -> Any:
 
 
 class _Buffers:
-    """Storages seen so far on one side, each one named buffer."""
+    """Storages seen so far on one side, each one named buffer: ``<side>.<layer>`` after the first layer found
+    in it (a storage behind K and V of one layer is named after the layer, not after its K half)."""
 
     def __init__(self, prefix: str):
         self.prefix, self.by_ptr, self.buffers, self.tensors = prefix, {}, [], {}
 
-    def place(self, t: Any, region: str) -> tuple[str, int]:
+    def place(self, t: Any, layer: str) -> tuple[str, int]:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.by_ptr:
-            name = f"{self.prefix}.{region}"
+            name = f"{self.prefix}.{layer}"
             dev = t.device
             self.by_ptr[ptr] = name
             self.buffers.append(Buffer(name=name, nbytes=storage.nbytes(),
@@ -66,7 +67,8 @@ def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, k
     tensors must be on ``device_type`` when given (CPU tensors are accepted otherwise, for testing).
     Layers that share one tensor storage at the same offset and strides (layers sharing a KV tensor) become
     aliased regions of one buffer, which a plan copies once.
-    Returns (layout, bindings) where bindings map each buffer name to a tensor over its whole storage.
+    Returns (layout, bindings) where bindings map each buffer name to a tensor over its whole storage; a
+    buffer is named ``device.<layer>`` or ``host.<layer>`` after the first layer placed in it.
     Raises LayoutError naming the layer for mismatched keys, devices, dtypes, page sizes or strides.
     """
     torch = _torch()
@@ -98,8 +100,8 @@ def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, k
             hpage, hstride = _page(ht, f"host[{name!r}]")
             if dpage != hpage:
                 raise LayoutError(f"host[{name!r}]", f"{hpage} B pages", f"device pages are {dpage} B")
-            dbuf, doff = dev_bufs.place(dt, rname)
-            hbuf, hoff = host_bufs.place(ht, rname)
+            dbuf, doff = dev_bufs.place(dt, name)
+            hbuf, hoff = host_bufs.place(ht, name)
             regions.append(Region(name=rname, page_bytes=dpage,
                                   device=Placement(buffer=dbuf, byte_offset=doff, stride_bytes=dstride),
                                   host=Placement(buffer=hbuf, byte_offset=hoff, stride_bytes=hstride)))

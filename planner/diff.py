@@ -19,15 +19,22 @@ from .render import (
     RANGE_COLUMNS,
     STYLE,
     check_max_rows,
+    elision,
     format_table,
     html_table,
-    plural,
     rows_for,
     shown_indices,
+    wrap_parts,
 )
 from .spec import Location
 
 DEFAULT_DIFF_ROWS = 40
+TEXT_HINT = "text(max_rows=None) shows all"
+VIEW_HINT = "print(diff.text(max_rows=None)) shows all"
+TEXT_WIDTH = 80  # the summary line is wrapped to this width in text(); ``summary`` itself stays one line
+# removed/added rows in JupyterLab's theme colours (legible on light and dark themes), with fallbacks
+DIFF_STYLE = STYLE.replace("</style>", ".kvxfer tr.removed{color:var(--jp-error-color1,#b00)}"
+                                       ".kvxfer tr.added{color:var(--jp-success-color1,#070)}</style>")
 _KEY = ("dst_buf", "dst_offset", "src_buf", "src_offset", "nbytes")  # sort priority: destination first
 
 
@@ -140,8 +147,10 @@ def summary_line(a: TransferPlan, b: TransferPlan, same_bytes: bool | None) -> s
 
 # ---- the diff ---------------------------------------------------------------------------------------------
 def _differing(a: TransferPlan, b: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
-    """Ranges present in only one plan (matched on buffer names, offsets and size), in destination order with
-    removed before added at the same place: (side 0 = only in a / 1 = only in b, index into that plan)."""
+    """Ranges present in only one plan (matched on buffer names, offsets and size): (side 0 = only in a / 1 =
+    only in b, index into that plan). Ordered by destination, removed before added at the same place. Plans
+    that move in opposite directions share no destinations: their rows are paired instead, region by region
+    (regions matched by name), the k-th changed range of a region in ``a`` beside the k-th in ``b``."""
     ids: dict[str, int] = {}
     for buf in a.buffers + b.buffers:  # a's buffer order, then b's new buffers: rows follow the plans' order
         ids.setdefault(buf.name, len(ids))
@@ -160,7 +169,36 @@ def _differing(a: TransferPlan, b: TransferPlan) -> tuple[np.ndarray, np.ndarray
     matched[1:] |= same_next
     keep = o[~matched]
     keep = keep[np.lexsort((side[keep], cols["dst_offset"][keep], cols["dst_buf"][keep]))]  # '-' before '+'
+    if a.direction != b.direction:
+        keep = keep[_paired(a, b, side[keep], index[keep])]
     return side[keep], index[keep]
+
+
+def _paired(a: TransferPlan, b: TransferPlan, side: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The order that puts the k-th changed range of each region in ``a`` (side 0) before the k-th in ``b``
+    (side 1), counting each side's ranges by their device-side place (a load's destination, a store's source,
+    buffers by name), regions in ``a``'s order then ``b``'s new ones."""
+    names: dict[str, int] = {}
+    for name in a.regions + b.regions:
+        names.setdefault(name, len(names))
+    buffers: dict[str, int] = {}
+    for buf in a.buffers + b.buffers:
+        buffers.setdefault(buf.name, len(buffers))
+    region, dev_buf, dev_off = (np.zeros(len(side), np.int64) for _ in range(3))
+    for s, plan in enumerate((a, b)):
+        rows = index[side == s]
+        ids = np.array([names[r] for r in plan.regions] or [0], np.int64)
+        region[side == s] = ids[plan.region[rows]]
+        dev = "dst" if plan.direction.dst_side is Location.DEVICE else "src"
+        remap = np.array([buffers[buf.name] for buf in plan.buffers] or [0], np.int64)
+        dev_buf[side == s] = remap[getattr(plan, f"{dev}_buf")[rows]]
+        dev_off[side == s] = getattr(plan, f"{dev}_offset")[rows]
+    group = region * 2 + side
+    o = np.lexsort((dev_off, dev_buf, group))  # each region's rows of one side, by device-side place
+    starts = np.flatnonzero(np.concatenate(([True], group[o][1:] != group[o][:-1]))) if len(o) else o
+    ordinal = np.empty(len(side), np.int64)
+    ordinal[o] = np.arange(len(o)) - np.repeat(starts, np.diff(np.append(starts, len(o))))
+    return np.lexsort((side, ordinal, region))
 
 
 @dataclass(frozen=True)
@@ -200,33 +238,34 @@ class PlanDiff:
         kinds = ["removed" if s == 0 else "added" for s in side.tolist()]
         return rows, kinds, cut, len(self._side) - len(shown)
 
-    def _elision(self, elided: int) -> str:
-        return f"... {plural(elided, 'changed range')} not shown (text(max_rows=None) shows all) ..."
-
-    def text(self, max_rows: int | None = DEFAULT_DIFF_ROWS) -> str:
-        """'' when identical; else '--- a', '+++ b', the summary line and the -/+ rows (fixed width)."""
+    def text(self, max_rows: int | None = DEFAULT_DIFF_ROWS, *, hint: str = TEXT_HINT, width: int = TEXT_WIDTH) -> str:
+        """'' when identical; else '--- a', '+++ b', the summary (wrapped to ``width`` columns, continued with
+        two spaces) and the -/+ rows (fixed width), the middle elided beyond ``max_rows`` with a count and
+        ``hint`` (what shows every row where the text is read). Raises PlanError for ``max_rows < 2``."""
         if self.identical:
             return ""
-        lines = [f"--- {self.a!r}", f"+++ {self.b!r}", self.summary]
+        lines = [f"--- {self.a!r}", f"+++ {self.b!r}", *wrap_parts(self.summary, width)]
         if len(self._side):
             rows, _, cut, elided = self._rows(max_rows)
-            lines += format_table(("",) + RANGE_COLUMNS, rows, NUMERIC, cut, self._elision(elided), indent="")
+            marker = elision(elided, hint, "changed range")
+            lines += format_table(("",) + RANGE_COLUMNS, rows, NUMERIC, cut, marker, indent="")
         return "\n".join(lines) + "\n"
 
     def __str__(self) -> str:
         return self.text()
 
-    def to_html(self, max_rows: int | None = DEFAULT_DIFF_ROWS) -> str:
-        """The content of ``text()`` as plain HTML; removed rows have class "removed", added rows "added"."""
+    def to_html(self, max_rows: int | None = DEFAULT_DIFF_ROWS, *, hint: str = VIEW_HINT) -> str:
+        """The content of ``text()`` as plain HTML; removed rows have class "removed", added rows "added", in
+        JupyterLab's error and success colours."""
         if self.identical:
             return '<div class="kvxfer kvxfer-diff"><p>identical plans</p></div>'
-        parts = ['<div class="kvxfer kvxfer-diff">', STYLE.replace("</style>", ".kvxfer tr.removed{color:#b00}"
-                                                                    ".kvxfer tr.added{color:#070}</style>"),
+        parts = ['<div class="kvxfer kvxfer-diff">', DIFF_STYLE,
                  f"<p>--- {html.escape(repr(self.a))}<br>+++ {html.escape(repr(self.b))}</p>",
                  f'<p class="summary">{html.escape(self.summary)}</p>']
         if len(self._side):
             rows, kinds, cut, elided = self._rows(max_rows)
-            parts.append(html_table(("",) + RANGE_COLUMNS, rows, NUMERIC, cut, self._elision(elided), kinds))
+            parts.append(html_table(("",) + RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint, "changed range"),
+                                    kinds))
         parts.append("</div>")
         return "\n".join(parts)
 
@@ -248,4 +287,5 @@ def diff_plans(a: TransferPlan, b: TransferPlan) -> PlanDiff:
     return PlanDiff(a, b, False, same, summary_line(a, b, same), index[side == 0], index[side == 1], side, index)
 
 
-__all__ = ["DEFAULT_DIFF_ROWS", "PlanDiff", "diff_plans", "equivalent", "normalize", "summary_line"]
+__all__ = ["DEFAULT_DIFF_ROWS", "DIFF_STYLE", "TEXT_HINT", "TEXT_WIDTH", "VIEW_HINT", "PlanDiff", "diff_plans", "equivalent",
+           "normalize", "summary_line"]

@@ -1,8 +1,10 @@
 """Golden plans: a case and the plan it must produce, in one JSON file formatted for code review.
 
 A golden file holds ``kvxfer_golden`` (this format's version), the case (layout, mapping, target, options)
-and the plan: its header, call offsets and one range per line. Pure: functions take paths and values and
-never read the environment; the pytest plugin and the CLI decide when to update.
+and the plan: its header, call offsets and one range per line. A file made from a plan alone holds
+``"case": null``: its test pins the plan, and ``kvxfer golden check`` has nothing to re-plan. Pure:
+functions take paths and values and never read the environment; the pytest plugin and the CLI decide when
+to update.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from .case import Case
-from .diff import PlanDiff, diff_plans
+from .diff import DEFAULT_DIFF_ROWS, TEXT_HINT, PlanDiff, diff_plans
 from .errors import PlanError
 from .files import PlanFileError, golden_columns, parse_json, read_json
 from .plan import COLUMNS, TransferPlan
+from .render import EXPLAIN_HINT
 
 GOLDEN_SCHEMA = 1
 _WIDTH = 120  # containers whose one-line form is longer are broken, one element per line
@@ -49,17 +52,26 @@ def _format(obj: Any, indent: str = "") -> str:
     return "[\n" + ",\n".join(inner + _format(v, inner) for v in obj) + "\n" + indent + "]"
 
 
-def golden_dict(case: Case, plan: TransferPlan | None = None) -> dict[str, Any]:
-    """The golden file's content for ``case`` and its ``plan`` (planned now when not given)."""
-    plan = case.plan() if plan is None else plan
+def _plan_of(case: Case | None, plan: TransferPlan | None) -> TransferPlan:
+    if plan is not None:
+        return plan
+    if case is None:
+        raise GoldenError("plan", None, "a golden file needs a case, a plan or both")
+    return case.plan()
+
+
+def golden_dict(case: Case | None, plan: TransferPlan | None = None) -> dict[str, Any]:
+    """The golden file's content for ``case`` and its ``plan`` (planned now when not given; ``case`` None: the
+    plan alone). Raises GoldenError when both are None."""
+    plan = _plan_of(case, plan)
     d = plan.to_dict()
     columns = d.pop("columns")
     ranges = [list(r) for r in zip(*(columns[name] for name in COLUMNS))] if plan.num_ranges else []
     plan_part = {"summary": repr(plan), **d, "range_columns": list(COLUMNS), "ranges": ranges}
-    return {"kvxfer_golden": GOLDEN_SCHEMA, "case": case.to_dict(), "plan": plan_part}
+    return {"kvxfer_golden": GOLDEN_SCHEMA, "case": None if case is None else case.to_dict(), "plan": plan_part}
 
 
-def dumps(case: Case, plan: TransferPlan | None = None) -> str:
+def dumps(case: Case | None, plan: TransferPlan | None = None) -> str:
     """The golden file's text: stable key order, one range per line, trailing newline."""
     return _format(golden_dict(case, plan)) + "\n"
 
@@ -67,9 +79,9 @@ def dumps(case: Case, plan: TransferPlan | None = None) -> str:
 # ---- reading ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Golden:
-    """A golden file's case and stored plan."""
+    """A golden file's case (None in a file made from a plan alone) and stored plan."""
 
-    case: Case
+    case: Case | None
     plan: TransferPlan
 
 
@@ -112,9 +124,11 @@ def from_dict(d: dict[str, Any], source: str = "golden file") -> Golden:
     return Golden(case, plan)
 
 
-def _case(d: dict[str, Any], source: str) -> Case:
+def _case(d: dict[str, Any], source: str) -> Case | None:
     if "case" not in d:
         raise GoldenError("case", None, "missing from the golden file", source=source)
+    if d["case"] is None:  # a golden file made from a plan alone
+        return None
     try:
         return Case.model_validate(d["case"])
     except PlanError as e:
@@ -145,13 +159,15 @@ def load(path: str | Path) -> Golden:
     return from_dict(_read(path), str(path))
 
 
-def load_case(path: str | Path) -> Case:
-    """Only the case of a golden file (readable even when the stored plan's schema is not)."""
+def load_case(path: str | Path) -> Case | None:
+    """Only the case of a golden file (readable even when the stored plan's schema is not); None when the file
+    was made from a plan alone."""
     return _case(migrate(_read(path), str(path)), str(path))
 
 
-def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool:
-    """Write the golden file for ``case`` (and ``plan``); returns False when the file already had this text."""
+def save(path: str | Path, case: Case | None, plan: TransferPlan | None = None) -> bool:
+    """Write the golden file for ``case`` (and ``plan``; ``case`` None: the plan alone); returns False when the
+    file already had this text. Raises GoldenError for a path that is a link, or neither a case nor a plan."""
     path = Path(path)
     if path.is_symlink():
         raise GoldenError("path", str(path), "is a symbolic link; golden files are written in place, never "
@@ -167,7 +183,8 @@ def save(path: str | Path, case: Case, plan: TransferPlan | None = None) -> bool
 # ---- comparing --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GoldenCheck:
-    """Outcome of comparing a plan with a golden file. ``status``: ok, missing, unreadable, case-changed, differs.
+    """Outcome of comparing a plan with a golden file. ``status``: ok, missing, unreadable, unplannable,
+    case-changed, differs; or plan-only (``check_file`` on a file made from a plan alone: nothing to re-plan).
 
     ``message`` says what differs (with the plan diff) in a form ready to print; ``diff`` is the plan diff
     (stored -> current) when both plans are known.
@@ -180,40 +197,53 @@ class GoldenCheck:
 
     @property
     def ok(self) -> bool:
-        """Whether the plan matches the golden file."""
-        return self.status == "ok"
+        """Whether the plan matches the golden file (a plan-only file, which nothing re-plans, counts as ok)."""
+        return self.status in ("ok", "plan-only")
 
 
-def check(path: str | Path, case: Case, plan: TransferPlan | None = None) -> GoldenCheck:
-    """Compare ``case`` and its ``plan`` (planned now when not given) with the golden file at ``path``."""
+def check(path: str | Path, case: Case | None, plan: TransferPlan | None = None, *,
+          max_rows: int | None = DEFAULT_DIFF_ROWS, hint: str | None = None) -> GoldenCheck:
+    """Compare ``case`` and its ``plan`` (planned now when not given) with the golden file at ``path``; with
+    ``case`` None, the ``plan`` alone (the stored case, if any, is then not compared). The message shows at
+    most ``max_rows`` changed ranges (None: all); ``hint`` says what shows them all where the message is read
+    (default: the Python call). Raises GoldenError when both ``case`` and ``plan`` are None."""
     path = Path(path)
+    if case is None and plan is None:
+        _plan_of(case, plan)  # raises
     try:
-        plan = case.plan() if plan is None else plan
+        plan = _plan_of(case, plan)
     except PlanError as e:
         return GoldenCheck(path, "unplannable", f"the case of {path} no longer plans: {e}")
     if not path.is_file():
-        return GoldenCheck(path, "missing", f"no golden file at {path}; the plan is:\n{plan.explain(max_rows=10)}")
+        shown = plan.explain(max_rows=None if max_rows is None else min(max_rows, 10),
+                             hint=EXPLAIN_HINT if hint is None else hint)
+        return GoldenCheck(path, "missing", f"no golden file at {path}; the plan is:\n{shown}")
     try:
         stored = load(path)
         diff = diff_plans(stored.plan, plan)
     except PlanError as e:
         return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
-    if stored.case != case:
-        what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{diff.text()}"
+    rows = diff.text(max_rows, hint=TEXT_HINT if hint is None else hint)
+    if case is not None and stored.case != case:
+        what = "; the plans are identical" if not diff else f"; stored plan -> new plan:\n{rows}"
         return GoldenCheck(path, "case-changed", f"the case differs from the one stored in {path}{what}", diff)
     if diff:
-        return GoldenCheck(path, "differs", f"plan differs from {path} (stored -> new):\n{diff.text()}", diff)
+        return GoldenCheck(path, "differs", f"plan differs from {path} (stored -> new):\n{rows}", diff)
     return GoldenCheck(path, "ok", f"{path}: ok", diff)
 
 
-def check_file(path: str | Path) -> GoldenCheck:
-    """Re-plan the case stored in the golden file at ``path`` with this kvxfer and compare with its plan."""
+def check_file(path: str | Path, *, max_rows: int | None = DEFAULT_DIFF_ROWS, hint: str | None = None) -> GoldenCheck:
+    """Re-plan the case stored in the golden file at ``path`` with this kvxfer and compare with its plan
+    (``max_rows`` and ``hint`` as for ``check``)."""
     path = Path(path)
     try:
         case = load_case(path)
+        if case is None:
+            load(path)  # the stored plan must still read
+            return GoldenCheck(path, "plan-only", "made from a plan alone: no case to re-plan (its test pins it)")
     except PlanError as e:
         return GoldenCheck(path, "unreadable", f"golden file {path} cannot be read: {e}")
-    return check(path, case)
+    return check(path, case, max_rows=max_rows, hint=hint)
 
 
 def folder_files(folder: str | Path) -> tuple[list[Path], list[GoldenCheck]]:
@@ -267,9 +297,10 @@ def prune(paths: Iterable[Path]) -> list[Path]:
 
 
 def update_file(path: str | Path) -> bool:
-    """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed.
-    Raises GoldenError when the file (its case) cannot be read."""
-    return save(path, load_case(path))
+    """Rewrite the golden file at ``path`` with the plan its case gives now; True when the text changed (never
+    for a file made from a plan alone, which has no case). Raises GoldenError when the file cannot be read."""
+    case = load_case(path)
+    return False if case is None else save(path, case)
 
 
 __all__ = ["GOLDEN_SCHEMA", "Golden", "GoldenCheck", "GoldenError", "MIGRATIONS", "USED_RECORD", "check", "check_file", "dumps",

@@ -61,6 +61,29 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def wrap_parts(text: str, width: int, indent: str = "  ", sep: str = ", ") -> list[str]:
+    """``text`` (parts joined by ``sep``) as lines of at most ``width`` characters, broken after a ``sep`` and
+    continued with ``indent``; a part longer than a line is broken at spaces, never inside a word."""
+    import textwrap
+
+    parts = text.split(sep)
+    pieces = [p + sep.rstrip() for p in parts[:-1]] + parts[-1:]
+    lines: list[str] = []
+    line = ""
+    for piece in pieces:
+        joined = f"{line} {piece}" if line else piece
+        if line and len(indent * bool(lines) + joined) > width:
+            lines.append(line)
+            joined = piece
+        line = joined
+    lines.append(line)
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        out += textwrap.wrap(line, width, initial_indent=indent if i else "", subsequent_indent=indent,
+                             break_long_words=False, break_on_hyphens=False) or [""]
+    return out
+
+
 def _where(plan: TransferPlan, buf: np.ndarray, off: np.ndarray) -> list[str]:
     names = [b.name for b in plan.buffers]
     return [f"{names[b]}:{o}" for b, o in zip(buf.tolist(), off.tolist())]
@@ -117,16 +140,18 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric:
     return lines
 
 
-# Notebook front ends style every output table; JupyterLab right-aligns cells with
-# ``:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`` (specificity 0,2,1) and centres tables. The class is
-# doubled (``.kvxfer.kvxfer``) so each rule here outranks those on specificity alone, wherever the stylesheets
-# sit in the document (tests/test_html_css.py checks it against JupyterLab's rules).
+# Colours are JupyterLab's theme variables with a fallback for pages without them, so the views stay legible
+# on dark themes (tests/test_html_css.py checks every colour is such a variable). Notebook front ends style
+# every output table; JupyterLab right-aligns cells with ``:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon
+# td`` (specificity 0,2,1) and centres tables. The class is doubled (``.kvxfer.kvxfer``) so each rule here
+# outranks those on specificity alone, wherever the stylesheets sit in the document (tests/test_html_css.py
+# checks it against JupyterLab's rules).
 STYLE = ("<style>"
          ".kvxfer.kvxfer table{margin:0 0 1em 0;border-collapse:collapse;table-layout:auto}"
          ".kvxfer.kvxfer table td,.kvxfer.kvxfer table th{padding:1px 8px;font-family:monospace;text-align:left;"
          "white-space:nowrap;vertical-align:top}"
          ".kvxfer.kvxfer table td.n,.kvxfer.kvxfer table th.n{text-align:right}"
-         ".kvxfer.kvxfer .elided{font-style:italic;color:#888}</style>")
+         ".kvxfer.kvxfer .elided{font-style:italic;color:var(--jp-content-font-color2,#888)}</style>")
 
 
 def html_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,
@@ -147,7 +172,7 @@ def html_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: s
 
 
 # ---- shared pieces ----------------------------------------------------------------------------------------
-def _runs(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
+def run_lengths(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
     """[8192, 8192, 8192, 5632] -> '8192 x3, 5632' (run-length, in order; long lists elided)."""
     if len(values) == 0:
         return "none"
@@ -183,7 +208,7 @@ def _attrs_line(plan: TransferPlan) -> str:
     if not plan.passes_attrs:
         return "not passed (numAttrs 0)"
     per_call = [len(plan.attr_runs(c)[0]) for c in range(plan.num_calls)]
-    return f"passed (numAttrs per call: {_runs(per_call)})"
+    return f"passed (numAttrs per call: {run_lengths(per_call)})"
 
 
 def _buffers_line(plan: TransferPlan) -> str:
@@ -196,7 +221,7 @@ def _buffers_line(plan: TransferPlan) -> str:
 def _calls_line(plan: TransferPlan) -> str:
     if not plan.num_calls:
         return "none"
-    line = f"{plan.num_calls}: {_runs(plan.call_sizes.tolist())} ranges"
+    line = f"{plan.num_calls}: {run_lengths(plan.call_sizes.tolist())} ranges"
     if plan.api in (CopyApi.CUDA_PER_RANGE, CopyApi.HIP_PER_RANGE, CopyApi.MEMCPY):
         line += f" ({plan.api.value} per range: {plan.num_ranges} driver calls)"
     return line
@@ -253,47 +278,57 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
     return rows
 
 
-def _elision(elided: int) -> str:
-    return f"... {plural(elided, 'range')} not shown (full=True shows all) ..."
+# What shows every range, said where the elision marker appears: each caller (the CLI, the pytest plugin) passes
+# its own, so the marker never names an argument that does not exist where it is read.
+EXPLAIN_HINT = "full=True shows all"
+VIEW_HINT = "plan.explain(full=True) shows all"
+
+
+def elision(elided: int, hint: str, what: str = "range") -> str:
+    """The marker that stands for ``elided`` rows: '... 12 ranges not shown (<hint>) ...'."""
+    return f"... {plural(elided, what)} not shown ({hint}) ..."
 
 
 # ---- text -------------------------------------------------------------------------------------------------
 def explain(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
-            ranges: bool = True, layout: Layout | None = None) -> str:
+            ranges: bool = True, layout: Layout | None = None, hint: str = EXPLAIN_HINT) -> str:
     """Deterministic fixed-width text: the header, then the range table.
 
-    ``max_rows`` ranges are shown (head and tail, with a count of the elided middle); ``full=True`` shows all;
-    ``ranges=False`` prints the header only. With ``layout`` (the plan's), block counts use each region's
-    page size. Raises PlanError for ``max_rows < 2`` or a layout with other regions.
+    ``max_rows`` ranges are shown (head and tail, with a count of the elided middle, followed by ``hint``:
+    what shows every range where the text is read); ``full=True`` shows all; ``ranges=False`` prints the
+    header only. With ``layout`` (the plan's), block counts use each region's page size. Raises PlanError
+    for ``max_rows < 2`` or a layout with other regions.
     """
     head = header_rows(plan, layout)
     width = max(len(k) for k, _ in head)
     lines = [repr(plan)] + [f"  {k.ljust(width)}  {v}" for k, v in head]
     if ranges and plan.num_ranges:
         rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
-        lines += [""] + format_table(RANGE_COLUMNS, rows, NUMERIC, cut, _elision(elided))
+        lines += [""] + format_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint))
     return "\n".join(lines) + "\n"
 
 
 # ---- HTML -------------------------------------------------------------------------------------------------
 def to_html(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
-            layout: Layout | None = None) -> str:
-    """The content of ``explain`` as plain HTML (a header table and the range table); no scripts, no subprocess."""
+            layout: Layout | None = None, hint: str = VIEW_HINT) -> str:
+    """The content of ``explain`` as plain HTML (a header table and the range table); no scripts, no subprocess.
+    Arguments as for ``explain``."""
     head = "\n".join(f"<tr><th>{html.escape(k.strip())}</th><td>{html.escape(v)}</td></tr>"
                      for k, v in header_rows(plan, layout))
     parts = ['<div class="kvxfer kvxfer-plan">', STYLE, f"<p><b>{html.escape(repr(plan))}</b></p>",
              f'<table class="kvxfer-header">\n{head}\n</table>']
     if plan.num_ranges:
         rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
-        parts.append(html_table(RANGE_COLUMNS, rows, NUMERIC, cut, _elision(elided)))
+        parts.append(html_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint)))
     parts.append("</div>")
     return "\n".join(parts)
 
 
 # ---- terminal ---------------------------------------------------------------------------------------------
 def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
-            ranges: bool = True, layout: Layout | None = None) -> Any:
-    """A rich renderable (header grid and range table) with the content of ``explain``. Needs ``rich``."""
+            ranges: bool = True, layout: Layout | None = None, hint: str = VIEW_HINT) -> Any:
+    """A rich renderable (header grid and range table) with the content of ``explain`` (arguments as there).
+    Raises ImportError with an install hint without ``rich``."""
     try:
         from rich.console import Group
         from rich.table import Table
@@ -313,7 +348,7 @@ def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
             table.add_column(c, justify="right" if c in NUMERIC else "left")
         for i, r in enumerate(rows):
             if i == cut:
-                table.add_row("", "", Text(_elision(elided), style="italic dim"))
+                table.add_row("", "", Text(elision(elided, hint), style="italic dim"))
             table.add_row(*r)
         parts.append(table)
     return Group(*parts)
@@ -396,5 +431,5 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
 
 
 
-__all__ = ["DEFAULT_MAX_ROWS", "block_bytes", "explain", "header_rows", "run_length_histogram", "stats", "stats_frame",
-           "to_html", "to_rich"]
+__all__ = ["DEFAULT_MAX_ROWS", "EXPLAIN_HINT", "VIEW_HINT", "block_bytes", "elision", "explain", "header_rows",
+           "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]

@@ -1,8 +1,16 @@
-"""A picture of a plan: the transfer map (needs matplotlib, the ``viz`` extra; imported only when drawing).
+"""A picture of a plan, the transfer map (needs matplotlib, the ``viz`` extra; imported only when drawing).
 
-Source blocks run along x, destination blocks along y; every buffer used on a side gets its own stretch of
-the axis, in buffer order. A range is a band from (source, destination) along the diagonal, as long as the
-blocks it covers, coloured by region. The first range of each driver call is marked and numbered.
+Three panels, each legible from 1 region to hundreds:
+
+- **ranges per region** (left): one row per region; its copies (blocks) laid end to end in plan order, each
+  range one segment as long as the blocks it covers, neighbouring ranges in alternating shades. A merged run
+  is one long segment, a fragmented transfer a row of thin stripes. Colour is the driver call; a black tick
+  marks where a call starts inside a row.
+- **range sizes** (top right): how many ranges cover how many blocks.
+- **one region** (bottom right): source block against destination block for the region with the most
+  ranges, each range a band along the diagonal, so descending and interleaved runs show their shape.
+
+``range_strips`` is the numbers the left panel draws (pure numpy, no matplotlib).
 """
 from __future__ import annotations
 
@@ -13,14 +21,18 @@ import numpy as np
 
 from .layout import Layout
 from .plan import TransferPlan, format_bytes
-from .render import block_bytes
+from .render import block_bytes, plural
 
-_LEGEND_REGIONS = 12
-_LABELLED_CALLS = 32
-_LABELLED_BUFFERS = 16
+STRIP_COLUMNS = 1200  # raster width of the ranges-per-region panel
+CALL_COLOURS = 10  # tab10; more calls cycle the colours
+LABELLED_RANGES = 48  # up to this many ranges, each segment wide enough says its size in blocks
+FEW_REGIONS = 6  # up to this many regions the strips run across the top of the figure
+LISTED_SIZES = 12  # distinct range sizes drawn as one bar each; more: a histogram over log-spaced bins
 
 
-def _matplotlib() -> Any:
+def require_matplotlib() -> Any:
+    """The matplotlib module; raises ImportError with the install hint when the ``viz`` extra is missing
+    (callers that write other files first check here, so nothing is written half-way)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -28,100 +40,208 @@ def _matplotlib() -> Any:
     return matplotlib
 
 
-def _axis(plan: TransferPlan, bufs: np.ndarray, unit: float) -> tuple[np.ndarray, list[tuple[float, float, str]]]:
-    """Start (in blocks) of every buffer on one side's axis, and (start, end, name) of the used ones."""
-    used = np.unique(bufs)
-    start = np.zeros(len(plan.buffers))
-    spans, pos = [], 0.0
-    for b in used.tolist():
-        start[b] = pos
-        size = plan.buffers[b].nbytes / unit
-        spans.append((pos, pos + size, plan.buffers[b].name))
-        pos += size
-    return start, spans
+def range_strips(plan: TransferPlan, layout: Layout | None = None) -> dict[str, np.ndarray]:
+    """The ranges-per-region panel as columns, one entry per range in plan order: ``row`` (its region),
+    ``start`` and ``blocks`` (its place and length, in blocks of its region, the region's ranges laid end to
+    end in plan order), ``call`` (the driver call it is in) and ``shade`` (0/1, alternating along a row).
+    With ``layout``, blocks use each region's page size (see ``render.block_bytes``)."""
+    n = plan.num_ranges
+    blocks = plan.nbytes.astype(np.float64) / block_bytes(plan, layout) if n else np.zeros(0)
+    row = np.asarray(plan.region, np.int64)
+    order = np.lexsort((np.arange(n), row))  # each region's ranges, in plan order
+    cum = np.cumsum(blocks[order])
+    first = np.concatenate(([True], row[order][1:] != row[order][:-1])) if n else np.zeros(0, bool)
+    region_base = np.maximum.accumulate(np.where(first, cum - blocks[order], 0.0)) if n else np.zeros(0)
+    start = np.empty(n)
+    start[order] = cum - blocks[order] - region_base
+    rank = np.empty(n, np.int64)
+    starts = np.flatnonzero(first)
+    rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
+    call = np.searchsorted(plan.call_offsets, np.arange(n), side="right") - 1
+    return {"row": row, "start": start, "blocks": blocks, "call": call.astype(np.int64), "shade": rank % 2}
 
 
-def _buffer_ticks(ax: Any, spans: list[tuple[float, float, str]], axis: str) -> None:
-    """Block numbers along one axis. One buffer: the plain numeric ticks are its block numbers. A few buffers:
-    block numbers counted within each buffer, and the buffer names under them. Many: positions only (the
-    axis label says the buffers are laid back to back)."""
+def _call_colours(plan: TransferPlan) -> np.ndarray:
+    """RGBA per call: tab10, cycled."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return np.array([cmap(c % CALL_COLOURS) for c in range(max(plan.num_calls, 1))])
+
+
+def _strip_image(plan: TransferPlan, s: dict[str, np.ndarray], total: float, colours: np.ndarray) -> np.ndarray:
+    """RGBA raster (regions x STRIP_COLUMNS): each range painted over its columns in its call's colour, lighter
+    on odd shades; empty space transparent. A range narrower than a column still paints one."""
+    rows = len(plan.regions)
+    img = np.zeros((rows, STRIP_COLUMNS, 4))
+    if not plan.num_ranges or total <= 0:
+        return img
+    scale = STRIP_COLUMNS / total
+    c0 = np.minimum((s["start"] * scale).astype(np.int64), STRIP_COLUMNS - 1)
+    c1 = np.maximum(np.minimum(np.ceil((s["start"] + s["blocks"]) * scale).astype(np.int64), STRIP_COLUMNS), c0 + 1)
+    width = c1 - c0
+    which = np.repeat(np.arange(plan.num_ranges), width)
+    col = np.repeat(c0, width) + (np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width))
+    rgba = colours[s["call"]].copy()
+    rgba[s["shade"] == 1, :3] = 1 - 0.55 * (1 - rgba[s["shade"] == 1, :3])  # lighter: mixed with white
+    img[s["row"][which], col] = rgba[which]
+    return img
+
+
+def _region_ticks(ax: Any, names: tuple[str, ...], height_pt: float) -> None:
+    """Region names down the y axis: every one while they fit at 7 pt, else every k-th."""
+    n = len(names)
+    step = max(1, int(np.ceil(9.0 / max(height_pt / max(n, 1), 1e-9))))
+    ticks = list(range(0, n, step))
+    ax.set_yticks(ticks, [names[i] for i in ticks], fontsize=7)
+    ax.tick_params(axis="y", length=2)
+
+
+def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, height_in: float) -> None:
+    s = range_strips(plan, layout)
+    rows = len(plan.regions)
+    per_row = np.bincount(s["row"], weights=s["blocks"], minlength=rows) if plan.num_ranges else np.zeros(rows)
+    total = float(per_row.max()) if rows and plan.num_ranges else 1.0
+    ax.imshow(_strip_image(plan, s, total, colours), aspect="auto", interpolation="nearest",
+              extent=(0, total, rows - 0.5, -0.5))
+    ax.set_xlim(0, total)
+    ax.set_ylim(rows - 0.5, -0.5)
+    starts = plan.call_offsets[1:-1]  # where calls 1, 2, ... begin: a tick across that row
+    if len(starts):
+        x = s["start"][starts]
+        ax.vlines(x, s["row"][starts] - 0.5, s["row"][starts] + 0.5, colors="black", linewidth=1.2)
+    if plan.num_ranges <= LABELLED_RANGES:
+        for i in range(plan.num_ranges):
+            if s["blocks"][i] >= 0.06 * total:  # wide enough for its label
+                ax.text(s["start"][i] + s["blocks"][i] / 2, s["row"][i], f"{s['blocks'][i]:g}", ha="center",
+                        va="center", fontsize=7, clip_on=True)
+    _region_ticks(ax, plan.regions, height_in * 72 * 0.8)
+    ax.set_xlabel("blocks copied, in plan order (one segment per range)", fontsize=8)
+    ax.set_ylabel(f"region ({len(plan.regions)})", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title("ranges per region", fontsize=9, loc="left")
+
+
+def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    line = ax.axvline if axis == "x" else ax.axhline
-    for s, _, _ in spans[1:]:
-        line(s, color="0.85", linewidth=0.6, zorder=0)
-    if not 1 < len(spans) <= _LABELLED_BUFFERS:
+    from .render import run_length_histogram
+
+    hist = run_length_histogram(plan, layout)
+    sizes, counts = list(hist), list(hist.values())
+    ax.set_title("range sizes", fontsize=9, loc="left")
+    ax.set_ylabel("ranges", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if not sizes:
+        ax.text(0.5, 0.5, "no ranges", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        ax.set_xticks([])
         return
-    longest = max(e - s for s, e, _ in spans)
-    steps = MaxNLocator(nbins=max(2, 12 // len(spans)), integer=True, min_n_ticks=1).tick_values(0, longest)
-    step = max(float(steps[1] - steps[0]) if len(steps) > 1 else longest, 1.0)
-    ticks = [(s + b, f"{b:g}") for s, e, _ in spans for b in np.arange(0, e - s, step).tolist()]
-    set_ticks = ax.set_xticks if axis == "x" else ax.set_yticks
-    set_ticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
-    set_ticks([(s + e) / 2 for s, e, _ in spans], [n for _, _, n in spans], minor=True, fontsize=7)
-    widest = max(len(lab) for _, lab in ticks)  # names sit beyond the numbers: pad by the numbers' extent
-    ax.tick_params(axis=axis, which="minor", length=0, pad=14 if axis == "x" else 6 + 4.5 * widest)
+    if len(sizes) <= LISTED_SIZES:
+        x = np.arange(len(sizes))
+        bars = ax.bar(x, counts, color="0.45", width=0.7)
+        ax.bar_label(bars, [str(c) for c in counts], fontsize=7, padding=1)
+        ax.set_xticks(x, [f"{v:g}" for v in sizes], fontsize=7, rotation=0 if len(sizes) <= 6 else 45)
+        ax.set_xlim(-0.6, len(sizes) - 0.4)
+    else:
+        lo, hi = min(sizes), max(sizes)
+        edges = np.geomspace(lo, hi * 1.0001, 16) if hi > lo else np.array([lo * 0.9, hi * 1.1])
+        ax.hist(np.repeat(sizes, counts), bins=edges, color="0.45")
+        ax.set_xscale("log")
+    ax.set_ylim(0, max(counts) * 1.18)  # headroom for the count labels
+    ax.set_xlabel("blocks per range", fontsize=8)
 
 
-def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, ax: Any = None,
-                 title: str | None = None, linewidth: float = 3.0) -> Any:
-    """Draw the transfer map of ``plan`` on ``ax`` (a new Figure when None, no pyplot state) and return the
-    Figure. With ``layout``, block lengths use each region's page size. Raises ImportError without matplotlib."""
-    _matplotlib()
-    from matplotlib import colormaps
+def _draw_region(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, region: int | None) -> None:
     from matplotlib.collections import LineCollection
+    from matplotlib.ticker import MaxNLocator
+
+    if plan.num_ranges:
+        per = np.bincount(plan.region, minlength=len(plan.regions))
+        r = int(np.argmax(per)) if region is None else region
+    else:
+        r = 0 if region is None else region
+    sel = np.flatnonzero(plan.region == r) if plan.num_ranges else np.zeros(0, np.int64)
+    name = plan.regions[r] if plan.regions else "-"
+    ax.set_title(f"region {name}: {plural(len(sel), 'range')}", fontsize=9, loc="left")
+    ax.tick_params(labelsize=7)
+    if not len(sel):
+        ax.text(0.5, 0.5, "no ranges", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        return
+    unit = block_bytes(plan, layout)[sel]
+    x0, y0 = plan.src_offset[sel] / unit, plan.dst_offset[sel] / unit
+    length = plan.nbytes[sel] / unit
+    segments = np.stack([np.stack([x0, y0], 1), np.stack([x0 + length, y0 + length], 1)], 1)
+    calls = np.searchsorted(plan.call_offsets, sel, side="right") - 1
+    ax.add_collection(LineCollection(list(segments), colors=colours[calls], linewidths=3, capstyle="butt"))
+    for lo, hi, lim in ((x0.min(), (x0 + length).max(), ax.set_xlim), (y0.min(), (y0 + length).max(), ax.set_ylim)):
+        pad = max((hi - lo) * 0.04, 0.5)
+        lim(lo - pad, hi + pad)  # the axes fit the region's data
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+    src = {plan.buffers[b].name for b in plan.src_buf[sel].tolist()}
+    dst = {plan.buffers[b].name for b in plan.dst_buf[sel].tolist()}
+    block = format_bytes(int(unit[0])) if len(np.unique(unit)) == 1 else "its page"
+    ax.set_xlabel(f"source block ({', '.join(sorted(src))}; {block})", fontsize=8)
+    ax.set_ylabel(f"destination block ({', '.join(sorted(dst))})", fontsize=8)
+
+
+def _legend(fig: Any, plan: TransferPlan, colours: np.ndarray) -> None:
+    from matplotlib.patches import Patch
+
+    from .render import run_lengths
+
+    sizes = plan.call_sizes.tolist()
+    if plan.num_calls <= CALL_COLOURS:
+        handles = [Patch(color=colours[c], label=f"call {c}: {plural(n, 'range')}") for c, n in enumerate(sizes)]
+        title = "driver calls"
+    else:  # colour c stands for calls c, c + 10, ...
+        handles = [Patch(color=colours[c], label=f"calls {c}, {c + CALL_COLOURS}, ...") for c in range(CALL_COLOURS)]
+        title = f"{plan.num_calls} driver calls of {run_lengths(sizes, 3)} ranges (colours cycle)"
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5) or 1, fontsize=7,
+               title=title, title_fontsize=7, frameon=False)
+
+
+def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, fig: Any = None, title: str | None = None,
+                 region: int | None = None) -> Any:
+    """Draw the transfer map of ``plan`` (see the module docstring) into ``fig`` (a matplotlib Figure or
+    SubFigure; a new Figure when None, no pyplot state) and return it. ``layout`` (the plan's) gives each
+    region's page size; ``region`` picks the region of the bottom-right panel (default: the one with the
+    most ranges). Raises ImportError without matplotlib, PlanError for a layout with other regions."""
+    require_matplotlib()
     from matplotlib.figure import Figure
 
-    if ax is None:
-        fig = Figure(figsize=(8, 7), layout="constrained")
-        ax = fig.add_subplot()
-    fig = ax.figure
-    unit = float(np.median(block_bytes(plan, layout))) if plan.num_ranges else 1.0
-    xs, xspans = _axis(plan, plan.src_buf, unit)
-    ys, yspans = _axis(plan, plan.dst_buf, unit)
-    x0 = xs[plan.src_buf] + plan.src_offset / unit
-    y0 = ys[plan.dst_buf] + plan.dst_offset / unit
-    length = plan.nbytes / unit
-    segments = np.stack([np.stack([x0, y0], 1), np.stack([x0 + length, y0 + length], 1)], 1)
-    cmap = colormaps["tab20"]
-    colours = cmap((plan.region % 20) / 19.0)
-    ax.add_collection(LineCollection(list(segments), colors=colours, linewidths=linewidth, capstyle="butt"))
-    starts = plan.call_offsets[:-1]
-    if plan.num_ranges:
-        ax.scatter(x0[starts], y0[starts], marker="o", s=28, facecolors="none", edgecolors="black",
-                   zorder=3, label="start of a call\n(its first range)")
-        for c, i in enumerate(starts.tolist()[:_LABELLED_CALLS]):
-            ax.annotate(f"call {c}", (x0[i], y0[i]), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    _buffer_ticks(ax, xspans, "x")
-    _buffer_ticks(ax, yspans, "y")
-    for set_lim, spans in ((ax.set_xlim, xspans), (ax.set_ylim, yspans)):
-        top = max(spans[-1][1], 1) if spans else 1
-        set_lim(-0.02 * top, 1.02 * top)  # a margin: bands and markers at block 0 stay off the axis lines
-
-    def label(side: str, spans: list[tuple[float, float, str]]) -> str:
-        if len(spans) == 1:
-            return f"{side} block of {spans[0][2]}"
-        if len(spans) > _LABELLED_BUFFERS:
-            return f"{side} block, {len(spans)} buffers back to back"
-        return f"{side} block"
-
-    ax.set_xlabel(label(f"source ({plan.direction.src_side})", xspans) + f", {format_bytes(int(unit))} each")
-    ax.set_ylabel(label(f"destination ({plan.direction.dst_side})", yspans))
-    ax.set_title(title or repr(plan), fontsize=9)
-    from matplotlib.lines import Line2D
-
-    regions = np.unique(plan.region).tolist()
-    shown = regions if len(regions) <= _LEGEND_REGIONS else []
-    handles = [Line2D([], [], color=cmap((r % 20) / 19.0), linewidth=linewidth, label=plan.regions[r]) for r in shown]
-    note = None if shown or not regions else f"colour: region\n({len(regions)} regions,\ntab20 cycled)"
-    # outside the axes, so it never covers a band
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], title=note, title_fontsize=7, fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    rows = max(len(plan.regions), 1)
+    colours = _call_colours(plan)
+    if rows <= FEW_REGIONS:  # the strips across the top, the two smaller panels under them
+        strip_in = 0.5 + 0.35 * rows
+        if fig is None:
+            fig = Figure(figsize=(11, strip_in + 4.4), layout="constrained")
+        grid = fig.add_gridspec(2, 2, height_ratios=(strip_in, 3.4), width_ratios=(1, 1.4))
+        strips, sizes, one = grid[0, :], grid[1, 0], grid[1, 1]
+    else:  # the strips down the left, one row per region
+        strip_in = min(9.0, 0.9 + 0.05 * rows)
+        if fig is None:
+            fig = Figure(figsize=(11, max(5.2, strip_in + 1.9)), layout="constrained")
+        grid = fig.add_gridspec(2, 2, width_ratios=(2.2, 1), height_ratios=(1, 1.3))
+        strips, sizes, one = grid[:, 0], grid[0, 1], grid[1, 1]
+    _draw_strips(fig.add_subplot(strips), plan, layout, colours, strip_in)
+    _draw_sizes(fig.add_subplot(sizes), plan, layout)
+    _draw_region(fig.add_subplot(one), plan, layout, colours, region)
+    _legend(fig, plan, colours)
+    n, req = plan.num_ranges, plan.requested_copies
+    merge = f"merge {req / n:.2f}x" if n else "nothing to copy"
+    fig.suptitle(title or f"{plan!r}\n{req} copies -> {plural(n, 'range')} ({merge}), {plural(plan.num_calls, 'call')}",
+                 fontsize=9)
     return fig
 
 
-def save_transfer_map(plan: TransferPlan, path: str | Path, *, dpi: int = 120, **kw: Any) -> Path:
-    """Draw the transfer map (see ``transfer_map``) and save it to ``path`` (PNG, SVG or PDF by suffix)."""
+def save_transfer_map(plan: TransferPlan, path: str | Path, *, dpi: int = 110, **kw: Any) -> Path:
+    """Draw the transfer map (see ``transfer_map``; ``kw`` goes there) and save it to ``path`` (PNG, SVG or
+    PDF by suffix). Raises ImportError without matplotlib."""
     path = Path(path)
     transfer_map(plan, **kw).savefig(path, dpi=dpi)
     return path
+
+
+__all__ = ["range_strips", "require_matplotlib", "save_transfer_map", "transfer_map"]

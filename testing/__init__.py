@@ -5,36 +5,25 @@
     assert_plan_matches(plan_transfer(layout, mapping), layout, mapping)
 
 The oracle (``oracle.py``) expands a transfer into per-piece copies straight from the layout model's spec and
-never calls the planner. Names are imported on first use, so loading the pytest plugin stays cheap.
+never calls the planner. Its names are real attributes here; the oracle reads the planner's value types only
+when a function runs, so loading the pytest plugin (``kvxfer.testing.pytest_plugin``, which pytest imports at
+start-up in every project that installs kvxfer) costs numpy and no planner import.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .oracle import (
-        Copies,
-        OracleError,
-        apply_copies,
-        assert_buffers_equal,
-        assert_plan_matches,
-        expected_copies,
-        independent,
-        min_ranges,
-        random_buffers,
-        run_reference,
-    )
+from .oracle import (
+    Copies,
+    OracleError,
+    apply_copies,
+    assert_buffers_equal,
+    assert_plan_matches,
+    expected_copies,
+    independent,
+    min_ranges,
+    random_buffers,
+    run_reference,
+)
 
 __all__ = ["Copies", "OracleError", "apply_copies", "assert_buffers_equal", "assert_plan_matches", "expected_copies",
            "independent", "min_ranges", "random_buffers", "run_reference"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module(".oracle", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer.planner import BlockMapping, Layout, PlanOptions, Region
+if TYPE_CHECKING:  # the planner's value types, imported where a function needs them (see kvxfer.testing)
+    from kvxfer.planner import BlockMapping, Layout, PlanOptions, Region
 
 
 class OracleError(ValueError):
@@ -128,6 +129,8 @@ def expected_copies(layout: Layout, mapping: BlockMapping, options: PlanOptions 
     call boundaries do not change which bytes move. Raises OracleError (a ValueError) when the group sizes
     do not match the layout's groups or the id lists are not consumed exactly.
     """
+    from kvxfer.planner import PlanOptions
+
     options = options or PlanOptions()
     store = mapping.direction.value == "d2h"
     src_side, dst_side = ("device", "host") if store else ("host", "device")

@@ -3,9 +3,12 @@
     def test_restore(golden_plan):
         golden_plan(case, "restore-rocm-7.16")   # compares with tests/golden/restore-rocm-7.16.json
         golden_plan(other_case)                  # tests/golden/test_restore.json
-        golden_plan(third_case)                  # tests/golden/test_restore.1.json (numbered, never overwritten)
+        golden_plan(plan_transfer(layout, m))    # tests/golden/test_restore.1.json (numbered, never overwritten)
 
-A mismatch fails the test with the plan diff and the command that accepts the new plan. Files are written
+``golden_plan`` takes a ``Case`` (or a case dict or file), which it plans, or a ``TransferPlan``. A file made
+from a case holds the case too, so ``kvxfer golden check`` can re-plan it outside pytest; one made from a plan
+holds the plan alone. A mismatch fails the test with the plan diff (``pytest -vv`` shows every changed
+range) and the command that accepts the new plan. Files are written
 only with ``--update-golden`` or ``KVXFER_UPDATE_GOLDEN=1``. The folder is the ini option
 ``kvxfer_golden_dir`` (default ``tests/golden``, relative to the rootdir).
 
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+__all__ = ["golden_plan", "GoldenPlan", "golden_folder", "ENV_UPDATE"]  # the pytest hooks are pytest's to call
 
 ENV_UPDATE = "KVXFER_UPDATE_GOLDEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -52,7 +57,7 @@ def golden_folder(config: pytest.Config) -> Path:
 
 
 class GoldenPlan:
-    """Callable fixture value: ``golden_plan(case, name=None, plan=None) -> plan``."""
+    """Callable fixture value: ``golden_plan(case_or_plan, name=None, plan=None) -> plan``."""
 
     def __init__(self, request: pytest.FixtureRequest):
         self._request = request
@@ -74,31 +79,46 @@ class GoldenPlan:
         return name
 
     def __call__(self, case: Any, name: str | None = None, plan: Any = None) -> Any:
-        """Compare ``case`` (a Case, dict or path) and its plan with ``<golden dir>/<name>.json``; the default
-        name is the test's name, numbered from the second unnamed call on. Returns the plan. Fails the test
-        on a mismatch unless updating."""
-        from kvxfer.planner import Case, golden
+        """Compare with ``<golden dir>/<name>.json``: ``case`` is a Case (or a case dict or file path), planned
+        now unless ``plan`` is given, or a TransferPlan (then ``plan`` must be None), compared alone. The
+        default name is the test's name, numbered from the second unnamed call on. Returns the plan. Fails the
+        test on a mismatch unless updating; raises ValueError (naming the argument) for anything else."""
+        from kvxfer.planner import Case, TransferPlan, golden
 
-        case = Case.coerce(case, "case")
-        plan = case.plan() if plan is None else plan
+        if isinstance(case, TransferPlan):
+            if plan is not None:
+                raise ValueError("golden_plan(plan, plan=...): pass a plan once, or a case and its plan")
+            subject, plan = None, case
+        else:
+            subject = Case.coerce(case, "case")
+            plan = subject.plan() if plan is None else plan
         name = name or self.default_name()
         path = self.path(name)
         self._request.config.stash.setdefault(_USED, set()).add(path.resolve())
-        result = golden.check(path, case, plan)
+        every_row = {"max_rows": None} if self._request.config.get_verbosity() >= 2 else {}  # pytest -vv
+        result = golden.check(path, subject, plan, hint="pytest -vv shows all", **every_row)
         if result.ok:
             return plan
         if self.update:
-            if golden.save(path, case, plan):
+            if golden.save(path, subject, plan):
                 self._request.config.stash.setdefault(_UPDATED, []).append(str(path))
             return plan
-        hint = (f"to accept the new plan: pytest --update-golden {self._request.node.nodeid!r}  "
-                f"(or {ENV_UPDATE}=1; the file is {path})")
+        hint = (f"to accept the new plan: pytest --update-golden {self._request.node.nodeid!r}\n"
+                f"  (or {ENV_UPDATE}=1); the file is {path}")
         pytest.fail(f"golden plan {name!r}: {result.message}\n{hint}", pytrace=False)
 
 
 @pytest.fixture
 def golden_plan(request: pytest.FixtureRequest) -> GoldenPlan:
-    """Compare plans with golden files; see kvxfer.testing.pytest_plugin."""
+    """The fixture: ``golden_plan(case_or_plan, name=None, plan=None) -> plan`` compares with
+    ``<kvxfer_golden_dir>/<name>.json``.
+
+    ``case_or_plan`` is a ``Case`` (or a case dict or a case file path), planned now unless ``plan`` is given,
+    or a ``TransferPlan``, compared alone. ``name`` defaults to the test's name, numbered from the second
+    unnamed call in one test (``test_x``, ``test_x.1``, ...). Returns the plan. A mismatch fails the test with
+    the diff and the command that accepts the new plan; ``--update-golden`` (or ``KVXFER_UPDATE_GOLDEN=1``)
+    writes the file instead. See the module's description for unused files and ``--prune-golden``.
+    """
     return GoldenPlan(request)
 
 

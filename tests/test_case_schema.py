@@ -66,7 +66,7 @@ def test_schema_refuses_what_the_loader_refuses(bad, where):
 
 
 def test_schema_command_prints_the_same_schema(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "schema"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "schema", "--json"], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == Case.json_schema()
 
 

@@ -66,13 +66,24 @@ def test_plan_writes_html_and_png(cases, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_png_without_the_viz_extra_writes_nothing(cases, tmp_path):
+    """Without matplotlib, --png is refused before the HTML (or anything else) is written."""
+    html, png = tmp_path / "p.html", tmp_path / "p.png"
+    code = ("import sys; sys.modules['matplotlib'] = None  # as if the viz extra were not installed\n"
+            "from kvxfer.cli.main import main; main()")
+    r = subprocess.run([sys.executable, "-c", code, "plan", str(cases["716"]), "--html", str(html), "--png", str(png)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "pip install 'kvxfer[viz]'" in r.stderr and "Traceback" not in r.stderr
+    assert not html.exists() and not png.exists()
+
+
 def test_diff_exit_codes(cases, tmp_path):
     r = invoke("diff", cases["716"], cases["716"])
     assert r.exit_code == 0 and r.stdout.startswith("identical: TransferPlan(")
     r = invoke("diff", cases["72"], cases["716"])
     assert r.exit_code == 1
-    assert ("target rocm-7.2 -> rocm-7.16, ranges 6 -> 6, calls 1 -> 1, bytes equal, attrs: flags 0x0 -> 0x100"
-            in r.stdout)
+    assert ("target rocm-7.2 -> rocm-7.16, ranges 6 -> 6, calls 1 -> 1, bytes equal,\n"
+            "  attrs: flags 0x0 -> 0x100, passed no -> yes, same bytes moved\n" in r.stdout)  # wrapped at 80
     r = invoke("diff", cases["716"], cases["single"], "--max-rows", "4")
     assert r.exit_code == 1 and "changed ranges not shown" in r.stdout
     assert invoke("diff", cases["716"], cases["single"], "--equivalent").exit_code == 0
@@ -121,8 +132,14 @@ def test_project_goldens_check_clean():
 
 
 def test_schema_is_the_case_schema(tmp_path):
-    r = invoke("schema")
+    r = invoke("schema", "--json")
     assert json.loads(r.stdout) == Case.json_schema()
+    outline = invoke("schema").stdout  # the readable form: every definition and field of the schema, named
+    schema = Case.json_schema()
+    for name, d in schema["$defs"].items():
+        assert f"\n{name}: " in outline
+        for field in d.get("properties", {}):
+            assert f"    {field} " in outline, (name, field)
     out = tmp_path / "s.json"
     assert invoke("schema", "--out", out).exit_code == 0 and json.loads(out.read_text()) == Case.json_schema()
 

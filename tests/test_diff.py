@@ -36,13 +36,22 @@ def test_identical_plans_give_an_empty_diff():
     assert "identical" in d.to_html()
 
 
+def table(text: str) -> list[str]:
+    """The -/+ table of a diff's text: from its header row on."""
+    lines = text.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.split()[:1] == ["call"]):]
+
+
 def test_rocm_7_2_vs_7_16_changes_only_the_attributes():
     a, b = plan_transfer(LAYOUT, RUNS8, rocm(7, 2)), plan_transfer(LAYOUT, RUNS8, rocm(7, 16))
     d = diff_plans(a, b)
     assert d and d.equivalent and d.changed_ranges == 0
     assert d.summary == ("target rocm-7.2 -> rocm-7.16, ranges 8 -> 8, calls 1 -> 1, bytes equal, "
                          "attrs: flags 0x0 -> 0x100, passed no -> yes, same bytes moved")
-    assert str(d).splitlines() == [f"--- {a!r}", f"+++ {b!r}", d.summary]
+    # the text wraps the summary at 80 columns, after a comma
+    assert str(d).splitlines() == [f"--- {a!r}", f"+++ {b!r}",
+                                   "target rocm-7.2 -> rocm-7.16, ranges 8 -> 8, calls 1 -> 1, bytes equal,",
+                                   "  attrs: flags 0x0 -> 0x100, passed no -> yes, same bytes moved"]
 
 
 def test_merged_vs_unmerged_move_the_same_bytes():
@@ -54,7 +63,7 @@ def test_merged_vs_unmerged_move_the_same_bytes():
                          "options: coalesce True -> False, max_descriptors None -> 16, same bytes moved")
     # no range of one is a range of the other: 8 merged ranges out, 64 single blocks in
     assert len(d.only_a) == 8 and len(d.only_b) == 64
-    rows = d.text(max_rows=None).splitlines()[3:]
+    rows = table(d.text(max_rows=None))
     assert rows[0].split()[0] == "call" and len(rows) == 1 + 72
     first = rows[1:10]
     assert first[0].startswith("-") and all(r.startswith("+") for r in first[1:])
@@ -64,9 +73,11 @@ def test_merged_vs_unmerged_move_the_same_bytes():
 def test_diff_rows_are_elided_with_a_count():
     a = plan_transfer(LAYOUT, RUNS8, rocm(7, 16))
     b = plan_transfer(LAYOUT, RUNS8, rocm(7, 16), PlanOptions(coalesce=False))
-    lines = diff_plans(a, b).text(max_rows=10).splitlines()
-    assert len(lines) == 3 + 1 + 10 + 1
-    assert lines[4 + 5] == "... 62 changed ranges not shown (text(max_rows=None) shows all) ..."
+    lines = table(diff_plans(a, b).text(max_rows=10))
+    assert len(lines) == 1 + 10 + 1
+    assert lines[1 + 5] == "... 62 changed ranges not shown (text(max_rows=None) shows all) ..."
+    where = table(diff_plans(a, b).text(max_rows=10, hint="--full shows all"))[1 + 5]
+    assert where == "... 62 changed ranges not shown (--full shows all) ..."  # each caller names what works there
     with pytest.raises(PlanError, match="max_rows"):
         diff_plans(a, b).text(max_rows=0)
 
@@ -78,6 +89,19 @@ def test_different_mappings_move_different_bytes():
     d = diff_plans(a, b)
     assert not d.equivalent and d.summary.endswith("bytes equal, different bytes moved")
     assert d.summary.startswith("ranges 8 -> 64 (+56)")
+
+
+def test_a_load_against_a_store_pairs_rows_region_by_region():
+    """Opposite directions share no destination: each changed range of a region sits beside its counterpart
+    instead of every '+' row coming before every '-' row."""
+    load = plan_transfer(LAYOUT, RUNS8, rocm(7, 16))
+    store = plan_transfer(LAYOUT, BlockMapping(direction="d2h", src_ids=RUNS8.dst_ids, dst_ids=RUNS8.src_ids),
+                          rocm(7, 16))
+    rows = table(diff_plans(load, store).text(max_rows=None))[1:]
+    assert [r[0] for r in rows] == ["-", "+"] * load.num_ranges
+    for removed, added in zip(rows[::2], rows[1::2]):
+        r, a = removed.split(), added.split()
+        assert r[-1] == a[-1] and (r[3], r[4]) == (a[4], a[3])  # one region; a store is the load reversed
 
 
 def test_diff_html_marks_removed_and_added_rows():

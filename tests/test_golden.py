@@ -118,10 +118,10 @@ def test_fixture_fails_with_the_diff_and_the_update_command(project):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*golden plan 'pinned': the case differs from the one stored in*pinned.json*",
-                                 "*target rocm-7.16 -> rocm-7.2, ranges 4 -> 4, calls 1 -> 1, bytes equal, "
-                                 "attrs: flags 0x100 -> 0x0, passed yes -> no, same bytes moved*",
-                                 "*to accept the new plan: pytest --update-golden 'test_x.py::test_pinned'*"
-                                 "KVXFER_UPDATE_GOLDEN=1*"])
+                                 "*target rocm-7.16 -> rocm-7.2, ranges 4 -> 4, calls 1 -> 1, bytes equal,",
+                                 "  attrs: flags 0x100 -> 0x0, passed yes -> no, same bytes moved*",
+                                 "*to accept the new plan: pytest --update-golden 'test_x.py::test_pinned'",
+                                 "*KVXFER_UPDATE_GOLDEN=1*"])
     assert (folder / "pinned.json").read_text() == before
 
 

@@ -229,10 +229,14 @@ def test_kvxfer_rules_win_over_jupyterlabs_table_rules_on_specificity(view):
 def _lab_stylesheet() -> Path | None:
     """JupyterLab's stylesheet as nbconvert's lab template ships it (nbconvert is in the dev extra)."""
     try:
+        import nbconvert
         from jupyter_core.paths import jupyter_path
     except ImportError:
         return None
-    for root in jupyter_path("nbconvert", "templates"):
+    # jupyter's search path, and the data folder of the environment nbconvert is installed in (a venv layered
+    # over another one finds its templates there)
+    beside = Path(nbconvert.__file__).parents[4] / "share" / "jupyter" / "nbconvert" / "templates"
+    for root in [*jupyter_path("nbconvert", "templates"), str(beside)]:
         css = Path(root) / "lab" / "static" / "index.css"
         if css.is_file():
             return css
@@ -250,3 +254,37 @@ def test_kvxfer_rules_win_over_the_whole_jupyterlab_stylesheet(view):
     # a table rule this test cannot read would escape the check: there must be none
     assert not [sel for sel in unread if re.search(r"\b(table|td|th|tr)\b", re.split(r"[\s>+~]+", sel)[-1])]
     check_views_win(_views()[view], rules)
+
+
+# ---- colours: JupyterLab's theme variables, so the views stay legible on dark themes ----------------------
+COLOUR_PROPS = ("color", "background", "background-color", "border-color")
+VAR_WITH_FALLBACK = re.compile(r"var\((--jp-[\w-]+),\s*(#[0-9a-fA-F]{3,8}|[a-z]+)\)")
+
+
+def _colours(html: str) -> list[tuple[str, str, str]]:
+    """(selector, property, value) of every colour the view's stylesheet sets."""
+    rules = parse_style(re.search(r"<style>.*?</style>", html, re.S)[0])
+    return [(sel, prop, value) for sel, decls in rules for prop, value in decls.items() if prop in COLOUR_PROPS]
+
+
+@pytest.mark.parametrize("view", ["plan", "diff"])
+def test_every_colour_is_a_jupyterlab_theme_variable_with_a_fallback(view):
+    colours = _colours(_views()[view])
+    assert colours, "the view sets no colour (this test would check nothing)"
+    for sel, prop, value in colours:
+        assert VAR_WITH_FALLBACK.fullmatch(value), f"{sel} {{{prop}: {value}}} is not var(--jp-..., fallback)"
+
+
+def test_the_diff_colours_are_the_themes_error_and_success_colours():
+    found = {sel.split()[-1]: VAR_WITH_FALLBACK.fullmatch(v)[1] for sel, _, v in _colours(_views()["diff"])}
+    assert found["tr.removed"] == "--jp-error-color1" and found["tr.added"] == "--jp-success-color1"
+
+
+def test_the_variables_are_defined_by_jupyterlabs_light_and_dark_themes():
+    css = _lab_stylesheet()
+    if css is None:
+        pytest.skip("nbconvert's lab template (JupyterLab's themes) is not installed: pip install 'kvxfer[dev]'")
+    used = {VAR_WITH_FALLBACK.fullmatch(v)[1] for view in _views().values() for _, _, v in _colours(view)}
+    for theme in ("theme-light.css", "theme-dark.css"):
+        text = (css.parent / theme).read_text()
+        assert not [v for v in used if f"{v}:" not in text], f"{theme} lacks a variable kvxfer uses"

@@ -161,7 +161,7 @@ def test_html_escapes_names_and_elides():
     assert "<h&>" not in html and "&lt;h&amp;&gt;" in html
     ranges = _parse(html).tables[1]
     assert len(ranges) == 1 + 4 + 1
-    assert ranges[3] == ["... 16 ranges not shown (full=True shows all) ..."]
+    assert ranges[3] == ["... 16 ranges not shown (plan.explain(full=True) shows all) ..."]  # what works in a notebook
     assert ranges[1][2].startswith("<h&>:")  # parsed back to the original name
     assert len(_parse(to_html(plan, full=True)).tables[1]) == 21
 

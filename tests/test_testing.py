@@ -267,3 +267,63 @@ def test_a_run_stopped_early_reports_nothing(golden_project):
     result = pytester.runpytest("-p", "no:cacheprovider", "-x", "--prune-golden")
     assert "golden file(s) unused" not in result.stdout.str() and "golden file(s) deleted" not in result.stdout.str()
     assert (folder / "stale.json").exists()
+
+
+PLAN_TESTS = """
+from kvxfer.planner import PlanOptions, plan_transfer, presets
+
+def test_plan(golden_plan):
+    layout = presets.kv_layout(2, 128, 4096)
+    golden_plan(plan_transfer(layout, presets.mapping("runs8", 48, 128), options=PlanOptions(coalesce=COALESCE)))
+"""
+
+
+def test_golden_plan_takes_a_plan_alone(pytester):
+    import json
+
+    pytester.makeini("[pytest]\nkvxfer_golden_dir = goldens\n")
+    pytester.makepyfile(test_p=PLAN_TESTS.replace("COALESCE", "True"))
+    pytester.runpytest("-p", "no:cacheprovider", "--update-golden").assert_outcomes(passed=1)
+    path = pytester.path / "goldens" / "test_plan.json"
+    stored = golden.load(path)
+    assert json.loads(path.read_text())["case"] is None and stored.case is None and stored.plan.num_ranges == 12
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(test_p=PLAN_TESTS.replace("COALESCE", "False"))  # 12 merged ranges -> 96 single blocks
+    failed = pytester.runpytest("-p", "no:cacheprovider")
+    failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(["*plan differs from*test_plan.json*", "*ranges 12 -> 96 (+84)*",
+                                 "*... 68 changed ranges not shown (pytest -vv shows all) ...*"])
+    every = pytester.runpytest("-p", "no:cacheprovider", "-vv")  # the hint holds: every row is shown
+    every.assert_outcomes(failed=1)
+    shown = [line for line in every.stdout.lines if line[:1] in "-+" and line.split()[-1:] in (["kv0"], ["kv1"])]
+    assert "changed ranges not shown" not in every.stdout.str() and len(set(shown)) == 12 + 96
+    assert golden.check_file(path).status == "plan-only" and golden.check_file(path).ok
+    assert golden.update_file(path) is False  # no case to re-plan: the file is left as it is
+
+
+def test_golden_plan_refuses_a_plan_given_twice(pytester):
+    pytester.makeini("[pytest]\nkvxfer_golden_dir = goldens\n")
+    pytester.makepyfile(test_p="""
+from kvxfer.planner import plan_transfer, presets
+
+def test_twice(golden_plan):
+    p = plan_transfer(presets.kv_layout(2, 32, 4096), presets.mapping("runs8", 16, 32))
+    golden_plan(p, plan=p)
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ValueError: golden_plan(plan, plan=...): pass a plan once*"])
+
+
+def test_the_oracles_names_are_real_attributes_and_loading_the_plugin_loads_no_planner():
+    """Documentation tools and IDEs read a module's attributes; the plugin loads in every pytest run."""
+    import subprocess
+    import sys
+
+    import kvxfer.testing as testing
+
+    assert set(testing.__all__) <= set(vars(testing))
+    code = ("import sys, kvxfer.testing.pytest_plugin, kvxfer.testing; "
+            "print(sorted(m for m in sys.modules if m.startswith('kvxfer.planner')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"

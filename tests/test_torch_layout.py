@@ -31,6 +31,9 @@ def test_kv_split_and_separate_tensors():
     cpu_all = torch.zeros(LAYERS, 2, BLOCKS, TOK, HEADS, DIM)
     layout, bind = layout_from_tensors(gpu, {f"l{i}": cpu_all[i] for i in range(LAYERS)}, kv_split=True)
     assert [r.name for r in layout.regions][:2] == ["l0.k", "l0.v"] and len(layout.regions) == 2 * LAYERS
+    # a buffer holding both K and V of a layer is named after the layer, not after its K half
+    assert [b.name for b in layout.buffers] == [f"device.l{i}" for i in range(LAYERS)] + ["host.l0"]
+    assert layout.regions[1].device.buffer == "device.l0" and layout.regions[1].host.buffer == "host.l0"
     src, dst = np.array([3, 4, 5, 9]), np.array([0, 1, 2, 7])
     plan = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=src, dst_ids=dst))
     assert plan.num_ranges == 2 * LAYERS * 2  # a run of 3 and a single block, per K and V of each layer
