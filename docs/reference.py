@@ -34,7 +34,7 @@ ENTRY_POINTS = ("kvxfer.planner.plan_transfer", "kvxfer.planner.TransferPlan", "
 SUBMODULES = ("kvxfer.planner.presets", "kvxfer.planner.viz", "kvxfer.planner.render", "kvxfer.planner.diff",
               "kvxfer.planner.golden", "kvxfer.planner.files", "kvxfer.executors.config", "kvxfer.executors.torch_layout",
               "kvxfer.executors.file_tier", "kvxfer.executors.nixl_files", "kvxfer.executors.nixl_peer",
-              "kvxfer.offload.files", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.testing.pytest_plugin")
+              "kvxfer.offload.spill", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.testing.pytest_plugin")
 CLI_FOLDER = "cli"
 
 
@@ -60,8 +60,18 @@ def _resolve_lazy_names(module: Any) -> None:
         if name not in vars(module):
             try:
                 setattr(module, name, getattr(module, name))
-            except (AttributeError, ImportError):
+            except ImportError as e:  # needs an optional dependency this machine lacks (vLLM's classes)
+                doc = getattr(module, "_LAZY", {}).get(name)
+                if isinstance(doc, str):
+                    setattr(module, name, _stand_in(module.__name__, name, doc, str(e)))
+            except AttributeError:
                 pass  # a submodule pdoc imports itself, or a name that cannot load here: the check reports it
+
+
+def _stand_in(module: str, name: str, doc: str, missing: str) -> type:
+    """A class that documents ``module.name`` where it cannot be built (its base class needs a package this
+    machine lacks): the docstring the module keeps for it, and what building it needs."""
+    return type(name, (), {"__doc__": f"{doc}\n\nBuilt on first access; it needs: {missing}", "__module__": module})
 
 
 def _entry_rank(fullname: str) -> int:
@@ -111,6 +121,8 @@ def load_modules() -> dict[str, Any]:
         _resolve_lazy_names(importlib.import_module(pkg))
         names += list(pdoc.extract.walk_specs([pkg]))  # the package and the submodules its __all__ lists
     names += [m for m in SUBMODULES if m not in names and m.rsplit(".", 1)[0] in names and _exists(m)]
+    for name in names:  # submodules may load names on first use too (vLLM's classes)
+        _resolve_lazy_names(importlib.import_module(name))
     modules = {name: pdoc.doc.Module.from_name(name) for name in names}
     for name, module in modules.items():
         subs = [modules[m] for m in names if m.rsplit(".", 1)[0] == name and "._" not in m]

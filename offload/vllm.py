@@ -54,7 +54,22 @@ INSTALL_HINT = ("kvxfer.offload.vllm needs vLLM {supported}: `pip install vllm` 
 KVXFER_KEYS = ("kvxfer_executor", "kvxfer_shared_region", "kvxfer_stats_path")
 _log = logging.getLogger(__name__)
 
-_LAZY = ("KvxferOffloadingSpec", "KvxferOffloadingWorker")  # built on first access (they subclass vLLM's)
+# built on first access (they subclass vLLM's classes); their docstrings live here so that the API reference can
+# show them on a machine without vLLM
+_LAZY = {
+    "KvxferOffloadingSpec": (
+        "vLLM's ``OffloadingSpec`` for kvxfer: vLLM's CPU spec (sizing from ``cpu_bytes_to_use`` and\n"
+        "``blocks_per_chunk``, ``CPUOffloadingManager``, eviction policies, metric definitions) whose worker side is\n"
+        "``KvxferOffloadingWorker``. vLLM builds it from ``kv_connector_extra_config`` (``spec_name``\n"
+        "\"KvxferOffloadingSpec\", ``spec_module_path`` \"kvxfer.offload.vllm\"), which may also hold the\n"
+        "``kvxfer_*`` keys described in the module. Refuses unknown ``kvxfer_*`` keys, a bad executor config and\n"
+        "unsupported KV caches at start-up (``UnsupportedFeatureError``, a ValueError naming the feature)."),
+    "KvxferOffloadingWorker": (
+        "vLLM's ``OffloadingWorker`` over a kvxfer ``OffloadWorker`` (the behaviour is ``WorkerCore``'s):\n"
+        "``submit_store``/``submit_load`` turn vLLM's load/store specs into jobs, ``get_finished`` returns\n"
+        "vLLM's ``TransferResult`` with bytes and seconds (and raises ``JobFailedError`` for a failed job),\n"
+        "``wait`` blocks for the named jobs, ``shutdown`` drains."),
+}
 
 __all__ = ["INSTALL_HINT", "KVXFER_KEYS", "SUPPORTED_VLLM", "CacheMap", "JobFailedError", "UnsupportedFeatureError",
            "WorkerCore", "WorkerStats", "build_worker", "read_caches", *_LAZY]
@@ -403,10 +418,10 @@ def _classes() -> dict[str, type]:
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
 
     class KvxferOffloadingWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
-        """vLLM's OffloadingWorker over a kvxfer OffloadWorker (see WorkerCore)."""
+        __doc__ = _LAZY["KvxferOffloadingWorker"]
 
     class KvxferOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
-        """vLLM's CPU offloading spec (sizing, manager, eviction, metrics) with kvxfer's worker."""
+        __doc__ = _LAZY["KvxferOffloadingSpec"]
 
         def __init__(self, config: Any):
             _check_extra(config.extra_config)
