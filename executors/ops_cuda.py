@@ -33,6 +33,7 @@ class CudaRuntime:
     """The CUDA driver on device ``device`` (a Runtime): cuda-bindings for everything but the batch call."""
 
     platform = Platform.CUDA
+    domain = "cuda"  # events and streams of every CUDA context in the process order each other
     _batch: dict[CopyApi, Any]  # ctypes function pointers by ABI, only those the driver has
 
     def __init__(self, device: int = 0):

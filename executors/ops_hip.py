@@ -56,6 +56,7 @@ class HipRuntime:
     """The HIP runtime on device ``device`` (a Runtime): hip-python, plus ctypes for the batch call."""
 
     platform = Platform.ROCM
+    domain = "rocm"
     _batch: Any  # ctypes function (declare_batch), None before ROCm 7.1
 
     def __init__(self, library: str | Path | None = None, *, device: int = 0):

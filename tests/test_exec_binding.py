@@ -172,9 +172,9 @@ def test_verify_refuses_memory_that_moved_since_bind():
     torch = pytest.importorskip("torch")
     layout, plan = _one_range_plan()
     bufs = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8) for b in layout.buffers}
-    bound = bind(layout, bufs, check=lambda buf, mem: None)  # as a DMA executor binds: no numpy view is taken
+    bound = bind(layout, bufs, check=lambda buf, mem: None)  # as a DMA executor binds
     bound.verify()
-    bufs["cpu"].resize_(1 << 20)  # re-allocates the storage: the bound address is stale
+    bufs["cpu"].set_(torch.zeros(1 << 20, dtype=torch.uint8))  # the tensor now points elsewhere: the bound address is stale
     with pytest.raises(BindingError, match=r"bindings\['cpu'\] = .*changed since bind .*bind it again"):
         bound.verify()
 
