@@ -43,7 +43,8 @@ class RunArgumentError(ValueError):
     def __init__(self, field: str, value: Any, reason: str, index: int | None = None):
         self.field, self.index, self.value, self.reason = field, index, value, reason
         where = field if index is None else f"{field}[{index}]"
-        super().__init__(f"{where} = {value!r}: {reason}")
+        text = repr(value)
+        super().__init__(f"{where} = {text if len(text) <= 80 else type(value).__name__ + ' object'}: {reason}")
 
 
 class ExecutorError(RuntimeError):
@@ -180,18 +181,12 @@ def transfers_after(after: After) -> tuple[Transfer, ...]:
     if isinstance(after, Transfer):
         return (after,)
     if isinstance(after, (str, bytes, Mapping)) or not isinstance(after, Iterable):
-        raise RunArgumentError("after", describe_value(after), "expected None, a Transfer or a sequence of Transfers")
+        raise RunArgumentError("after", after, "expected None, a Transfer or a sequence of Transfers")
     items = tuple(after)
     for i, t in enumerate(items):
         if not isinstance(t, Transfer):
-            raise RunArgumentError("after", describe_value(t), "expected a Transfer", i)
+            raise RunArgumentError("after", t, "expected a Transfer", i)
     return items
-
-
-def describe_value(value: Any) -> str:
-    """A short description of an argument for messages: its type, and its repr when short."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{type(value).__name__} object"
 
 
 def split_after(after: tuple[Transfer, ...], domain: str | None) -> tuple[list[Transfer], list[Transfer]]:

@@ -1,6 +1,8 @@
 """A small bootstrap for two NIXL agents: exchange metadata over any multiprocessing Connection (a socket
 pair, a Pipe, or a loopback socket from multiprocessing.connection), and a child process that holds the
-remote side's buffers. No NIXL listener thread is involved.
+remote side's buffers. No NIXL listener thread is involved. Descriptions cross as ``PeerInfo`` JSON bytes
+(``send_bytes``/``recv_bytes``, never pickled), so a peer cannot make this process run code; the commands to
+the child below are pickled, the child being this package's own process.
 
 The child is a fresh interpreter (``python -m kvxfer.executors.nixl_peer --serve FD``) talking over an
 inherited socket pair: nothing is forked from a process that runs UCX threads, and the caller's
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .nixl_memory import Registration, RemoteBuffer
+from .nixl_memory import MAX_PEER_INFO_BYTES, PeerInfo, PeerInfoError, Registration, RemoteBuffer
 
 LOOPBACK_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
 
@@ -32,11 +34,18 @@ def _recv(conn: Any, timeout_s: float, what: str) -> Any:
 
 def exchange(executor: Any, conn: Any, registration: Registration | None,
              timeout_s: float = 30.0) -> tuple[str, dict[str, RemoteBuffer]]:
-    """Send this agent's description (metadata, serialized descriptors of ``registration``) and load the
-    peer's. Both sides call it. Returns the peer's agent name and its buffers as RemoteBuffers by name."""
-    conn.send(executor.describe(registration or Registration(executor.agent, {}, [], [])))
-    info = _recv(conn, timeout_s, "metadata")
-    return info["agent"], executor.add_peer(info)
+    """Send this agent's description (``describe`` of ``registration``: name, metadata, segments) and load the
+    peer's. Both sides call it. Returns the peer's agent name and its buffers as RemoteBuffers by name; a
+    malformed or oversized description raises PeerInfoError naming the field."""
+    conn.send_bytes(executor.describe(registration or Registration(executor.agent, {}, [], [])))
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no metadata from the peer within {timeout_s}s")
+    try:
+        blob = conn.recv_bytes(MAX_PEER_INFO_BYTES)
+    except OSError as e:  # recv_bytes refuses a message above the limit
+        raise PeerInfoError("blob", "message", f"unreadable or larger than {MAX_PEER_INFO_BYTES} bytes ({e})") from None
+    info = PeerInfo.decode(blob)
+    return info.agent, executor.add_peer(info)
 
 
 def _serve(conn: Any) -> None:
