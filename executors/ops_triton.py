@@ -231,14 +231,18 @@ class TritonExecutor(Executor):
     def _launch(self, call: int, g: dict[str, Any], t: dict[str, Any]) -> None:
         """Launch the kernel for one group ``g`` of call ``call`` over tile tables ``t``; ExecutorError naming the call and
         the group's first descriptor if the launch fails (calls before it were launched)."""
-        num_tiles = len(g["tile_range"])
-        grid = (max(1, min(num_tiles, self.num_programs)),)
         try:
-            self._kernel[grid](t["src"], t["dst"], t["nbytes"], t["tile_range"], t["tile_start"], num_tiles,
-                               ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
-                               ALIGN16=g["align16"])
+            self._start_kernel(g, t)
         except Exception as e:  # triton and torch raise their own classes for a failed compile or launch
             raise ExecutorError("triton launch", call, g["first"], f"{type(e).__name__}: {e}", call) from e
+
+    def _start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+        """The kernel launch itself for group ``g`` (see ``launch_tables``) over tile tables ``t``."""
+        num_tiles = len(g["tile_range"])
+        grid = (max(1, min(num_tiles, self.num_programs)),)
+        self._kernel[grid](t["src"], t["dst"], t["nbytes"], t["tile_range"], t["tile_start"], num_tiles,
+                           ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
+                           ALIGN16=g["align16"])
 
     def _run_on_gpu(self, plan: TransferPlan, low: Lowered, per_call: list[list[dict[str, Any]]], bound: BoundMemory,
                     stream: Any, after: list[Transfer]) -> TritonTransfer:
