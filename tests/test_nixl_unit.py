@@ -290,3 +290,26 @@ def test_bind_registers_once_and_close_deregisters():
     assert [e for e in agent.log if e[0] == "deregister"] == [("deregister", "DRAM")]
     with pytest.raises(BindingError, match="was closed"):
         ex.run(plan, bound)
+
+
+@pytest.mark.parametrize("where", ["inside", "starts inside, ends past", "starts before, ends inside"])
+def test_memory_only_partly_inside_a_registration_is_refused_as_not_registered(where):
+    agent = ScriptedAgent()
+    ex = NixlExecutor(agent=agent)
+    sizes = {b.name: b.nbytes for b in LAYOUT.buffers if b.name != "cpu"}
+    arena = np.zeros(4 * sum(sizes.values()), np.uint8)
+    half = LAYOUT.buffers[1].nbytes // 2
+    name = LAYOUT.buffers[1].name
+    regions = {n: arena[i * 2 * s + s:(i * 2 + 1) * s + s] for i, (n, s) in enumerate(sizes.items())}  # a gap before each
+    ex.register(regions)
+    lo = regions[name].ctypes.data - arena.ctypes.data
+    shift = {"inside": 0, "starts inside, ends past": half, "starts before, ends inside": -half}[where]
+    local = dict(regions, **{name: arena[lo + shift:lo + shift + sizes[name]]})
+    bindings = {**local, "cpu": RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes)}
+    plan = plan_transfer(LAYOUT, presets.mapping("fragmented", 6, 16, "h2d"))
+    if where == "inside":
+        ex.run(plan, bindings).wait()
+        return
+    with pytest.raises(BindingError, match=rf"^bindings\['{name}'\] = DRAM at 0x[0-9a-f]+, {sizes[name]} bytes: not registered"):
+        ex.run(plan, bindings)
+    assert agent.handles == []
