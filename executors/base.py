@@ -139,7 +139,7 @@ def stream_handle(stream: Any, device: int = 0) -> int:
             return int(torch.cuda.current_stream(device).cuda_stream)
         return 0
     handle = getattr(stream, "cuda_stream", stream)
-    if isinstance(handle, bool):
+    if isinstance(handle, (bool, str, bytes, float)):
         raise RunArgumentError("stream", stream, "expected None, an int handle, a torch stream or a CUstream")
     try:
         value = int(handle)
