@@ -70,9 +70,10 @@ class Memory:
     ``view`` makes a flat uint8 numpy view for host memory numpy can reach (arrays, CPU tensors), else None;
     it is only called by executors that copy with numpy. ``hold`` is called once by ``bind``: it returns what
     keeps the memory itself alive while bound (a tensor's storage; for a CPU tensor it also fixes the
-    storage's size, as ``Tensor.numpy()`` does), whatever later happens to the owner. ``probe`` returns the
-    owner's current ``(address, nbytes)``, cheaply, so each run can refuse an owner that moved. Memory given by
-    address (RawMemory, pairs, ``__cuda_array_interface__``, remote buffers) has neither: it cannot move.
+    storage's size, as ``Tensor.numpy()`` does), whatever later happens to the owner. ``probe`` is one cheap
+    call whose value changes when the owner no longer points at the memory (a tensor's ``data_ptr``, an array's
+    size), so each run can refuse an owner that moved; ``bind`` records its value. Memory given by address
+    (RawMemory, pairs, ``__cuda_array_interface__``, remote buffers) has neither: it cannot move.
     """
 
     address: int
@@ -85,7 +86,7 @@ class Memory:
     view: Callable[[], np.ndarray] | None = field(repr=False, default=None, compare=False)
     file_offsets: bool = False  # ``address`` is an offset in a file (0 is valid), not a pointer
     hold: Callable[[], Any] | None = field(repr=False, default=None, compare=False)
-    probe: Callable[[], tuple[int, int]] | None = field(repr=False, default=None, compare=False)
+    probe: Callable[[], int] | None = field(repr=False, default=None, compare=False)
 
 
 def _read_memory(address: int, nbytes: int) -> bytes | None:
@@ -142,9 +143,7 @@ def _torch_memory(obj: Any, name: str) -> Memory:
         raise BindingError(name, describe(obj), "tensor is not contiguous")
     dev = obj.device
     nbytes, address = obj.numel() * obj.element_size(), int(obj.data_ptr())
-
-    def probe() -> tuple[int, int]:
-        return obj.data_ptr(), obj.nbytes
+    probe = obj.data_ptr  # the memory is held, so only pointing elsewhere (set_, .data =, a reallocation) matters
     if dev.type == "cpu":
         writable = not (nbytes and _over_immutable_bytes(address, nbytes))
 
@@ -184,8 +183,8 @@ def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
     view = arr.reshape(-1).view(np.uint8)
     address = int(arr.__array_interface__["data"][0])
 
-    def probe() -> tuple[int, int]:  # an array holding its memory only moves if resized (refcheck=False): its size changes
-        return address, arr.nbytes
+    def probe() -> int:  # an array holding its memory only moves if resized (refcheck=False): its size changes
+        return arr.nbytes
     return Memory(address, int(arr.nbytes), Location.HOST, None, None, bool(arr.flags.writeable), obj, lambda: view,
                   hold=_numpy_hold(arr), probe=probe)
 
@@ -291,7 +290,7 @@ def lowering_strategy(lengths: np.ndarray, n: int) -> str:
     when every run has one length (rows of a 2-D view: one broadcast addition), ``"long runs"`` when runs are
     long (each run's base added in place: no per-range base array), else ``"repeat"`` (one per-range base array)."""
     rows = len(lengths)
-    if rows and int(lengths[0]) * rows == n and int(lengths.min()) == int(lengths.max()):
+    if rows and int(lengths[0]) * rows == n and int(lengths.max()) == int(lengths[0]):  # the largest is the mean
         return "grid"
     return "long runs" if n >= LONG_RUN * rows else "repeat"
 
@@ -321,12 +320,15 @@ class BoundMemory:
         self._on_close: list[Callable[[], None]] = []
         self._tables: list[tuple[Buffer, ...]] = [buffers]  # buffer tables already found equal (kept alive)
         self.held: tuple[Any, ...] = tuple(m.hold() if m.hold is not None else m.owner for m in memory if m is not None)
-        self._probes: list[Callable[[], tuple[int, int]] | None] = [None] * len(buffers)
-        for i, (buf, m) in enumerate(zip(buffers, memory)):
+        self._probes: list[tuple[Callable[[], int], int] | None] = [None] * len(buffers)
+        for i, m in enumerate(memory):
             if m is not None and m.probe is not None:
-                self._probes[i] = m.probe
-                self._check_probe(i, m.probe)  # the memory held is the memory resolved
+                self._probes[i] = (m.probe, m.probe())  # read after ``hold``: the value of the memory held
+                if self._probes[i][1] not in (m.address, m.nbytes):
+                    self._moved(i)
         self.probed = np.array([p is not None for p in self._probes], dtype=bool)
+        self._any_probed = bool(self.probed.any())
+        self._last: tuple[tuple[int, bool], np.ndarray, np.ndarray, bool] | None = None
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.memory)
@@ -369,26 +371,32 @@ class BoundMemory:
         copies are in flight."""
         return [*(m.owner for m in self.memory if m is not None), *self.held]
 
-    def _check_probe(self, i: int, probe: Callable[[], tuple[int, int]]) -> None:
+    def _moved(self, i: int) -> None:
+        """Raise BindingError: buffer ``i``'s owner no longer points at the memory bound."""
         m = self.memory[i]
-        if m is None:  # only bound buffers have probes
-            return
-        address, nbytes = probe()
-        if (address, nbytes) != (m.address, m.nbytes):
-            raise BindingError(self.buffers[i].name, f"{describe(m.owner)} at [{address:#x}, +{nbytes})",
-                               f"no longer the memory bound, [{m.address:#x}, +{m.nbytes}) (set_, .data = or a "
-                               "resize since bind); bind it again")
+        owner = m.owner if m is not None else None
+        try:
+            now = resolve(owner, self.buffers[i].name)
+            where = f"{describe(owner)} at [{now.address:#x}, +{now.nbytes})"
+        except BindingError as e:
+            where = f"{describe(owner)} ({e.reason})"
+        bound = f"[{m.address:#x}, +{m.nbytes})" if m is not None else "?"
+        raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound} (set_, .data = or a "
+                           "reallocation since bind); bind it again")
 
     def _check_owners(self, values: np.ndarray, seen: np.ndarray) -> None:
         """Refuse a run whose plan touches (``values``: buffer indices) a bound owner that moved; ``seen`` marks the
         buffers already checked for this run."""
         todo = np.zeros(len(self.buffers), dtype=bool)
         todo[values] = True
-        todo &= self.probed & ~seen
+        todo &= self.probed
+        todo &= ~seen
         seen |= todo
         probes = self._probes
         for i in np.flatnonzero(todo).tolist():
-            self._check_probe(i, probes[i])  # type: ignore[arg-type]
+            probe, value = probes[i]  # type: ignore[misc]
+            if probe() != value:
+                self._moved(i)
 
     def check_table(self, plan: TransferPlan) -> None:
         """Refuse a plan whose buffer table differs from the bound one, naming the first buffer that differs."""
@@ -438,29 +446,24 @@ class BoundMemory:
         plan.check_shape()  # equal column lengths and well-formed calls, whichever way the plan was made
         n = plan.num_ranges
         co = _call_offsets(plan, n)
-        attr_runs = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        for col, limit in (("region", len(plan.regions)), ("attr", len(plan.attrs))):
-            values, lengths = _runs(plan, col, n)
-            bad = values >= limit  # unsigned or checked non-negative by the plan's dtype
-            if len(values) and (bad.any() or values.min() < 0):
-                i = int(np.argmax(bad | (values < 0)))
-                raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
-            if col == "attr":
-                attr_runs = (values, lengths)
+        _check_index(plan, "region", len(plan.regions))
+        attr_runs = _check_index(plan, "attr", len(plan.attrs))
         nb_values, nb_lengths = _runs(plan, "nbytes", n)  # sizes are bounded through their runs, then expanded
         nb_values = nb_values.astype(np.uint64, copy=False)
-        for bad, reason in ((nb_values == 0, "empty range"), (nb_values >= MAX_OFFSET, "range too large")):
-            if bad.any():  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
-                j = int(np.argmax(bad))
-                raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
-        sizes = np.repeat(nb_values, nb_lengths)
-        nb_max = nb_values.max() if n else np.uint64(0)
+        nb_max = np.uint64(0)
+        if n:
+            nb_min, nb_max = nb_values.min(), nb_values.max()
+            for bad, reason in ((nb_min == 0, "empty range"), (nb_max >= MAX_OFFSET, "range too large")):
+                if bad:  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
+                    j = int(np.argmax(nb_values == 0 if reason == "empty range" else nb_values >= MAX_OFFSET))
+                    raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
+        sizes = np.full(n, nb_values[0], np.uint64) if len(nb_values) == 1 else np.repeat(nb_values, nb_lengths)
+        last, fits, all_fit = self._last_starts(nb_max, addresses)
         sides = []
-        seen = np.zeros(len(self.buffers), dtype=bool)
+        seen = np.zeros(len(self.buffers), dtype=bool) if self._any_probed else None
         for k, side in enumerate(("src", "dst")):
             values, lengths = _runs(plan, f"{side}_buf", n)
-            values = values.astype(np.int64)
-            if len(values) and (values.min() < 0 or values.max() >= len(self.buffers)):
+            if len(values) and (int(values.min()) < 0 or int(values.max()) >= len(self.buffers)):
                 i = int(np.argmax((values < 0) | (values >= len(self.buffers))))
                 raise PlanError(f"{side}_buf", int(values[i]), f"out of range (the plan has {len(self.buffers)})",
                                 int(lengths[:i].sum()))
@@ -472,56 +475,71 @@ class BoundMemory:
                 if m is None:
                     raise BindingError(self.buffers[b].name, "missing", "not bound, but the plan reads or writes it")
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
-            self._check_owners(values, seen)
+            if seen is not None:
+                self._check_owners(values, seen)
             addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                self._place(plan, side, values, lengths, sizes, nb_max, addr, addresses)
+                self._place(plan, side, values, lengths, sizes, last, None if all_fit else fits, addr, addresses)
             sides.append((addr, (values, lengths)))
         (src, src_runs), (dst, dst_runs) = sides
         return Lowered(src, dst, sizes, src_runs, dst_runs, attr_runs, co)
 
+    def _last_starts(self, nb_max: np.uint64, addresses: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Per buffer: the last start offset at which a range of ``nb_max`` bytes still fits (as an address when
+        ``addresses``), whether it fits at all, and whether it fits in every buffer. A run whose ranges all start at
+        or before it is inside, with no range checked alone. Kept for the last size asked (plans of one layout share
+        their largest range)."""
+        key = (int(nb_max), addresses)
+        cached = self._last
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2], cached[3]
+        fits = self.size >= nb_max
+        last = np.where(fits, self.size - np.where(fits, nb_max, 0), 0).astype(np.uint64)
+        if addresses:
+            last += self.base
+        last.flags.writeable = fits.flags.writeable = False
+        entry = (key, last, fits, bool(fits.all()))
+        self._last = entry  # one tuple: threads that race here each see a consistent entry
+        return entry[1], entry[2], entry[3]
+
     def _place(self, plan: TransferPlan, side: str, values: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
-               nb_max: np.uint64, addr: np.ndarray, addresses: bool) -> None:
+               last: np.ndarray, fits: np.ndarray | None, addr: np.ndarray, addresses: bool) -> None:
         """addr = base + offset (offset alone unless ``addresses``), reading each offset once; then refuse a
         range of ``addr`` that is not inside its buffer's declared size (a wrapped sum included).
 
-        Buffers come in runs (a region's ranges share one buffer): per run, the largest address less the base,
-        plus the plan's largest size, proves every range of the run inside (one reduction per run, in one
-        call), and with bases added the smallest address proves no sum wrapped; only when that bound fails
-        somewhere is the exact end of every range compared."""
+        Buffers come in runs (a region's ranges share one buffer): per run, the largest address at most ``last``
+        (the last start at which the plan's largest range fits in the buffer) proves every range of the run
+        inside (one reduction per run, in one call), and with bases added the smallest address at least the
+        base proves no sum wrapped; only when that bound fails somewhere is the exact end of every range
+        compared."""
         offs = plan.column(f"{side}_offset")
         n = len(addr)
         if len(offs) != n:
             raise PlanError(f"{side}_offset", len(offs), f"column length differs from nbytes ({n})")
         rows = len(values)
-        starts = np.cumsum(lengths) - lengths
-        bases = self.base[values] if addresses else np.zeros(rows, dtype=np.uint64)
         strategy = lowering_strategy(lengths, n)
-        if not addresses:
+        bases = self.base[values] if addresses else None
+        starts = None if strategy == "grid" else np.cumsum(lengths) - lengths
+        if bases is None:
             np.copyto(addr, offs)
         elif strategy == "grid":
             np.add(bases[:, None], offs.reshape(rows, -1), out=addr.reshape(rows, -1))  # scalar-per-row operand first
         elif strategy == "long runs":
-            for b, lo, m in zip(bases.tolist(), starts.tolist(), lengths.tolist()):
+            for b, lo, m in zip(bases.tolist(), starts.tolist(), lengths.tolist()):  # type: ignore[union-attr]
                 np.add(offs[lo:lo + m], np.uint64(b), out=addr[lo:lo + m])
         else:
             np.add(offs, np.repeat(bases, lengths), out=addr)
         # from here on only ``addr`` is read: the values checked are the values the executor uses
-        if strategy == "grid":
-            grid = addr.reshape(rows, -1)
-            tops, lows = grid.max(axis=1), grid.min(axis=1) if addresses else None
-        else:
-            tops = np.maximum.reduceat(addr, starts)
-            lows = np.minimum.reduceat(addr, starts) if addresses else None
-        limits = self.size[values]
-        fits = limits >= nb_max
-        ok = fits & (tops - bases <= np.where(fits, limits - nb_max, 0))
-        if lows is not None:
-            ok &= lows >= bases  # an offset that wrapped the sum lands below its base
-        if bool(ok.all()):
+        if starts is None:
+            starts = np.arange(0, n, n // rows)
+        ok = np.maximum.reduceat(addr, starts) <= last[values]
+        if bases is not None:
+            ok &= np.minimum.reduceat(addr, starts) >= bases  # an offset that wrapped the sum lands below its base
+        if ok.all() and (fits is None or fits[values].all()):  # None: the largest range fits in every buffer
             return
-        rel = addr - np.repeat(bases, lengths)  # the offset used, modulo 2^64
-        lim = np.repeat(limits, lengths)
+        base_of = np.repeat(bases if bases is not None else np.zeros(rows, np.uint64), lengths)
+        rel = addr - base_of  # the offset used, modulo 2^64
+        lim = np.repeat(self.size[values], lengths)
         bad = (rel > lim) | (sizes > lim - rel)  # the second term is only read where the first is False
         if bad.any():
             i = int(np.argmax(bad))
@@ -545,18 +563,35 @@ def hold_for_stream(bound: BoundMemory, stream: int) -> None:
 
 
 def _runs(plan: TransferPlan, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of column ``name``'s runs, copied from the plan; PlanError unless they cover ``n`` ranges."""
+    """(values, lengths) of column ``name``'s runs, copied from the plan (int64 lengths); PlanError unless they
+    cover ``n`` ranges."""
     values, lengths = plan.column_runs(name)
+    lengths = lengths.astype(np.int64, copy=False)
     total = int(lengths.sum())
     if total != n:
         raise PlanError(name, total, f"column length differs from nbytes ({n})")
-    return values, lengths.astype(np.int64, copy=False)
+    return values, lengths
+
+
+def _check_index(plan: TransferPlan, name: str, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of index column ``name``, every value checked to be in [0, ``limit``) (PlanError naming the first
+    range of the first run that is not). Their total length is not rechecked: nothing is addressed through them."""
+    values, lengths = plan.column_runs(name)
+    if len(values) and (int(values.max()) >= limit or int(values.min()) < 0):
+        i = int(np.argmax((values >= limit) | (values < 0)))
+        raise PlanError(name, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
+    return values, lengths
 
 
 def _call_offsets(plan: TransferPlan, n: int) -> np.ndarray:
     """A copy of the plan's call offsets, checked to rise strictly from 0 to ``n``."""
     co = np.array(plan.call_offsets, dtype=np.int64)
-    if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or (len(co) > 1 and bool((co[1:] <= co[:-1]).any())):
+    bad = co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n
+    if not bad and len(co) > 2:
+        bad = bool((co[1:] <= co[:-1]).any())
+    elif not bad and len(co) == 2:
+        bad = n == 0
+    if bad:
         raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
     return co
 

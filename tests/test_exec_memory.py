@@ -1,8 +1,8 @@
 """No executor writes to memory its binding does not keep alive, and lowering uses the values it checked.
 
 Bound memory holds the memory itself (a tensor's storage) and each run refuses a bound tensor that no longer
-points at it (``set_``, ``.data = ...``, a shrinking ``resize_``); on the CPU torch refuses to grow a bound
-storage at all. A plan column that changes right after its first read (as a racing thread could change it)
+points at it (``set_``, ``.data = ...``); on the CPU torch refuses to grow a bound storage at all, so a resized
+tensor's memory stays where it was and is the only memory written. A plan column that changes right after its first read (as a racing thread could change it)
 never makes an executor write past a binding: every byte outside the bound buffers is a guard that must stay.
 Run on the NumPy executor and on the CUDA batch executor over the C driver shim (host memory).
 """
@@ -76,11 +76,11 @@ def _mapping(plan: TransferPlan):
 MOVED = {  # the bound tensor ends up pointing at other memory: the run must be refused, naming it
     "set_": lambda t: t.set_(torch.zeros(t.numel(), dtype=t.dtype)),
     ".data =": lambda t: setattr(t, "data", torch.zeros(t.numel(), dtype=t.dtype)),
-    "resize_ smaller": lambda t: t.resize_(t.numel() // 2),
 }
-GROWN = {  # growing would free the bound memory: torch must refuse it while the storage is bound
-    "resize_ larger": lambda t: t.resize_(t.numel() * 64),
-    "untyped_storage().resize_": lambda t: t.untyped_storage().resize_(t.untyped_storage().nbytes() * 64),
+RESIZED = {  # the bound memory stays where it was: shrinking keeps it, growing a bound CPU storage is refused by torch
+    "resize_ smaller": (lambda t: t.resize_(t.numel() // 2), None),
+    "resize_ larger": (lambda t: t.resize_(t.numel() * 64), "not resizable"),
+    "untyped_storage().resize_": (lambda t: t.untyped_storage().resize_(t.untyped_storage().nbytes() * 64), "not resizable"),
 }
 
 
@@ -101,8 +101,8 @@ def test_a_run_over_a_tensor_that_moved_since_bind_is_refused_and_touches_nothin
     executor.close()
 
 
-@pytest.mark.parametrize("how", list(GROWN))
-def test_a_bound_cpu_storage_cannot_grow_so_its_memory_is_never_freed(executor, how):
+@pytest.mark.parametrize("how", list(RESIZED))
+def test_a_resized_bound_tensor_keeps_its_memory_and_runs_write_only_that_memory(executor, how):
     plan = _plan()
     tensors = _tensors()
     want = _want(plan, tensors)
@@ -110,16 +110,18 @@ def test_a_bound_cpu_storage_cannot_grow_so_its_memory_is_never_freed(executor, 
     dst = plan.buffers[int(plan.dst_buf[0])].name
     storage = tensors[dst].untyped_storage()
     address, nbytes = storage.data_ptr(), storage.nbytes()
-    with pytest.raises(RuntimeError, match="not resizable"):
-        GROWN[how](tensors[dst])
+    resize, refusal = RESIZED[how]
+    if refusal is None:
+        resize(tensors[dst])
+    else:
+        with pytest.raises(RuntimeError, match=refusal):
+            resize(tensors[dst])
     assert (storage.data_ptr(), storage.nbytes()) == (address, nbytes)  # the memory bound was never freed
     unrelated = [torch.zeros(LAYOUT.buffers[0].nbytes, dtype=torch.uint8) for _ in range(16)]
-    if how == "resize_ larger":  # torch refused, but left the tensor claiming 64x the bytes its storage has
-        with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = Tensor\(262144,\) .* no longer the memory bound"):
-            executor.run(plan, bound)
-    else:
-        executor.run(plan, bound).wait()
-        assert all(np.array_equal(_bytes(tensors[k]), want[k]) for k in tensors)
+    executor.run(plan, bound).wait()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    assert np.array_equal(_bytes(whole), want[dst])
+    assert all(np.array_equal(_bytes(tensors[k]), want[k]) for k in tensors if k != dst)
     assert all(not u.any() for u in unrelated)
     executor.close()
 
@@ -274,7 +276,7 @@ def test_cuda_tensors_that_moved_are_refused_and_kept_alive():
                     else torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8).pin_memory()) for b in LAYOUT.buffers}
     bound = ex.bind(LAYOUT, mem)
     ex.run(plan, bound).wait()
-    for how in ("set_", "resize_ larger"):
+    for how in ("set_", "resize_ larger"):  # on a GPU torch cannot fix a storage's size: growing reallocates
         t = mem["gpu.kv0"]
         (t.set_(torch.zeros(t.numel(), dtype=t.dtype, device=t.device)) if how == "set_" else t.resize_(t.numel() * 64))
         with pytest.raises(BindingError, match=r"^bindings\['gpu.kv0'\] = Tensor.* no longer the memory bound"):
