@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,16 +27,7 @@ import numpy as np
 
 from kvxfer.planner import Location, Target, plan_transfer, presets
 
-
-def medians_ms(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median milliseconds of each function, calls interleaved so machine load hits all alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+from timing import medians_ms  # this folder: on sys.path when the script runs
 
 
 def load_baseline(path: str) -> Any:

@@ -13,8 +13,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import (After, CompletedTransfer, Executor, ExecutorError, RunArgumentError, TargetMismatchError, Transfer,
-                   check_plan_target, stream_handle)
+from .base import (
+    After,
+    CompletedTransfer,
+    Executor,
+    ExecutorError,
+    RunArgumentError,
+    TargetMismatchError,
+    Transfer,
+    check_plan_target,
+    stream_handle,
+)
 from .binding import BindingError, BoundMemory, Lowered, Memory, RawMemory, bind, resolve
 from .ops_numpy import NumpyExecutor
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, TritonOptions

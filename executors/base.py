@@ -134,7 +134,7 @@ def stream_handle(stream: Any, device: int = 0) -> int:
     initialized a GPU; else the legacy default stream 0), an int, a torch stream (``cuda_stream``) or a
     cuda-bindings CUstream. RunArgumentError for anything else."""
     if stream is None:
-        torch = sys.modules.get("torch")
+        torch: Any = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             return int(torch.cuda.current_stream(device).cuda_stream)
         return 0
@@ -155,7 +155,7 @@ def synchronize_stream(stream: Any, device: int = 0) -> None:
 
     None means the current stream on ``device`` when torch has initialized a GPU (else no GPU work can be
     queued: nothing to wait for). RunArgumentError for a stream that cannot be waited for here."""
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     gpu = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
     if stream is None:
         if gpu:
@@ -279,7 +279,7 @@ class Executor:
         not (their errors are their owners'). Each backend implements it."""
         raise NotImplementedError
 
-    def run_case(self, case: Case | dict | str, bindings: BoundMemory | Bindings, stream: Any = None, *,
+    def run_case(self, case: Case | dict[str, Any] | str, bindings: BoundMemory | Bindings, stream: Any = None, *,
                  replan: bool = True, after: After = None) -> Transfer:
         """Plan ``case`` and run it. With ``replan`` the case's target is replaced by the runtime found
         (``self.target``), so a case written for another version still runs; without it a mismatch raises."""

@@ -120,7 +120,7 @@ def _over_immutable_bytes(address: int, nbytes: int) -> bool:
     raw = ctypes.string_at(start, 16) if address % PAGE_BYTES >= address - start else _read_memory(start, 16)
     if raw is None:
         return False
-    ob_type, ob_size = np.frombuffer(raw, dtype=np.uint64).tolist()
+    ob_type, ob_size = (int(v) for v in np.frombuffer(raw, dtype=np.uint64))
     return ob_type == id(bytes) and ob_size >= nbytes
 
 
@@ -323,8 +323,9 @@ class BoundMemory:
         self._probes: list[tuple[Callable[[], int], int] | None] = [None] * len(buffers)
         for i, m in enumerate(memory):
             if m is not None and m.probe is not None:
-                self._probes[i] = (m.probe, m.probe())  # read after ``hold``: the value of the memory held
-                if self._probes[i][1] not in (m.address, m.nbytes):
+                value = m.probe()  # read after ``hold``: the value of the memory held
+                self._probes[i] = (m.probe, value)
+                if value not in (m.address, m.nbytes):
                     self._moved(i)
         self.probed = np.array([p is not None for p in self._probes], dtype=bool)
         self._any_probed = bool(self.probed.any())
@@ -597,8 +598,8 @@ def _call_offsets(plan: TransferPlan, n: int) -> np.ndarray:
 
 
 def _buffers_of(buffers: Layout | TransferPlan | Iterable[Buffer]) -> tuple[Buffer, ...]:
-    table = getattr(buffers, "buffers", buffers)
-    table = table if isinstance(table, tuple) else tuple(table)
+    found: Iterable[Any] = buffers.buffers if isinstance(buffers, (Layout, TransferPlan)) else buffers
+    table = found if isinstance(found, tuple) else tuple(found)
     for i, b in enumerate(table):
         if not isinstance(b, Buffer):
             raise BindingError(f"buffers[{i}]", type(b).__name__, "expected a kvxfer.planner.Buffer")

@@ -72,12 +72,13 @@ class ExecutorConfig(Options):
                 _set(data, key.replace("__", "."), value)
                 from_env.pop(key.replace("__", "."), None)
         try:
-            return cls.model_validate(data)
+            config: ExecutorConfig = cls.model_validate(data)
+            return config
         except ConfigError as e:
-            var = from_env.get(e.field)
-            if var is None:
+            set_by = from_env.get(e.field)
+            if set_by is None:
                 raise
-            raise ConfigError(var, e.value, f"{e.reason} (environment variable {var} sets {e.field})") from None
+            raise ConfigError(set_by, e.value, f"{e.reason} (environment variable {set_by} sets {e.field})") from None
 
 
 ENV_VARS: dict[str, str] = {
@@ -121,7 +122,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(path.read_text())
     except ValueError as e:
         raise ConfigError("config", str(path), f"cannot parse: {e}") from None
-    return data.get("executor", data)
+    section: dict[str, Any] = data.get("executor", data)
+    return section
 
 
 # ---- choosing -----------------------------------------------------------------------------------------------

@@ -25,7 +25,17 @@ import numpy as np
 
 from kvxfer.planner import Buffer, CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
-from .base import After, Executor, ExecutorError, Transfer, check_plan_target, split_after, stream_handle, transfers_after, wait_on_host
+from .base import (
+    After,
+    Executor,
+    ExecutorError,
+    Transfer,
+    check_plan_target,
+    split_after,
+    stream_handle,
+    transfers_after,
+    wait_on_host,
+)
 from .binding import BoundMemory, Lowered, Memory, hold_for_stream
 
 __all__ = ["ATTR_DTYPE", "DmaExecutor", "DmaTransfer", "MemcpyAttributes", "MemLocation", "Runtime", "attribute_records",

@@ -172,7 +172,8 @@ def _buffer_row(row: Any, i: int, seen: set[str]) -> tuple[str, Segment]:
     seen.add(name)
     if mem not in MEM_TYPES:
         raise PeerInfoError(f"{where}.mem", mem, f"expected one of {MEM_TYPES}", i)
-    for key, value, low, high in (("addr", addr, 0, (1 << 64) - 1), ("nbytes", nbytes, 1, 1 << 63), ("dev", dev, 0, (1 << 31) - 1)):
+    limits = (("addr", addr, 0, (1 << 64) - 1), ("nbytes", nbytes, 1, 1 << 63), ("dev", dev, 0, (1 << 31) - 1))
+    for key, value, low, high in limits:
         v = _int(value)
         if v is None:
             raise PeerInfoError(f"{where}.{key}", value, "expected an integer", i)

@@ -132,7 +132,7 @@ class PeerProcess:
 
     def read(self, name: str) -> np.ndarray:
         """A copy of the peer's buffer ``name``."""
-        return self._ask("read", name)
+        return np.asarray(self._ask("read", name), dtype=np.uint8)
 
     def write(self, name: str, data: np.ndarray) -> None:
         """Overwrite the peer's buffer ``name`` with ``data`` (as bytes); RuntimeError if the peer fails or does not answer."""
@@ -183,7 +183,7 @@ def demo(regions: int = 4, blocks: int = 64, page_bytes: int = 4096) -> None:
             t = ex.run(plan, {**dev, **peer.remote}).wait()
             peer.wait_notifs(t.notifs)
             same = all(np.array_equal(want[k], v) for k, v in {**dev, host.name: peer.read(host.name)}.items())
-            print(f"{plan!r}: {t.op} with {t.peer}, {t.elapsed_s * 1e3:.2f} ms, bytes {'match' if same else 'DIFFER'}")
+            print(f"{plan!r}: {t.op} with {t.peer}, {(t.elapsed_s or 0.0) * 1e3:.2f} ms, bytes {'match' if same else 'DIFFER'}")
             if not same:
                 raise SystemExit(1)
     ex.close()

@@ -85,7 +85,7 @@ class HipRuntime:
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
               attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
         """hipMemcpyBatchAsync through ctypes."""
-        return self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
+        return int(self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream))
 
     def _code(self, result: Any) -> int:
         return int(result[0] if isinstance(result, tuple) else result)

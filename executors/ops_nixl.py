@@ -21,7 +21,7 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,17 @@ import numpy as np
 
 from kvxfer.planner import Buffer, TransferPlan
 
-from .base import After, Bindings, Executor, ExecutorError, Transfer, stream_handle, synchronize_stream, transfers_after, wait_on_host
+from .base import (
+    After,
+    Bindings,
+    Executor,
+    ExecutorError,
+    Transfer,
+    stream_handle,
+    synchronize_stream,
+    transfers_after,
+    wait_on_host,
+)
 from .binding import BindingError, BoundMemory, Lowered, Memory
 from .nixl_files import FileBinding, register_files
 from .nixl_memory import PeerInfo, PeerInfoError, Registration, RemoteBuffer, Segment, register, segment_of
@@ -141,7 +151,7 @@ class NixlExecutor(Executor):
     @property
     def agent_name(self) -> str:
         """The name of this executor's NIXL agent."""
-        return self.agent.name
+        return str(self.agent.name)
 
     # ---- memory and peers --------------------------------------------------------------------------------
     @property
@@ -353,10 +363,12 @@ class NixlExecutor(Executor):
         flight = Inflight(self.agent, t0, self.options.poll_timeout_s, bound.owners(), notifs,
                           drain_s=self.options.drain_timeout_s, registrations=registrations, notify=notify)
         self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
+        agent = self.agent
+
+        def make(lo: int, hi: int, notif: bytes) -> Callable[[], Any]:
+            return lambda: agent.initialize_xfer(s.op, agent.get_xfer_descs(local[lo:hi], s.local_mem),
+                                                 agent.get_xfer_descs(remote[lo:hi], s.remote_mem), s.peer, notif)
         for c, (lo, hi) in enumerate(low.calls()):
-            flight.post(c, lambda lo=lo, hi=hi, c=c: self.agent.initialize_xfer(
-                s.op, self.agent.get_xfer_descs(local[lo:hi], s.local_mem),
-                self.agent.get_xfer_descs(remote[lo:hi], s.remote_mem), s.peer, notifs[c] if notify else b""),
-                f"{s.op} to {s.peer!r}")
+            flight.post(c, make(lo, hi, notifs[c] if notify else b""), f"{s.op} to {s.peer!r}")
         return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, flight=flight,
                             op=s.op, peer=s.peer, notifs=notifs if notify else ())

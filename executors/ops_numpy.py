@@ -22,7 +22,17 @@ import numpy as np
 
 from kvxfer.planner import Buffer, TransferPlan
 
-from .base import After, Bindings, CompletedTransfer, Executor, ExecutorError, completed, stream_handle, transfers_after, wait_on_host
+from .base import (
+    After,
+    Bindings,
+    CompletedTransfer,
+    Executor,
+    ExecutorError,
+    completed,
+    stream_handle,
+    transfers_after,
+    wait_on_host,
+)
 from .binding import BoundMemory, Lowered, Memory, check_host_view
 
 SMALL_RANGE_BYTES = 16 << 10  # below this a range is moved in a group; at or above, by one slice assignment

@@ -23,8 +23,19 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Location, Platform, Target, TransferPlan, cuda_version, hip_version
 
-from .base import (After, Bindings, Executor, ExecutorError, TargetMismatchError, Transfer, completed, split_after,
-                   stream_handle, transfers_after, wait_on_host)
+from .base import (
+    After,
+    Bindings,
+    Executor,
+    ExecutorError,
+    TargetMismatchError,
+    Transfer,
+    completed,
+    split_after,
+    stream_handle,
+    transfers_after,
+    wait_on_host,
+)
 from .binding import BindingError, BoundMemory, Lowered, Memory, check_location, hold_for_stream
 from .options import TritonOptions
 
@@ -143,7 +154,8 @@ class TritonExecutor(Executor):
             from .triton_kernel import copy_ranges
         except ImportError as e:
             raise ImportError(f"the Triton executor needs triton and torch: pip install 'kvxfer[triton,torch]' ({e})") from None
-        self._torch, self._kernel, self.tile_bytes = torch, copy_ranges, tile_bytes
+        self._torch: Any = torch  # torch's stream and event classes are untyped
+        self._kernel, self.tile_bytes = copy_ranges, tile_bytes
         self._elem = {w: getattr(tl, name) for w, name in ELEMENTS}
         self.interpret = interpreter_active()
         self.domain: str | None = None  # under the interpreter nothing is ordered on a device
@@ -156,7 +168,7 @@ class TritonExecutor(Executor):
             raise ExecutorError("triton", 0, None, "no GPU visible to torch (set TRITON_INTERPRET=1 before triton is "
                                 "imported to run the kernel on the CPU)", 0)
         self._device = torch.device("cuda", device)
-        self._stream = torch.cuda.Stream(self._device)
+        self._stream = self._torch.cuda.Stream(self._device)
         self._target = _torch_target(torch)
         self.domain = self._target.platform.value  # "cuda" or "rocm": the driver torch runs on
         self.num_programs = num_programs or 4 * torch.cuda.get_device_properties(self._device).multi_processor_count

@@ -35,7 +35,8 @@ class Backend:
     def load(self) -> type[Any]:
         """Import and return the executor class; ImportError names the backend (with the module's install hint)."""
         try:
-            return getattr(importlib.import_module(f"kvxfer.executors.{self.module}"), self.cls)
+            cls: type[Any] = getattr(importlib.import_module(f"kvxfer.executors.{self.module}"), self.cls)
+            return cls
         except ImportError as e:
             raise ImportError(f"executor {self.kind.value!r} ({self.module}:{self.cls}) is not available: {e}") from e
 

@@ -23,7 +23,10 @@ class _Buffers:
     """Storages seen so far on one side, each one named buffer."""
 
     def __init__(self, prefix: str):
-        self.prefix, self.by_ptr, self.buffers, self.tensors = prefix, {}, [], {}
+        self.prefix = prefix
+        self.by_ptr: dict[int, str] = {}
+        self.buffers: list[Buffer] = []
+        self.tensors: dict[str, Any] = {}
 
     def place(self, t: Any, region: str) -> tuple[str, int]:
         storage = t.untyped_storage()

@@ -115,7 +115,7 @@ def _positions(lengths: list[int]) -> list[tuple[int, int]]:
 def test_a_range_past_its_buffer_is_refused_wherever_it_sits_in_its_run(side, lengths):
     plan = hand_plan(RUNS[lengths])
     bound = bind(plan.buffers, {b.name: RawMemory(BASES[b.name], b.nbytes) for b in plan.buffers})
-    for run, i in _positions(RUNS[lengths]):
+    for _, i in _positions(RUNS[lengths]):
         buf = plan.buffers[int(plan.column(f"{side}_buf")[i])]
         bad = with_column(plan, f"{side}_offset", i, buf.nbytes - PAGE + 8)  # 8 bytes inside, 8 past the end
         msg = rf"^{side}_offset\[{i}\] = {buf.nbytes - 8}: range of {PAGE} bytes runs past buffer '{buf.name}'"

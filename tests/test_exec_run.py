@@ -12,8 +12,17 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors import (CompletedTransfer, Executor, ExecutorError, ExecutorKind, NumpyExecutor, RawMemory,
-                              RunArgumentError, Transfer, stream_handle)
+from kvxfer.executors import (
+    CompletedTransfer,
+    Executor,
+    ExecutorError,
+    ExecutorKind,
+    NumpyExecutor,
+    RawMemory,
+    RunArgumentError,
+    Transfer,
+    stream_handle,
+)
 from kvxfer.executors.config import AutoExecutor, ExecutorConfig
 from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import Platform, Target, cuda_version, plan_transfer, presets
