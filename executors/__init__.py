@@ -19,6 +19,7 @@ from .base import (
     Executor,
     ExecutorError,
     RunArgumentError,
+    Stream,
     TargetMismatchError,
     Transfer,
     check_plan_target,
@@ -39,7 +40,7 @@ _SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip"
 
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
-           "NumpyOptions", "RawMemory", "RunArgumentError", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
+           "NumpyOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
            "check_plan_target", "resolve", "stream_handle",
            *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Protocol, SupportsInt, TypeAlias
 
 from kvxfer.planner import Buffer, Case, Layout, Target, TransferPlan
 
@@ -35,6 +35,18 @@ def check_plan_target(plan: TransferPlan, runtime: Target) -> None:
     for (name, want), (_, have) in zip(plan.target.gates(), runtime.gates()):
         if want != have:
             raise TargetMismatchError(plan.target, runtime, name)
+
+
+class HasCudaStream(Protocol):
+    """A stream object that carries its raw handle (a torch stream: ``cuda_stream``)."""
+
+    @property
+    def cuda_stream(self) -> int:
+        """The raw stream handle (CUstream / hipStream_t) as an int."""
+        ...
+
+
+Stream: TypeAlias = "SupportsInt | HasCudaStream | None"  # an int handle, a CUstream, a torch stream, or None
 
 
 class RunArgumentError(ValueError):
@@ -96,7 +108,7 @@ class Transfer:
         """Block the host until call ``call`` has finished."""
         raise NotImplementedError
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
         """Order ``stream`` after call ``call`` (default: the last): on the device, without a host sync, where the
         backend has device events; else by waiting on the host until the call has finished."""
         raise NotImplementedError
@@ -124,12 +136,12 @@ class CompletedTransfer(Transfer):
         self._call(call)
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
         """Nothing to wait for (the copies finished on return); IndexError for an invalid call index."""
         self._call(call)  # finished on return: nothing left to wait for
 
 
-def stream_handle(stream: Any, device: int = 0) -> int:
+def stream_handle(stream: Stream, device: int = 0) -> int:
     """A raw stream handle from None (torch's current stream on ``device``, on the calling thread, when torch has
     initialized a GPU; else the legacy default stream 0), an int, a torch stream (``cuda_stream``) or a
     cuda-bindings CUstream. RunArgumentError for anything else."""
@@ -138,7 +150,7 @@ def stream_handle(stream: Any, device: int = 0) -> int:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             return int(torch.cuda.current_stream(device).cuda_stream)
         return 0
-    handle = getattr(stream, "cuda_stream", stream)
+    handle: Any = getattr(stream, "cuda_stream", stream)
     if isinstance(handle, (bool, str, bytes, float)):
         raise RunArgumentError("stream", stream, "expected None, an int handle, a torch stream or a CUstream")
     try:
@@ -150,7 +162,7 @@ def stream_handle(stream: Any, device: int = 0) -> int:
     return value
 
 
-def synchronize_stream(stream: Any, device: int = 0) -> None:
+def synchronize_stream(stream: Stream, device: int = 0) -> None:
     """Block the host until the work queued on ``stream`` so far is done (for executors that post from the host).
 
     None means the current stream on ``device`` when torch has initialized a GPU (else no GPU work can be
@@ -226,7 +238,8 @@ class Executor:
 
     @classmethod
     def from_options(cls, options: Any) -> Executor:
-        """An executor from its backend's typed options (``kvxfer.executors.options``)."""
+        """An executor from its backend's typed options (``kvxfer.executors.options``: each backend takes its own
+        model, so the base class cannot name one)."""
         return cls()
 
     @property
@@ -268,7 +281,7 @@ class Executor:
         """True when ``run`` has finished every copy by the time it returns; False when it only issues them."""
         return False
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None, after: After = None) -> Transfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None, after: After = None) -> Transfer:
         """Run ``plan`` on ``memory`` (a BoundMemory from ``bind``, or ``{name: memory}`` for one run) and return its
         Transfer.
 
@@ -279,7 +292,7 @@ class Executor:
         not (their errors are their owners'). Each backend implements it."""
         raise NotImplementedError
 
-    def run_case(self, case: Case | dict[str, Any] | str, bindings: BoundMemory | Bindings, stream: Any = None, *,
+    def run_case(self, case: Case | dict[str, Any] | str, bindings: BoundMemory | Bindings, stream: Stream = None, *,
                  replan: bool = True, after: After = None) -> Transfer:
         """Plan ``case`` and run it. With ``replan`` the case's target is replaced by the runtime found
         (``self.target``), so a case written for another version still runs; without it a mismatch raises."""

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, TransferPlan
 
-from .base import After, Executor, Transfer, transfers_after
+from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BindingError, BoundMemory, bind, resolve
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
 from .registry import ExecutorKind, backend
@@ -288,7 +288,7 @@ class AutoExecutor(Executor):
             return bool(self._get(self.config.kind).synchronous)
         return self.platform is Platform.CPU
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None,
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
             after: After = None) -> Transfer:
         """Choose an executor for ``plan`` (recorded in ``last_choice``) and run ``plan`` there, after ``stream`` and
         ``after`` (see ``Executor.run``) and, if the previous transfer ran on another executor, after that one too.

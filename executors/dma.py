@@ -29,6 +29,7 @@ from .base import (
     After,
     Executor,
     ExecutorError,
+    Stream,
     Transfer,
     check_plan_target,
     split_after,
@@ -201,7 +202,7 @@ class DmaTransfer(Transfer):
         check(self.runtime, self.runtime.event_synchronize(self.marks[self._call(call)]), "event synchronize (call)")
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
         """Make ``stream`` (see ``stream_handle``; a stream of the runtime's driver) wait on the device until call ``call``
         (default: the last) is done. Raises IndexError, RunArgumentError or ExecutorError."""
         rt = self.runtime
@@ -276,7 +277,7 @@ class DmaExecutor(Executor):
             raise PlanError("call_sizes", int(plan.call_sizes[i]), f"call {i} exceeds this executor's cap of {cap} "
                             f"descriptors per call; re-plan with PlanOptions(max_descriptors<={cap})", i)
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None,
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
             after: After = None) -> DmaTransfer:
         """Issue every call of ``plan`` after ``stream``'s pending work and every ``after`` transfer (see
         ``Executor.run``); returns at once. Raises TargetMismatchError, BindingError, PlanError or
@@ -296,7 +297,7 @@ class DmaExecutor(Executor):
             self._inflight = [t for t in self._inflight if not _finished(t)]
             return self._submit(plan, bound, low, stream, on_device)
 
-    def _submit(self, plan: TransferPlan, bound: BoundMemory, low: Lowered, stream: Any,
+    def _submit(self, plan: TransferPlan, bound: BoundMemory, low: Lowered, stream: Stream,
                 after: list[Transfer]) -> DmaTransfer:
         rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         with rt.current():  # the caller's current device/context is restored afterwards

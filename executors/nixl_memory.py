@@ -94,7 +94,7 @@ class PeerInfo:
                            "metadata": base64.b64encode(self.metadata).decode(), "buffers": rows}).encode()
 
     @classmethod
-    def decode(cls, blob: Any) -> PeerInfo:
+    def decode(cls, blob: object) -> PeerInfo:
         """Parse and check a peer's description; PeerInfoError naming the first field that is malformed (not
         bytes, too large, a pickle or other non-JSON, missing or unknown keys, wrong types, counts or values)."""
         if not isinstance(blob, (bytes, bytearray, memoryview)):

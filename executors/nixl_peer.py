@@ -15,13 +15,16 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .nixl_memory import MAX_PEER_INFO_BYTES, PeerInfo, PeerInfoError, Registration, RemoteBuffer
+
+if TYPE_CHECKING:  # ops_nixl imports nixl lazily, but importing it here would load the executor for every peer
+    from .ops_nixl import NixlExecutor
 
 LOOPBACK_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
 
@@ -32,7 +35,7 @@ def _recv(conn: Any, timeout_s: float, what: str) -> Any:
     return conn.recv()
 
 
-def exchange(executor: Any, conn: Any, registration: Registration | None,
+def exchange(executor: NixlExecutor, conn: Connection, registration: Registration | None,
              timeout_s: float = 30.0) -> tuple[str, dict[str, RemoteBuffer]]:
     """Send this agent's description (``describe`` of ``registration``: name, metadata, segments) and load the
     peer's. Both sides call it. Returns the peer's agent name and its buffers as RemoteBuffers by name; a
@@ -138,7 +141,7 @@ class PeerProcess:
         """Overwrite the peer's buffer ``name`` with ``data`` (as bytes); RuntimeError if the peer fails or does not answer."""
         self._ask("write", name, np.asarray(data, dtype=np.uint8))
 
-    def wait_notifs(self, notifs: Any, timeout_s: float | None = None) -> None:
+    def wait_notifs(self, notifs: Iterable[bytes], timeout_s: float | None = None) -> None:
         """Block until the peer has received every notification in ``notifs`` from the executor's agent."""
         self._ask("notifs", list(notifs), timeout_s or self.timeout_s)
 

@@ -21,19 +21,20 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, TransferPlan
+from kvxfer.planner import Buffer, Layout, TransferPlan
 
 from .base import (
     After,
     Bindings,
     Executor,
     ExecutorError,
+    Stream,
     Transfer,
     stream_handle,
     synchronize_stream,
@@ -86,7 +87,7 @@ class NixlTransfer(Transfer):
             self.flight.wait_call(call)
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
         """Wait on the host until call ``call`` (default: the last) is done, so whatever is queued on ``stream`` later
         runs after it (NIXL has no device events). IndexError, RunArgumentError, or ExecutorError on failure."""
         if stream is not None:
@@ -159,10 +160,11 @@ class NixlExecutor(Executor):
         """False: ``run`` posts the transfers and returns."""
         return False
 
-    def register(self, bindings: Mapping[str, Any], buffers: Any = None) -> Registration:
+    def register(self, bindings: Mapping[str, Any],
+                 buffers: Layout | TransferPlan | Iterable[Buffer] | None = None) -> Registration:
         """Register local memory under buffer names; ``buffers`` (a Layout, plan or Buffer list) restricts and
         size-checks the names. See nixl_memory.register."""
-        bufs = getattr(buffers, "buffers", buffers)
+        bufs = buffers.buffers if isinstance(buffers, (Layout, TransferPlan)) else buffers
         files = {n: b for n, b in bindings.items() if isinstance(b, FileBinding)}  # storage: FILE memory
         if files and len(files) < len(bindings):
             raise BindingError(sorted(set(bindings) - set(files))[0], "memory", "register files and memory separately")
@@ -219,7 +221,7 @@ class NixlExecutor(Executor):
             while self._registrations:
                 self._registrations.pop().deregister()
 
-    def wait_notifs(self, peer: str, notifs: Any, timeout_s: float | None = None) -> None:
+    def wait_notifs(self, peer: str, notifs: Iterable[bytes], timeout_s: float | None = None) -> None:
         """Block until every notification in ``notifs`` arrived from ``peer``; TimeoutError names the missing."""
         missing = [bytes(n) for n in notifs]
 
@@ -257,7 +259,7 @@ class NixlExecutor(Executor):
         return {n: (b.open(table[n]).remote(self.agent_name) if isinstance(b, FileBinding) and n in table else b)
                 for n, b in bindings.items()}
 
-    def bind(self, buffers: Any, bindings: Bindings) -> BoundMemory:
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Bindings) -> BoundMemory:
         """As Executor.bind; FileBinding values are opened and bound as FILE segments (register them first)."""
         return super().bind(buffers, self._files_as_segments(buffers, bindings))
 
@@ -319,7 +321,7 @@ class NixlExecutor(Executor):
                 raise BindingError(what, sorted(m), "one side of a NIXL descriptor list has one memory type")
         return _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), dev)
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None,
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
             after: After = None) -> NixlTransfer:
         """Post every call of ``plan`` as one NIXL transfer; returns at once with a NixlTransfer.
 

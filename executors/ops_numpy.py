@@ -28,6 +28,7 @@ from .base import (
     CompletedTransfer,
     Executor,
     ExecutorError,
+    Stream,
     completed,
     stream_handle,
     transfers_after,
@@ -60,7 +61,7 @@ class NumpyExecutor(Executor):
     def _attach(self, bound: BoundMemory) -> None:
         bound.extra["views"] = _views(bound)  # made once per bind
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None,
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
             after: After = None) -> CompletedTransfer:
         """Copy every range once every ``after`` transfer has finished; complete on return. ``stream`` is accepted
         (host memory: nothing to order). Raises BindingError, PlanError or RunArgumentError before any byte moves,

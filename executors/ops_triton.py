@@ -28,6 +28,7 @@ from .base import (
     Bindings,
     Executor,
     ExecutorError,
+    Stream,
     TargetMismatchError,
     Transfer,
     completed,
@@ -115,14 +116,14 @@ class TritonTransfer(Transfer):
         _guard("event synchronize (call)", self.marks[self._call(call)].synchronize)
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
         """Make ``stream`` (a torch stream or a raw handle of this GPU platform) wait on the device until call ``call``
         (default: the last) is done."""
         cuda = self.torch.cuda
         mark = self.marks[self._call(call)]
-        if not isinstance(stream, cuda.Stream):
-            stream = cuda.ExternalStream(stream_handle(stream, self.device), device=self.device)
-        stream.wait_event(mark)
+        target: Any = stream if isinstance(stream, cuda.Stream) else cuda.ExternalStream(stream_handle(stream, self.device),
+                                                                                         device=self.device)
+        target.wait_event(mark)
 
 
 def _guard(call: str, fn: Any) -> Any:
@@ -208,7 +209,7 @@ class TritonExecutor(Executor):
         if not self.interpret:
             hold_for_stream(bound, int(self._stream.cuda_stream))
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None, after: After = None) -> Transfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None, after: After = None) -> Transfer:
         """Launch the copies after ``stream``'s pending work and every ``after`` transfer (see ``Executor.run``);
         complete on return under the interpreter, asynchronous on a GPU. Raises TargetMismatchError (other
         platform), BindingError, PlanError or RunArgumentError before anything runs, ExecutorError naming the
@@ -257,7 +258,7 @@ class TritonExecutor(Executor):
                            ALIGN16=g["align16"])
 
     def _run_on_gpu(self, plan: TransferPlan, low: Lowered, per_call: list[list[dict[str, Any]]], bound: BoundMemory,
-                    stream: Any, after: list[Transfer]) -> TritonTransfer:
+                    stream: Stream, after: list[Transfer]) -> TritonTransfer:
         torch = self._torch
         compute = (torch.cuda.current_stream(self._device) if stream is None else stream
                    if isinstance(stream, torch.cuda.Stream) else

@@ -59,7 +59,7 @@ def backend(kind: ExecutorKind | str) -> Backend:
                           f"no executor class (known: {', '.join(k.value for k in BACKENDS)})") from None
 
 
-def kind_of(executor: Any) -> ExecutorKind | None:
+def kind_of(executor: object) -> ExecutorKind | None:
     """The kind whose class ``executor`` is an instance of (None for auto and unregistered classes)."""
     name = type(executor).__name__
     return next((b.kind for b in BACKENDS.values() if b.cls == name), None)
