@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import time
 
@@ -22,16 +21,7 @@ import numpy as np
 
 from kvxfer.planner import Location, Target, plan_transfer, presets
 
-
-def _medians_ms(fns: dict[str, object], repeat: int) -> dict[str, float]:
-    """Median milliseconds of each function, calls interleaved so machine load hits all alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+from timing import medians_ms  # this folder: on sys.path when the script runs
 
 
 def main() -> None:
@@ -70,7 +60,7 @@ def main() -> None:
             fns["old"] = lambda: old.bind_addresses(plan, old_memory, lambda buf, b: None)
         for fn in fns.values():
             fn()
-        ms = _medians_ms(fns, args.repeat)
+        ms = medians_ms(fns, args.repeat)
         line = (f"{pattern:11} {plan.num_ranges:>9} ranges  plan {ms['plan']:8.2f} ms  lower {ms['lower']:8.2f} ms  "
                 f"lower/plan {ms['lower'] / ms['plan']:5.2f}")
         if old is not None:

@@ -12,9 +12,11 @@ rewritten after each, so a sticky CUDA error or a timeout keeps every figure mea
     per run plus a cost per descriptor (the slope);
  5. dma-interference: a decode-shaped, memory-bound matmul ([32, 8192] x [8192, 28672] bf16) and an 8192^3 GEMM
     timed alone and beside copy-engine copies, both measured over the window where they overlap;
- 6. triton-roundtrip, 7. crossover (Triton vs DMA over range sizes, same bytes, ranges that cannot merge),
- 8. triton-interference (the same compute beside SM-kernel copies);
- 9. offload: a short store/load job loop through kvxfer.offload, only when that package imports.
+ 6. triton-roundtrip, 7. run-api (a Triton load ordered ``after`` a DMA store of the host blocks it reads, on the
+    device, and the reverse; a bound device tensor moved by ``set_`` is refused),
+ 8. crossover (Triton vs DMA over range sizes, same bytes, ranges that cannot merge),
+ 9. triton-interference (the same compute beside SM-kernel copies);
+10. offload: a short store/load job loop through kvxfer.offload, only when that package imports.
 
 Every timed sample is kept in the JSON. Figures are ratios against baselines measured in the same run. Copy
 times are the transfers' own device events; submit times are host time inside ``run``.
@@ -483,6 +485,42 @@ def round_trips(ck: Check, role: str) -> dict[str, bool]:
     return results
 
 
+def run_api(ck: Check) -> dict[str, Any]:
+    """``after`` across executors: a load on one reads host blocks a store on the other writes, issued back to
+    back with no host wait (on a GPU the order is a device-side event wait); every byte is compared with the
+    oracle run in order. Then a bound device buffer whose tensor moved (``set_``) must be refused."""
+    from kvxfer.executors import BindingError
+    from kvxfer.testing import run_reference
+    dma, tri = ck.executor("dma"), ck.executor("triton")
+    regions, blocks, moved, page = ck.sizes.roundtrip
+    layout = presets.kv_layout(regions, blocks, page, shared_device=False)
+    out: dict[str, Any] = {}
+    for name, (first, second) in {"dma then triton": (dma, tri), "triton then dma": (tri, dma)}.items():
+        store = presets.mapping("fragmented", moved, blocks, "d2h", seed=5)
+        load = BlockMapping(direction="h2d", src_ids=store.dst_ids, dst_ids=list(reversed(store.src_ids)))
+        plans = [plan_transfer(layout, m, ck.target) for m in (store, load)]
+        mem = ck.dev.memory(plans[0], 7)
+        want = run_reference(layout, load, run_reference(layout, store, {k: v.cpu().numpy() for k, v in mem.items()}))
+        t = first.run(plans[0], mem)
+        second.run(plans[1], mem, after=t).wait()
+        ck.dev.synchronize()
+        out[f"{name} bytes_ok"] = all(np.array_equal(mem[k].cpu().numpy(), want[k]) for k in want)
+    plan = plan_transfer(layout, presets.mapping("fragmented", moved, blocks, "h2d"), ck.target)
+    mem = ck.dev.memory(plan, 9)
+    bound = bind(dma, plan, mem)
+    device = next(b.name for b in plan.buffers if b.location.value == "device")
+    mem[device].set_(ck.dev.torch.empty_like(mem[device]))
+    try:
+        dma.run(plan, bound).wait()
+        out["moved tensor refused"] = False
+    except BindingError:
+        out["moved tensor refused"] = True
+    finally:
+        unbind(bound)
+    print("run api: " + ", ".join(f"{k} {v}" for k, v in out.items()))
+    return out
+
+
 def restore_memory(ck: Check) -> dict[str, Any]:
     if ck.restore_mem is None:
         ck.restore_mem = ck.dev.memory(restore_plans(ck.target, ck.sizes)["h2d contiguous merged"])
@@ -710,6 +748,7 @@ SECTIONS: tuple[tuple[str, Callable[[Check], Any]], ...] = (
     ("submit", submit_cost),
     ("dma-interference", lambda ck: copies_beside(ck, "dma")),
     ("triton-roundtrip", lambda ck: round_trips(ck, "triton")),
+    ("run-api", run_api),
     ("crossover", crossover),
     ("triton-interference", lambda ck: copies_beside(ck, "triton")),
     ("offload", offload_jobs),
@@ -756,7 +795,7 @@ def summary(report: dict[str, Any]) -> str:
         for sec, kind, r in rows:
             lines.append(f"{sec.split('-')[0]:20} {kind:7} {r['op_ms_alone']:>11.4f} {_num(r['op_ms_during'], '.4f'):>10} "
                          f"{_pct(r['slowdown_pct']):>9} {_num(r['copy_GB/s_during']):>14} {_num(r['copy_vs_alone']):>8}")
-    rt = [(k, p, ok) for k in ("dma-roundtrip", "triton-roundtrip") if isinstance(report.get(k), dict)
+    rt = [(k, p, ok) for k in ("dma-roundtrip", "triton-roundtrip", "run-api") if isinstance(report.get(k), dict)
           and "error" not in report[k] for p, ok in report[k].items()]
     if rt:
         lines.append("\nround trips: " + ", ".join(f"{k.split('-')[0]} {p} {'ok' if ok else 'MISMATCH'}" for k, p, ok in rt))
@@ -765,7 +804,7 @@ def summary(report: dict[str, Any]) -> str:
 
 def bytes_all_ok(report: dict[str, Any]) -> bool:
     """False if any round trip or checked run got wrong bytes (sections that failed count separately)."""
-    ok = all(v for k in ("dma-roundtrip", "triton-roundtrip") if "error" not in report.get(k, {})
+    ok = all(v for k in ("dma-roundtrip", "triton-roundtrip", "run-api") if "error" not in report.get(k, {})
              for v in report.get(k, {}).values())
     ok &= all(r.get("bytes_ok", True) for r in report.get("bandwidth", {}).values() if isinstance(r, dict))
     ok &= all(r.get("bytes_ok", True) for r in report.get("crossover", {}).get("rows", {}).values())

@@ -1,28 +1,48 @@
 """kvxfer.executors: run a TransferPlan on a backend. Heavy backends import their drivers lazily.
 
-Bind once, run many: ``bound = executor.bind(layout, {name: memory})`` then ``executor.run(plan, bound)``.
-Backends are listed once, in ``registry.BACKENDS``; their classes import on first use.
+Bind once, run many: ``bound = executor.bind(layout, {name: memory})`` then ``executor.run(plan, bound,
+stream=None, after=None)``. Backends are listed once, in ``registry.BACKENDS``; their classes import on first use.
+
+Public submodules (``from kvxfer.executors import torch_layout``): ``config`` (choosing an executor), ``dma``
+(the ``Runtime`` protocol a DMA driver implements), ``nixl_files`` (files through NIXL), ``nixl_peer`` (a NIXL
+peer process and metadata exchange), ``options``, ``pinning``, ``torch_layout`` (layouts from tensors), and one
+module per backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_triton``).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from .base import CompletedTransfer, Executor, ExecutorError, TargetMismatchError, Transfer, check_plan_target
-from .binding import BindingError, BoundMemory, Memory, RawMemory, bind, resolve
+from .base import (
+    After,
+    CompletedTransfer,
+    Executor,
+    ExecutorError,
+    RunArgumentError,
+    Stream,
+    TargetMismatchError,
+    Transfer,
+    check_plan_target,
+    stream_handle,
+)
+from .binding import BindingError, BoundMemory, Lowered, Memory, RawMemory, bind, resolve
 from .ops_numpy import NumpyExecutor
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, TritonOptions
 from .registry import BACKENDS, ExecutorKind
 
 _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported on first use
     "ExecutorConfig": "config", "get_executor": "config", "choose_executor": "config", "AutoExecutor": "config",
-    "pin_host_memory": "pinning", "PinnedRegion": "pinning", "RemoteBuffer": "nixl_memory",
+    "pin_host_memory": "pinning", "PinnedRegion": "pinning", "RemoteBuffer": "nixl_memory", "PeerInfo": "nixl_memory",
+    "PeerInfoError": "nixl_memory", "FileBinding": "nixl_files",
 }
+_SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip", "ops_nixl", "ops_numpy", "ops_triton",
+               "options", "pinning", "torch_layout")
 
-__all__ = ["BACKENDS", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions", "Executor",
-           "ExecutorError", "ExecutorKind", "HipOptions", "Memory", "NixlOptions", "NumpyExecutor", "NumpyOptions",
-           "RawMemory", "TargetMismatchError", "Transfer", "TritonOptions", "bind", "check_plan_target", "resolve",
-           *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS]
+__all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
+           "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
+           "NumpyOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
+           "check_plan_target", "resolve", "stream_handle",
+           *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +51,6 @@ def __getattr__(name: str) -> Any:
             return b.load()
     if name in _HELPERS:
         return getattr(importlib.import_module(f".{_HELPERS[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,19 +2,28 @@
 
 ``resolve`` turns one binding (numpy array, torch tensor, ``__cuda_array_interface__`` object, RawMemory or
 ``(address, nbytes)`` pair) into a ``Memory``. ``bind`` resolves and checks each buffer of a layout once and
-returns a ``BoundMemory``; ``BoundMemory.lower(plan)`` then checks every range of a plan against the bound
-sizes and turns ``(buffer, offset)`` pairs into absolute addresses, vectorized, before anything is copied
-(``BoundMemory.check(plan)``: the same checks, for executors that copy through views).
+returns a ``BoundMemory``, which keeps the memory itself alive (for a torch tensor its storage, whose size is
+then fixed where torch allows it) and refuses a run whose bound object no longer points at the bound memory.
+``BoundMemory.descriptors(plan)`` then checks every range of a plan against the bound sizes and turns
+``(buffer, offset)`` pairs into absolute addresses, vectorized, before anything is copied
+(``BoundMemory.offsets(plan)``: the same checks, keeping offsets, for executors that copy through views).
+
+Each column of the plan is read once: sizes, buffer runs, attribute runs and call offsets are copied, and the
+offsets are read only by the addition that writes the addresses into arrays the executor owns. The bounds are
+then checked on those arrays, so the values checked are the values the executor uses, even if a caller
+changes a plan's columns meanwhile.
 
 Per run the cost is a few passes over the plan's columns: buffer and size columns are read as runs (one
-comparison per run, not per range); per side, one reduction bounds every run's offsets and one addition
-writes the addresses (one 2-D broadcast when every run has the same length, as when each region has as
-many ranges).
+comparison per run, not per range); per side, one addition writes the addresses (one 2-D broadcast when every
+run has the same length, as when each region has as many ranges) and one reduction per bound bounds every
+run's addresses; the bound objects the plan touches are asked where they point (one attribute read each).
 """
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +33,8 @@ from kvxfer.planner import Buffer, Layout, Location, PlanError, TransferPlan
 
 U64 = 1 << 64
 MAX_OFFSET = 1 << 63  # buffers and ranges above this could wrap uint64 sums; none is that large
+PAGE_BYTES = 4096  # the smallest page size of the platforms supported: a header on the data's page is mapped
+LONG_RUN = 8192  # runs at least this long (on average) get their base added per run, without a per-range array
 
 
 class BindingError(ValueError):
@@ -57,7 +68,12 @@ class Memory:
     """One binding resolved: absolute address, size, where it lives (None = unknown), and its owner.
 
     ``view`` makes a flat uint8 numpy view for host memory numpy can reach (arrays, CPU tensors), else None;
-    it is only called by executors that copy with numpy (a numpy view makes a torch storage non-resizable).
+    it is only called by executors that copy with numpy. ``hold`` is called once by ``bind``: it returns what
+    keeps the memory itself alive while bound (a tensor's storage; for a CPU tensor it also fixes the
+    storage's size, as ``Tensor.numpy()`` does), whatever later happens to the owner. ``probe`` is one cheap
+    call whose value changes when the owner no longer points at the memory (a tensor's ``data_ptr``, an array's
+    size), so each run can refuse an owner that moved; ``bind`` records its value. Memory given by address
+    (RawMemory, pairs, ``__cuda_array_interface__``, remote buffers) has neither: it cannot move.
     """
 
     address: int
@@ -69,19 +85,57 @@ class Memory:
     owner: Any = field(repr=False, default=None)
     view: Callable[[], np.ndarray] | None = field(repr=False, default=None, compare=False)
     file_offsets: bool = False  # ``address`` is an offset in a file (0 is valid), not a pointer
+    hold: Callable[[], Any] | None = field(repr=False, default=None, compare=False)
+    probe: Callable[[], int] | None = field(repr=False, default=None, compare=False)
+
+
+def _read_memory(address: int, nbytes: int) -> bytes | None:
+    """``nbytes`` bytes of this process's memory at ``address``, or None where any of them is unmapped.
+
+    Read through /proc/self/mem, which fails with an error (EIO) on an unmapped page instead of faulting."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, nbytes, address)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == nbytes else None
 
 
 def _over_immutable_bytes(address: int, nbytes: int) -> bool:
     """Whether ``address`` is the start of a ``bytes`` object's data (torch.frombuffer over bytes does this).
 
-    CPython lays a bytes object out as refcount, type, size, hash, then the data: 32 bytes before the data.
-    The header is read only when it lies on the data's own page, which is mapped.
-    """
-    header = 32
-    if address % 4096 < header:
+    CPython lays a bytes object out as its object header (refcount, type), size, hash, then the data: the
+    type and size are read from just before ``address``. A header on the data's own page is mapped and read
+    directly; one on the page before is read through /proc/self/mem, which cannot fault (an unmapped page there
+    means no bytes object)."""
+    header = bytes.__basicsize__ - bytes.__itemsize__  # the data starts after the header (the last byte is NUL)
+    start = address - header + object.__basicsize__ - 8  # ob_type ends the object header; ob_size follows it
+    if start < 0:
         return False
-    ob_type, ob_size = np.frombuffer(ctypes.string_at(address - header + 8, 16), dtype=np.uint64).tolist()
+    raw = ctypes.string_at(start, 16) if address % PAGE_BYTES >= address - start else _read_memory(start, 16)
+    if raw is None:
+        return False
+    ob_type, ob_size = (int(v) for v in np.frombuffer(raw, dtype=np.uint64))
     return ob_type == id(bytes) and ob_size >= nbytes
+
+
+def _torch_hold(obj: Any) -> Callable[[], Any]:
+    """What keeps a tensor's memory alive: its storage (so ``set_`` or ``.data =`` cannot free it). On the CPU, a
+    numpy view over the storage too, which makes torch refuse to resize that storage (``resize_``,
+    ``untyped_storage().resize_``): there is no other way from Python, and none back."""
+    def hold() -> Any:
+        storage = obj.untyped_storage()
+        if obj.device.type != "cpu":
+            return storage
+        import torch
+        alias = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return storage, alias.numpy()
+    return hold
 
 
 def _torch_memory(obj: Any, name: str) -> Memory:
@@ -89,6 +143,7 @@ def _torch_memory(obj: Any, name: str) -> Memory:
         raise BindingError(name, describe(obj), "tensor is not contiguous")
     dev = obj.device
     nbytes, address = obj.numel() * obj.element_size(), int(obj.data_ptr())
+    probe = obj.data_ptr  # the memory is held, so only pointing elsewhere (set_, .data =, a reallocation) matters
     if dev.type == "cpu":
         writable = not (nbytes and _over_immutable_bytes(address, nbytes))
 
@@ -97,10 +152,26 @@ def _torch_memory(obj: Any, name: str) -> Memory:
             v = v.view()
             v.flags.writeable = writable
             return v
-        return Memory(address, nbytes, Location.HOST, None, bool(obj.is_pinned()) if nbytes else False, writable, obj, view)
+        return Memory(address, nbytes, Location.HOST, None, bool(obj.is_pinned()) if nbytes else False, writable, obj,
+                      view, hold=_torch_hold(obj), probe=probe)
     if dev.type == "cuda":
-        return Memory(address, nbytes, Location.DEVICE, dev.index if dev.index is not None else 0, None, True, obj)
+        return Memory(address, nbytes, Location.DEVICE, dev.index if dev.index is not None else 0, None, True, obj,
+                      hold=_torch_hold(obj), probe=probe)
     raise BindingError(name, describe(obj), f"tensor on {dev.type}: expected cpu or cuda")
+
+
+def _numpy_hold(arr: np.ndarray) -> Callable[[], Any]:
+    """What keeps an array's memory alive: the array, and the storage of a torch tensor it views
+    (``Tensor.numpy()`` keeps the tensor, not its storage, which the tensor's ``set_`` could free)."""
+    def hold() -> Any:
+        keep: list[Any] = [arr]
+        base = arr.base
+        while base is not None:
+            if type(base).__module__.startswith("torch") and hasattr(base, "untyped_storage"):
+                keep.append(base.untyped_storage())
+            base = getattr(base, "base", None) if isinstance(base, np.ndarray) else None
+        return tuple(keep)
+    return hold
 
 
 def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
@@ -110,8 +181,12 @@ def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
         raise BindingError(name, describe(obj), "array is not C-contiguous")
     arr = np.asarray(obj)  # a subclass such as np.matrix stays 2-D under reshape; the base class flattens
     view = arr.reshape(-1).view(np.uint8)
-    return Memory(int(arr.__array_interface__["data"][0]), int(arr.nbytes), Location.HOST, None, None,
-                  bool(arr.flags.writeable), obj, lambda: view)
+    address = int(arr.__array_interface__["data"][0])
+
+    def probe() -> int:  # an array holding its memory only moves if resized (refcheck=False): its size changes
+        return arr.nbytes
+    return Memory(address, int(arr.nbytes), Location.HOST, None, None, bool(arr.flags.writeable), obj, lambda: view,
+                  hold=_numpy_hold(arr), probe=probe)
 
 
 def resolve(obj: Any, name: str) -> Memory:
@@ -165,12 +240,71 @@ def check_host_view(buf: Buffer, mem: Memory) -> None:
 Check = Callable[[Buffer, Memory], None]
 
 
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """One plan's ranges as ``BoundMemory`` checked them, each column read from the plan once: what an executor
+    uses, instead of reading the plan's columns again.
+
+    ``src``/``dst``: uint64 absolute addresses (``descriptors``) or offsets within the buffers (``offsets``);
+    ``nbytes``: uint64 sizes; ``src_runs``/``dst_runs``: (buffer index, run length) of each run of ranges with
+    one buffer; ``attr_runs``: the same for attribute ids; ``call_offsets``: int64, one more than the calls.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    src_runs: tuple[np.ndarray, np.ndarray]
+    dst_runs: tuple[np.ndarray, np.ndarray]
+    attr_runs: tuple[np.ndarray, np.ndarray]
+    call_offsets: np.ndarray
+
+    @property
+    def num_calls(self) -> int:
+        """The number of calls."""
+        return len(self.call_offsets) - 1
+
+    def calls(self) -> Iterator[tuple[int, int]]:
+        """``(first, end)`` range indices of each call, in order."""
+        co = self.call_offsets.tolist()
+        return zip(co[:-1], co[1:])
+
+    def call_attrs(self, call: int) -> tuple[np.ndarray, np.ndarray]:
+        """For call ``call``: (attribute ids, first descriptor of each within the call), as ``TransferPlan.attr_runs``."""
+        lo, hi = int(self.call_offsets[call]), int(self.call_offsets[call + 1])
+        values, lengths = self.attr_runs
+        ends = np.cumsum(lengths)
+        first, last = np.searchsorted(ends, [lo, hi - 1], side="right").tolist()
+        ids = values[first:last + 1].astype(np.int64)
+        starts = np.maximum(ends[first:last + 1] - lengths[first:last + 1], lo) - lo
+        keep = np.concatenate(([True], ids[1:] != ids[:-1])) if len(ids) else np.zeros(0, bool)
+        return ids[keep], starts[keep].astype(np.int64)
+
+    def buffer_column(self, side: str) -> np.ndarray:
+        """The buffer index (int64) of every range on ``side`` ("src" or "dst")."""
+        values, lengths = self.src_runs if side == "src" else self.dst_runs
+        return np.repeat(values, lengths)
+
+
+def lowering_strategy(lengths: np.ndarray, n: int) -> str:
+    """How bases are added to ``n`` offsets that come in runs of ``lengths`` (one buffer per run): ``"grid"``
+    when every run has one length (rows of a 2-D view: one broadcast addition), ``"long runs"`` when runs are
+    long (each run's base added in place: no per-range base array), else ``"repeat"`` (one per-range base array)."""
+    rows = len(lengths)
+    if rows and int(lengths[0]) * rows == n and int(lengths.max()) == int(lengths[0]):  # the largest is the mean
+        return "grid"
+    return "long runs" if n >= LONG_RUN * rows else "repeat"
+
+
 class BoundMemory:
-    """Memory bound once to a table of buffers; ``lower(plan)`` turns a plan's ranges into addresses.
+    """Memory bound once to a table of buffers; ``descriptors(plan)`` turns a plan's ranges into addresses.
 
     ``buffers`` is the table bound (a Layout's buffers); ``memory[i]`` is buffer i's Memory (None where the
-    buffer was not bound). Holds a reference to every binding, so memory stays alive while bound. ``close()``
-    runs the executor's release hooks (deregistration) once; a closed BoundMemory refuses to lower.
+    buffer was not bound). Keeps each memory alive itself (``Memory.hold``: a tensor's storage), and refuses a
+    run (BindingError naming the buffer) when a bound owner the plan touches no longer points at the bound
+    memory (``Memory.probe``: a tensor after ``set_``, ``.data = ...`` or a resize). ``close()`` runs the
+    executor's release hooks (deregistration) once; a closed BoundMemory refuses to lower.
+
+    Threads: runs may lower plans on one BoundMemory from several threads; ``close`` must not race them.
     """
 
     def __init__(self, buffers: tuple[Buffer, ...], memory: tuple[Memory | None, ...], bound_by: str):
@@ -185,6 +319,17 @@ class BoundMemory:
         self.extra: dict[str, Any] = {}  # executor-specific state made at bind time (registrations)
         self._on_close: list[Callable[[], None]] = []
         self._tables: list[tuple[Buffer, ...]] = [buffers]  # buffer tables already found equal (kept alive)
+        self.held: tuple[Any, ...] = tuple(m.hold() if m.hold is not None else m.owner for m in memory if m is not None)
+        self._probes: list[tuple[Callable[[], int], int] | None] = [None] * len(buffers)
+        for i, m in enumerate(memory):
+            if m is not None and m.probe is not None:
+                value = m.probe()  # read after ``hold``: the value of the memory held
+                self._probes[i] = (m.probe, value)
+                if value not in (m.address, m.nbytes):
+                    self._moved(i)
+        self.probed = np.array([p is not None for p in self._probes], dtype=bool)
+        self._any_probed = bool(self.probed.any())
+        self._last: tuple[tuple[int, bool], np.ndarray, np.ndarray, bool] | None = None
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.memory)
@@ -195,12 +340,14 @@ class BoundMemory:
         self._on_close.append(fn)
 
     def close(self) -> None:
-        """Release what binding made (registrations); afterwards runs with this BoundMemory are refused."""
+        """Release what binding made (registrations) and the memory held; afterwards runs with this BoundMemory are
+        refused. Transfers still in flight keep their own references to the memory."""
         if self.closed:
             return
         self.closed = True
         while self._on_close:
             self._on_close.pop()()
+        self.held = ()
 
     def __enter__(self) -> BoundMemory:
         return self
@@ -210,8 +357,8 @@ class BoundMemory:
 
     def verify(self) -> None:
         """Re-resolve every binding and refuse, naming the buffer, one whose memory moved or changed size since
-        bind (a tensor re-allocated or resized): such memory must be bound again. Costs one resolve per buffer,
-        so call it when memory may have changed, not per run."""
+        bind (a tensor re-allocated or resized): such memory must be bound again. Costs one resolve per buffer;
+        runs check the owners they touch more cheaply (``Memory.probe``)."""
         for buf, m in zip(self.buffers, self.memory):
             if m is None or isinstance(m.owner, (RawMemory, tuple)) or hasattr(m.owner, "__kvxfer_memory__"):
                 continue  # memory given by address cannot move
@@ -221,8 +368,36 @@ class BoundMemory:
                                    f"changed since bind (was [{m.address:#x}, +{m.nbytes})); bind it again")
 
     def owners(self) -> list[Any]:
-        """The objects bound (arrays, tensors, ...), for keeping them alive while copies are in flight."""
-        return [m.owner for m in self.memory if m is not None]
+        """The objects bound (arrays, tensors, ...) and the memory held for them, for keeping them alive while
+        copies are in flight."""
+        return [*(m.owner for m in self.memory if m is not None), *self.held]
+
+    def _moved(self, i: int) -> None:
+        """Raise BindingError: buffer ``i``'s owner no longer points at the memory bound."""
+        m = self.memory[i]
+        owner = m.owner if m is not None else None
+        try:
+            now = resolve(owner, self.buffers[i].name)
+            where = f"{describe(owner)} at [{now.address:#x}, +{now.nbytes})"
+        except BindingError as e:
+            where = f"{describe(owner)} ({e.reason})"
+        bound = f"[{m.address:#x}, +{m.nbytes})" if m is not None else "?"
+        raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound} (set_, .data = or a "
+                           "reallocation since bind); bind it again")
+
+    def _check_owners(self, values: np.ndarray, seen: np.ndarray) -> None:
+        """Refuse a run whose plan touches (``values``: buffer indices) a bound owner that moved; ``seen`` marks the
+        buffers already checked for this run."""
+        todo = np.zeros(len(self.buffers), dtype=bool)
+        todo[values] = True
+        todo &= self.probed
+        todo &= ~seen
+        seen |= todo
+        probes = self._probes
+        for i in np.flatnonzero(todo).tolist():
+            probe, value = probes[i]  # type: ignore[misc]
+            if probe() != value:
+                self._moved(i)
 
     def check_table(self, plan: TransferPlan) -> None:
         """Refuse a plan whose buffer table differs from the bound one, naming the first buffer that differs."""
@@ -238,54 +413,61 @@ class BoundMemory:
                                    f"the bound buffer table has {have!r} there; bind the plan's layout")
         self._tables.append(table)
 
-    def lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Check every range of ``plan`` and return its (src, dst) absolute addresses as uint64 arrays.
+    def descriptors(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> Lowered:
+        """Check every range of ``plan`` and return it lowered: absolute uint64 addresses, sizes, buffer and
+        attribute runs and call offsets, each read from the plan once (see ``Lowered``).
 
         Refuses, before anything is copied: a closed binding or another buffer table (BindingError); columns
         of different lengths or malformed call offsets, an index out of its table or a zero-byte range
-        (PlanError naming column and range); a range that leaves
-        its buffer, wrapping uint64 included (PlanError naming side, range and buffer), or a buffer read but
-        not bound or written but read-only (BindingError naming the buffer). Writes into ``out`` (two uint64
-        arrays of at least ``plan.num_ranges``) when given.
+        (PlanError naming column and range); a range that leaves its buffer's declared size, wrapping uint64
+        included (PlanError naming side, range and buffer); a buffer read but not bound, written but
+        read-only, or whose bound owner no longer points at the bound memory (BindingError naming the buffer).
+        Writes the addresses into ``out`` (two uint64 arrays of at least ``plan.num_ranges``) when given.
         """
-        addrs = self._lower(plan, out, True)
-        return addrs[0], addrs[1]
+        return self._lower(plan, out, True)
+
+    def offsets(self, plan: TransferPlan) -> Lowered:
+        """Every check of ``descriptors``, keeping offsets within the buffers instead of addresses: for executors
+        that copy through views."""
+        return self._lower(plan, None, False)
+
+    def lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``descriptors(plan, out)``'s (src, dst) addresses (uint64 arrays; views of ``out`` when given)."""
+        low = self._lower(plan, out, True)
+        return low.src, low.dst
 
     def check(self, plan: TransferPlan) -> None:
-        """Every check of ``lower``, without computing addresses: for executors that copy through views."""
+        """Every check of ``descriptors``, keeping nothing."""
         self._lower(plan, None, False)
 
-    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, addresses: bool) -> list[np.ndarray]:
+    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, addresses: bool) -> Lowered:
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
         self.check_table(plan)
         plan.check_shape()  # equal column lengths and well-formed calls, whichever way the plan was made
-        for col, limit in (("region", len(plan.regions)), ("attr", len(plan.attrs))):
-            values, lengths = plan.column_runs(col)
-            bad = values >= limit  # unsigned or checked non-negative by the plan's dtype
-            if len(values) and (bad.any() or values.min() < 0):
-                i = int(np.argmax(bad | (values < 0)))
-                raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
         n = plan.num_ranges
-        nb_values, _ = plan.column_runs("nbytes")  # sizes are bounded through their runs: no dense column needed
-        if n and int(nb_values.min()) == 0:
-            nb = plan.nbytes
-            raise PlanError("nbytes", 0, "empty range", int(np.argmin(nb)))
-        nb_max = int(nb_values.max()) if n else 0
-        if nb_max >= MAX_OFFSET:  # so that offset + nbytes cannot wrap once offsets are below 2^63
-            nb = plan.nbytes
-            i = int(np.argmax(nb >= MAX_OFFSET))
-            raise PlanError("nbytes", int(nb[i]), "range too large", i)
-        addrs = []
+        co = _call_offsets(plan, n)
+        _check_index(plan, "region", len(plan.regions))
+        attr_runs = _check_index(plan, "attr", len(plan.attrs))
+        nb_values, nb_lengths = _runs(plan, "nbytes", n)  # sizes are bounded through their runs, then expanded
+        nb_values = nb_values.astype(np.uint64, copy=False)
+        nb_max = np.uint64(0)
+        if n:
+            nb_min, nb_max = nb_values.min(), nb_values.max()
+            for bad, reason in ((nb_min == 0, "empty range"), (nb_max >= MAX_OFFSET, "range too large")):
+                if bad:  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
+                    j = int(np.argmax(nb_values == 0 if reason == "empty range" else nb_values >= MAX_OFFSET))
+                    raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
+        sizes = np.full(n, nb_values[0], np.uint64) if len(nb_values) == 1 else np.repeat(nb_values, nb_lengths)
+        last, fits, all_fit = self._last_starts(nb_max, addresses)
+        sides = []
+        seen = np.zeros(len(self.buffers), dtype=bool) if self._any_probed else None
         for k, side in enumerate(("src", "dst")):
-            offs = getattr(plan, f"{side}_offset")
-            values, lengths = plan.column_runs(f"{side}_buf")
-            values = values.astype(np.int64)
-            starts = np.cumsum(lengths) - lengths
-            if len(values) and (values.min() < 0 or values.max() >= len(self.buffers)):
+            values, lengths = _runs(plan, f"{side}_buf", n)
+            if len(values) and (int(values.min()) < 0 or int(values.max()) >= len(self.buffers)):
                 i = int(np.argmax((values < 0) | (values >= len(self.buffers))))
                 raise PlanError(f"{side}_buf", int(values[i]), f"out of range (the plan has {len(self.buffers)})",
-                                int(starts[i]))
+                                int(lengths[:i].sum()))
             usable = (self.writable if side == "dst" else self.readable)[values]
             if not usable.all():
                 i = int(np.argmin(usable))
@@ -294,55 +476,130 @@ class BoundMemory:
                 if m is None:
                     raise BindingError(self.buffers[b].name, "missing", "not bound, but the plan reads or writes it")
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
-            addr = (out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)) if addresses else None
+            if seen is not None:
+                self._check_owners(values, seen)
+            addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                self._add_bases(plan, side, offs, nb_max, values, starts, lengths, addr)
-            if addr is not None:
-                addrs.append(addr)
-        return addrs
+                self._place(plan, side, values, lengths, sizes, last, None if all_fit else fits, addr, addresses)
+            sides.append((addr, (values, lengths)))
+        (src, src_runs), (dst, dst_runs) = sides
+        return Lowered(src, dst, sizes, src_runs, dst_runs, attr_runs, co)
 
-    def _add_bases(self, plan: TransferPlan, side: str, offs: np.ndarray, nb_max: int, values: np.ndarray,
-                   starts: np.ndarray, lengths: np.ndarray, addr: np.ndarray | None) -> None:
-        """addr = base + offset (unless ``addr`` is None: checks only), after checking offset + nbytes <= size
-        for every range (offsets of 2^63 or more, which could wrap, are refused; nbytes was checked below 2^63).
+    def _last_starts(self, nb_max: np.uint64, addresses: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Per buffer: the last start offset at which a range of ``nb_max`` bytes still fits (as an address when
+        ``addresses``), whether it fits at all, and whether it fits in every buffer. A run whose ranges all start at
+        or before it is inside, with no range checked alone. Kept for the last size asked (plans of one layout share
+        their largest range)."""
+        key = (int(nb_max), addresses)
+        cached = self._last
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2], cached[3]
+        fits = self.size >= nb_max
+        last = np.where(fits, self.size - np.where(fits, nb_max, 0), 0).astype(np.uint64)
+        if addresses:
+            last += self.base
+        last.flags.writeable = fits.flags.writeable = False
+        entry = (key, last, fits, bool(fits.all()))
+        self._last = entry  # one tuple: threads that race here each see a consistent entry
+        return entry[1], entry[2], entry[3]
 
-        Buffers come in runs (a region's ranges share one buffer): per run, the largest offset plus the plan's
-        largest size within the buffer proves every range of the run inside (one reduction per run, in one
-        call); only when that bound fails somewhere is the exact end of every range compared. Runs of one
-        length (each region has as many ranges) are rows of a 2-D view: one reduction and one broadcast
-        addition, with no per-range temporary."""
+    def _place(self, plan: TransferPlan, side: str, values: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+               last: np.ndarray, fits: np.ndarray | None, addr: np.ndarray, addresses: bool) -> None:
+        """addr = base + offset (offset alone unless ``addresses``), reading each offset once; then refuse a
+        range of ``addr`` that is not inside its buffer's declared size (a wrapped sum included).
+
+        Buffers come in runs (a region's ranges share one buffer): per run, the largest address at most ``last``
+        (the last start at which the plan's largest range fits in the buffer) proves every range of the run
+        inside (one reduction per run, in one call), and with bases added the smallest address at least the
+        base proves no sum wrapped; only when that bound fails somewhere is the exact end of every range
+        compared."""
+        offs = plan.column(f"{side}_offset")
+        n = len(addr)
+        if len(offs) != n:
+            raise PlanError(f"{side}_offset", len(offs), f"column length differs from nbytes ({n})")
         rows = len(values)
-        uniform = int(lengths[0]) * rows == len(offs) and int(lengths.min()) == int(lengths.max())
-        grid = offs.reshape(rows, -1) if uniform else None
-        tops = grid.max(axis=1) if grid is not None else np.maximum.reduceat(offs, starts)  # largest offset per run
-        if int(tops.max()) >= MAX_OFFSET:
-            self._past_end(plan, side, int(np.argmax(offs >= MAX_OFFSET)))
-        limits = self.size[values]
-        if bool((tops + np.uint64(nb_max) > limits).any()):
-            bad = offs + plan.nbytes > np.repeat(limits, lengths)
-            if bad.any():
-                self._past_end(plan, side, int(np.argmax(bad)))
-        if addr is None:
-            return
-        bases = self.base[values]
-        if grid is not None:
-            np.add(bases[:, None], grid, out=addr.reshape(grid.shape))  # scalar-per-row operand first: fast loop
-        elif len(offs) >= 8192 * rows:  # long runs: add each run's base in place (no per-range base array)
-            for b, lo, n in zip(bases.tolist(), starts.tolist(), lengths.tolist()):
-                np.add(offs[lo:lo + n], np.uint64(b), out=addr[lo:lo + n])
+        strategy = lowering_strategy(lengths, n)
+        bases = self.base[values] if addresses else None
+        starts = None if strategy == "grid" else np.cumsum(lengths) - lengths
+        if bases is None:
+            np.copyto(addr, offs)
+        elif strategy == "grid":
+            np.add(bases[:, None], offs.reshape(rows, -1), out=addr.reshape(rows, -1))  # scalar-per-row operand first
+        elif strategy == "long runs":
+            for b, lo, m in zip(bases.tolist(), starts.tolist(), lengths.tolist()):  # type: ignore[union-attr]
+                np.add(offs[lo:lo + m], np.uint64(b), out=addr[lo:lo + m])
         else:
             np.add(offs, np.repeat(bases, lengths), out=addr)
+        # from here on only ``addr`` is read: the values checked are the values the executor uses
+        if starts is None:
+            starts = np.arange(0, n, n // rows)
+        ok = np.maximum.reduceat(addr, starts) <= last[values]
+        if bases is not None:
+            ok &= np.minimum.reduceat(addr, starts) >= bases  # an offset that wrapped the sum lands below its base
+        if ok.all() and (fits is None or fits[values].all()):  # None: the largest range fits in every buffer
+            return
+        base_of = np.repeat(bases if bases is not None else np.zeros(rows, np.uint64), lengths)
+        rel = addr - base_of  # the offset used, modulo 2^64
+        lim = np.repeat(self.size[values], lengths)
+        bad = (rel > lim) | (sizes > lim - rel)  # the second term is only read where the first is False
+        if bad.any():
+            i = int(np.argmax(bad))
+            b = int(np.repeat(values, lengths)[i])
+            raise PlanError(f"{side}_offset", int(rel[i]), f"range of {int(sizes[i])} bytes runs past buffer "
+                            f"{self.buffers[b].name!r} of {int(self.size[b])} bytes (malformed plan)", i)
 
-    def _past_end(self, plan: TransferPlan, side: str, i: int) -> None:
-        col, ranges = getattr(plan, f"{side}_buf"), getattr(plan, f"{side}_offset")
-        b = int(col[i])
-        raise PlanError(f"{side}_offset", int(ranges[i]), f"range of {int(plan.nbytes[i])} bytes runs past buffer "
-                        f"{self.buffers[b].name!r} of {int(self.size[b])} bytes (malformed plan)", i)
+
+def hold_for_stream(bound: BoundMemory, stream: int) -> None:
+    """Tell torch's caching allocator that the CUDA tensors bound in ``bound`` are used by copies on ``stream``
+    (a raw handle): memory freed while copies queued there are pending (a resize of a storage, whose size torch
+    cannot fix on a GPU) is then reused only after them. Nothing for other memory."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for m in bound.memory:
+        owner = m.owner if m is not None else None
+        if isinstance(owner, torch.Tensor) and owner.device.type == "cuda" and owner.numel():
+            alias = torch.empty(0, dtype=torch.uint8, device=owner.device).set_(owner.untyped_storage())
+            alias.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
+
+
+def _runs(plan: TransferPlan, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths) of column ``name``'s runs, copied from the plan (int64 lengths); PlanError unless they
+    cover ``n`` ranges."""
+    values, lengths = plan.column_runs(name)
+    lengths = lengths.astype(np.int64, copy=False)
+    total = int(lengths.sum())
+    if total != n:
+        raise PlanError(name, total, f"column length differs from nbytes ({n})")
+    return values, lengths
+
+
+def _check_index(plan: TransferPlan, name: str, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of index column ``name``, every value checked to be in [0, ``limit``) (PlanError naming the first
+    range of the first run that is not). Their total length is not rechecked: nothing is addressed through them."""
+    values, lengths = plan.column_runs(name)
+    if len(values) and (int(values.max()) >= limit or int(values.min()) < 0):
+        i = int(np.argmax((values >= limit) | (values < 0)))
+        raise PlanError(name, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
+    return values, lengths
+
+
+def _call_offsets(plan: TransferPlan, n: int) -> np.ndarray:
+    """A copy of the plan's call offsets, checked to rise strictly from 0 to ``n``."""
+    co = np.array(plan.call_offsets, dtype=np.int64)
+    bad = co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n
+    if not bad and len(co) > 2:
+        bad = bool((co[1:] <= co[:-1]).any())
+    elif not bad and len(co) == 2:
+        bad = n == 0
+    if bad:
+        raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
+    return co
 
 
 def _buffers_of(buffers: Layout | TransferPlan | Iterable[Buffer]) -> tuple[Buffer, ...]:
-    table = getattr(buffers, "buffers", buffers)
-    table = table if isinstance(table, tuple) else tuple(table)
+    found: Iterable[Any] = buffers.buffers if isinstance(buffers, (Layout, TransferPlan)) else buffers
+    table = found if isinstance(found, tuple) else tuple(found)
     for i, b in enumerate(table):
         if not isinstance(b, Buffer):
             raise BindingError(f"buffers[{i}]", type(b).__name__, "expected a kvxfer.planner.Buffer")

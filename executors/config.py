@@ -23,7 +23,7 @@ from pydantic import Field
 
 from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, TransferPlan
 
-from .base import Executor, Transfer
+from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BindingError, BoundMemory, bind, resolve
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
 from .registry import ExecutorKind, backend
@@ -72,12 +72,13 @@ class ExecutorConfig(Options):
                 _set(data, key.replace("__", "."), value)
                 from_env.pop(key.replace("__", "."), None)
         try:
-            return cls.model_validate(data)
+            config: ExecutorConfig = cls.model_validate(data)
+            return config
         except ConfigError as e:
-            var = from_env.get(e.field)
-            if var is None:
+            set_by = from_env.get(e.field)
+            if set_by is None:
                 raise
-            raise ConfigError(var, e.value, f"{e.reason} (environment variable {var} sets {e.field})") from None
+            raise ConfigError(set_by, e.value, f"{e.reason} (environment variable {set_by} sets {e.field})") from None
 
 
 ENV_VARS: dict[str, str] = {
@@ -121,7 +122,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(path.read_text())
     except ValueError as e:
         raise ConfigError("config", str(path), f"cannot parse: {e}") from None
-    return data.get("executor", data)
+    section: dict[str, Any] = data.get("executor", data)
+    return section
 
 
 # ---- choosing -----------------------------------------------------------------------------------------------
@@ -227,9 +229,14 @@ class AutoExecutor(Executor):
     in as ``executors`` (kind -> executor, e.g. one made on a particular runtime).
 
     Transfers of one sub-executor complete in submission order; when consecutive runs switch executor, the
-    previous transfer is waited for on the host first, so the order holds across them too. Runs hold a
-    lock while choosing and submitting, so one AutoExecutor may be shared between threads.
-    ``bind`` keeps the bindings and binds them for each sub-executor the first time it is chosen.
+    new run is ordered after the previous transfer as after one of its ``after`` transfers (on the device where
+    the two executors share a driver, else on the host), so the order holds across them too. ``stream`` and
+    ``after`` go to the chosen executor. ``bind`` keeps the bindings and binds them for each sub-executor the
+    first time it is chosen.
+
+    Threads: one AutoExecutor may be shared by any number of threads: runs hold a lock while choosing and
+    submitting (waits for ``after`` transfers included, since the order of its runs is one chain), and
+    ``close`` takes it too.
     """
 
     def __init__(self, config: ExecutorConfig, platform: Platform | None = None,
@@ -274,15 +281,25 @@ class AutoExecutor(Executor):
             memory.on_close(sub.close)
         return memory.extra[kind]
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None) -> Transfer:
-        """Choose an executor for ``plan`` (recorded in ``last_choice``), wait on the host for the previous transfer if it ran
-        on another one, and run ``plan`` there. Raises BindingError for memory bound by another executor kind."""
+    @property
+    def synchronous(self) -> bool:
+        """What the backends it may pick report: True only where every one is synchronous (numpy, without a GPU)."""
+        if self.config.kind is not ExecutorKind.AUTO:
+            return bool(self._get(self.config.kind).synchronous)
+        return self.platform is Platform.CPU
+
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
+            after: After = None) -> Transfer:
+        """Choose an executor for ``plan`` (recorded in ``last_choice``) and run ``plan`` there, after ``stream`` and
+        ``after`` (see ``Executor.run``) and, if the previous transfer ran on another executor, after that one too.
+        Raises BindingError for memory bound by another executor kind, RunArgumentError for a bad ``after``."""
+        waits = transfers_after(after)
         with self._lock:
             raw = memory.extra["bindings"] if isinstance(memory, BoundMemory) else memory
             kind, reason = self.last_choice = choose_executor(self.config, plan, raw, self.platform)
             if self._last is not None and self._last[0] is not kind:
-                self._last[1].wait()
-            transfer = self._get(kind).run(plan, self._sub_memory(kind, memory), stream)
+                waits = (*waits, self._last[1])
+            transfer = self._get(kind).run(plan, self._sub_memory(kind, memory), stream, waits)
             self._last = (kind, transfer)
             return transfer
 

@@ -5,15 +5,16 @@ stream order).
 The backend files (ops_cuda.py, ops_hip.py) only implement ``Runtime`` for their driver. Tests pass a
 host-memory runtime (tests/shims) through the executor's constructor.
 
-Threads: one executor may be shared. ``run`` holds a lock while it lowers and issues a plan (the
-descriptor arrays are reused and the copy stream's order is one chain), so concurrent runs serialize
-their submission; the copies themselves stay asynchronous.
+Threads: one executor may be shared by any number of threads. ``run`` waits on the calling thread for the
+``after`` transfers it cannot order on the device, then holds the executor's lock while it lowers and issues
+the plan (the descriptor arrays are reused and the copy stream's order is one chain), so concurrent runs
+serialize their submission; the copies themselves stay asynchronous. ``close`` takes the same lock. A
+DmaTransfer's methods may be called from any thread.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -24,8 +25,22 @@ import numpy as np
 
 from kvxfer.planner import Buffer, CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
-from .base import Executor, ExecutorError, Transfer, check_plan_target
-from .binding import BoundMemory, Memory
+from .base import (
+    After,
+    Executor,
+    ExecutorError,
+    Stream,
+    Transfer,
+    check_plan_target,
+    split_after,
+    stream_handle,
+    transfers_after,
+    wait_on_host,
+)
+from .binding import BoundMemory, Lowered, Memory, hold_for_stream
+
+__all__ = ["ATTR_DTYPE", "DmaExecutor", "DmaTransfer", "MemcpyAttributes", "MemLocation", "Runtime", "attribute_records",
+           "check", "driver_result", "stream_handle"]
 
 SIZE_MAX = (1 << 64) - 1
 NOT_READY = 600  # CUDA_ERROR_NOT_READY and hipErrorNotReady share the value
@@ -57,21 +72,6 @@ def attribute_records(attrs: tuple[CopyAttributes, ...]) -> np.ndarray:
     return rec
 
 
-def stream_handle(stream: Any, device: int = 0) -> int:
-    """A raw stream handle from None (torch's current stream on ``device`` when torch has initialized a GPU,
-    else the legacy default stream 0), an int, a torch stream (``cuda_stream``) or a cuda-bindings CUstream."""
-    if stream is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.current_stream(device).cuda_stream)
-        return 0
-    handle = getattr(stream, "cuda_stream", stream)
-    try:
-        return int(handle)
-    except (TypeError, ValueError):
-        raise TypeError(f"stream = {stream!r}: expected None, an int handle, a torch stream or a CUstream") from None
-
-
 class Runtime(Protocol):
     """The driver calls a DMA executor issues. Every call returns the driver's raw code (0 = success) except
     ``stream_create``/``event_create``, which raise ExecutorError, and ``error_name``.
@@ -79,12 +79,14 @@ class Runtime(Protocol):
     ``batch`` passes descriptor arrays by address (size_t/pointer arrays the executor owns) and is a ctypes
     function in every implementation: the Python bindings build one object per pointer, too slow for tens of
     thousands of descriptors (CUDA) or mis-declare the call (hip-python). ``fail_idx`` is written by ABIs
-    that report a failing descriptor. ``check_memory`` refuses memory the runtime cannot address.
+    that report a failing descriptor. ``check_memory`` refuses memory the runtime cannot address. ``domain``
+    names the driver: transfers of one domain order each other's streams on the device ("cuda", "rocm").
     """
 
     platform: Platform
     version: int
     device: int
+    domain: str
 
     def api_available(self, api: CopyApi) -> bool:
         """Whether the driver has an entry point for ``api`` (a NULL or missing symbol counts as unavailable)."""
@@ -200,8 +202,9 @@ class DmaTransfer(Transfer):
         check(self.runtime, self.runtime.event_synchronize(self.marks[self._call(call)]), "event synchronize (call)")
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
-        """Make ``stream`` (see ``stream_handle``) wait on the device until call ``call`` (default: the last) is done."""
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
+        """Make ``stream`` (see ``stream_handle``; a stream of the runtime's driver) wait on the device until call ``call``
+        (default: the last) is done. Raises IndexError, RunArgumentError or ExecutorError."""
         rt = self.runtime
         check(rt, rt.stream_wait_event(stream_handle(stream, rt.device), self.marks[self._call(call)]),
               "stream wait (consumer)")
@@ -212,8 +215,11 @@ class DmaExecutor(Executor):
 
     Copies go on the executor's own copy stream. Each run first makes that stream wait for the caller's
     compute stream (``stream``; stores read the live cache, loads overwrite blocks that may still be being
-    zeroed) and for the end of the previous run, then records start/end events for timing. ``max_descriptors``
+    zeroed), for the end of the previous run, and for every ``after`` transfer: on the device for transfers of
+    the runtime's domain (DMA transfers of this driver, Triton on the same GPU platform), on the host before
+    anything is issued for the others. It then records start/end events for timing. ``max_descriptors``
     refuses plans whose calls exceed a runtime limit (ROCm faults above 8,192), 0/None = no limit.
+    Threads: see the module docstring.
     """
 
     def __init__(self, runtime: Runtime, *, max_descriptors: int | None = None, own_runtime: bool = False):
@@ -233,9 +239,18 @@ class DmaExecutor(Executor):
         """The platform and runtime version of the runtime this executor drives."""
         return Target(platform=self.runtime.platform, runtime_version=self.runtime.version)
 
+    @property
+    def synchronous(self) -> bool:
+        """False: ``run`` issues the copies on the copy stream and returns."""
+        return False
+
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
         """Delegate to the runtime's ``check_memory`` (BindingError for memory it cannot address)."""
         self.runtime.check_memory(buf, mem)
+
+    def _attach(self, bound: BoundMemory) -> None:
+        if self._stream is not None:
+            hold_for_stream(bound, self._stream)
 
     def close(self) -> None:
         """Wait for the last transfer, destroy the copy stream and close a runtime the executor made; later runs raise
@@ -262,26 +277,34 @@ class DmaExecutor(Executor):
             raise PlanError("call_sizes", int(plan.call_sizes[i]), f"call {i} exceeds this executor's cap of {cap} "
                             f"descriptors per call; re-plan with PlanOptions(max_descriptors<={cap})", i)
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Any = None) -> DmaTransfer:
-        """Issue every call of ``plan``; returns at once. Raises TargetMismatchError, BindingError or
-        PlanError before anything is issued, ExecutorError (naming call, chunk, descriptor and what was
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
+            after: After = None) -> DmaTransfer:
+        """Issue every call of ``plan`` after ``stream``'s pending work and every ``after`` transfer (see
+        ``Executor.run``); returns at once. Raises TargetMismatchError, BindingError, PlanError or
+        RunArgumentError before anything is issued, ExecutorError (naming call, chunk, descriptor and what was
         already issued) when the driver fails."""
         self._check_plan(plan)
+        waits = transfers_after(after)
         bound = self.memory_for(plan, memory)
+        on_device, on_host = split_after(waits, self.runtime.domain)
+        wait_on_host(on_host)
         with self._lock:
             if self._stream is None:
                 raise ExecutorError("run", 0, None, "the executor was closed", 0)
-            src, dst = bound.lower(plan, self._buffers.reserve(plan.num_ranges))
+            if bound is not memory:  # bound for this run only: tell torch which stream uses it
+                hold_for_stream(bound, self._stream)
+            low = bound.descriptors(plan, self._buffers.reserve(plan.num_ranges))
             self._inflight = [t for t in self._inflight if not _finished(t)]
-            return self._submit(plan, bound, src, dst, stream)
+            return self._submit(plan, bound, low, stream, on_device)
 
-    def _submit(self, plan: TransferPlan, bound: BoundMemory, src: np.ndarray, dst: np.ndarray, stream: Any) -> DmaTransfer:
+    def _submit(self, plan: TransferPlan, bound: BoundMemory, low: Lowered, stream: Stream,
+                after: list[Transfer]) -> DmaTransfer:
         rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
         with rt.current():  # the caller's current device/context is restored afterwards
             compute = stream_handle(stream, rt.device)
             events: list[int] = []
             try:  # every event made is destroyed with the transfer, even if a later create fails
-                for _ in range(3 + max(plan.num_calls - 1, 0)):
+                for _ in range(3 + max(low.num_calls - 1, 0)):
                     events.append(rt.event_create())
             except ExecutorError:
                 _destroy_events(rt, tuple(events))
@@ -289,35 +312,37 @@ class DmaExecutor(Executor):
             ready, start, end = events[:3]
             marks = (*events[3:], end)  # marks[i] completes with call i (calls complete in order on the stream)
             transfer = DmaTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
-                                   runtime=rt, start=start, end=end, marks=marks, keep=tuple(bound.owners()))
+                                   domain=rt.domain, runtime=rt, start=start, end=end, marks=marks,
+                                   keep=tuple(bound.owners()))
             weakref.finalize(transfer, _destroy_events, rt, tuple(events))
             check(rt, rt.event_record(ready, compute), "event record (compute stream)")
             check(rt, rt.stream_wait_event(s, ready), "stream wait (compute stream)")
             if self._last is not None:
                 check(rt, rt.stream_wait_event(s, self._last.end), "stream wait (previous transfer)")
+            for t in after:  # transfers of this driver: ordered on the device
+                t.stream_wait(s)
             check(rt, rt.event_record(start, s), "event record (start)")
             try:
                 if plan.api in BATCH_APIS:
-                    self._issue_batches(plan, src, dst, marks)
+                    self._issue_batches(plan, low, marks)
                 else:
-                    self._issue_per_range(plan, src, dst, marks)
+                    self._issue_per_range(plan, low, marks)
             finally:  # successors must order after whatever was issued, even on failure
                 rt.event_record(end, s)
                 self._last = transfer
                 self._inflight.append(transfer)
         return transfer
 
-    def _issue_batches(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
+    def _issue_batches(self, plan: TransferPlan, low: Lowered, marks: tuple[int, ...]) -> None:
         rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
-        sizes = plan.nbytes  # uint64 == size_t on the 64-bit platforms drivers support
-        src_p, dst_p, size_p = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+        sizes = low.nbytes  # uint64 == size_t on the 64-bit platforms drivers support; the sizes checked
+        src_p, dst_p, size_p = low.src.ctypes.data, low.dst.ctypes.data, sizes.ctypes.data
         table = attribute_records(plan.attrs) if plan.passes_attrs else None
-        for c in range(plan.num_calls):
-            lo, hi = int(plan.call_offsets[c]), int(plan.call_offsets[c + 1])
+        for c, (lo, hi) in enumerate(low.calls()):
             attrs = idxs = None
             num_attrs = 0
             if table is not None:
-                ids, starts = plan.attr_runs(c)
+                ids, starts = low.call_attrs(c)
                 attrs, idxs, num_attrs = table[ids], starts.astype(np.uint64), len(ids)
             self._fail_idx.value = SIZE_MAX
             code = rt.batch(plan.api, dst_p + 8 * lo, src_p + 8 * lo, size_p + 8 * lo, hi - lo,
@@ -325,21 +350,20 @@ class DmaExecutor(Executor):
                             num_attrs, self._fail_idx, s)
             if code:
                 local = self._fail_idx.value if plan.api is not CopyApi.CUDA_BATCH_V2 else SIZE_MAX
-                raise _call_error(rt, plan, c, code, None if local >= hi - lo else lo + local)
+                raise _call_error(rt, plan, lo, c, code, None if local >= hi - lo else lo + local)
             _mark_call(rt, marks, c, s)
 
-    def _issue_per_range(self, plan: TransferPlan, src: np.ndarray, dst: np.ndarray, marks: tuple[int, ...]) -> None:
+    def _issue_per_range(self, plan: TransferPlan, low: Lowered, marks: tuple[int, ...]) -> None:
         """Below the batch APIs: one cuMemcpyAsync/hipMemcpyAsync per range, in plan order on the same stream,
         so completion, ordering and error reporting are what the batch path gives."""
         rt, s = self.runtime, int(self._stream or 0)  # open: run checked it under the lock
-        d_all, s_all, n_all = dst[:plan.num_ranges].tolist(), src[:plan.num_ranges].tolist(), plan.nbytes.tolist()
+        d_all, s_all, n_all = low.dst.tolist(), low.src.tolist(), low.nbytes.tolist()
         copy = rt.copy
-        for c in range(plan.num_calls):
-            lo, hi = int(plan.call_offsets[c]), int(plan.call_offsets[c + 1])
+        for c, (lo, hi) in enumerate(low.calls()):
             for i in range(lo, hi):
                 code = copy(d_all[i], s_all[i], n_all[i], s)
                 if code:
-                    raise _call_error(rt, plan, c, code, i)
+                    raise _call_error(rt, plan, lo, c, code, i)
             _mark_call(rt, marks, c, s)
 
 
@@ -352,8 +376,7 @@ def _mark_call(rt: Runtime, marks: tuple[int, ...], call: int, stream: int) -> N
                                 f"{rt.error_name(code)} ({code})", call + 1)
 
 
-def _call_error(rt: Runtime, plan: TransferPlan, call: int, code: int, descriptor: int | None) -> ExecutorError:
-    lo = int(plan.call_offsets[call])
+def _call_error(rt: Runtime, plan: TransferPlan, lo: int, call: int, code: int, descriptor: int | None) -> ExecutorError:
     where = ("" if descriptor is None else
              f"; descriptor {descriptor} is index {descriptor - lo} of the call, the descriptors before it may have been copied")
     if descriptor is None and plan.api is CopyApi.CUDA_BATCH_V2:

@@ -2,10 +2,15 @@
 
 A binding for the NIXL executor maps a plan buffer's name either to local memory (anything
 ``local_segment`` accepts) or to a ``RemoteBuffer``: a segment another agent registered and described
-to us. Nothing here imports nixl; the agent is passed in.
+to us. A peer describes itself in ``PeerInfo``, a data format (JSON: no pickle, so a peer cannot make us run
+code), and a malformed description is refused with one PeerInfoError naming the field. Nothing here imports
+nixl; the agent is passed in.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +21,10 @@ from .binding import BindingError, Memory, bind, resolve
 
 MEM_TYPES = ("DRAM", "VRAM")
 REMOTE_MEM_TYPES = (*MEM_TYPES, "FILE")  # FILE: (file offset, length, fd), addressed by the agent's own name
+PEER_FORMAT, PEER_VERSION = "kvxfer.nixl-peer", 1
+MAX_PEER_INFO_BYTES = 64 << 20  # NIXL's agent metadata is kilobytes; anything near this is not a peer's description
+MAX_PEER_BUFFERS = 1 << 16
+MAX_NAME_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,125 @@ class RemoteBuffer:
     def __kvxfer_memory__(self) -> Memory:
         """The remote segment as a binding: its address and size (in the peer's address space), location unknown."""
         return Memory(self.addr, self.nbytes, None, self.dev, None, True, self, file_offsets=self.mem == "FILE")
+
+
+class PeerInfoError(ValueError):
+    """A peer's description (``PeerInfo.decode``) is malformed: names the field (with the buffer's index where
+    there is one), the value and why it is refused."""
+
+    def __init__(self, field: str, value: Any, reason: str, index: int | None = None):
+        self.field, self.index, self.value, self.reason = field, index, value, reason
+        text = repr(value)
+        super().__init__(f"peer info {field} = {text if len(text) <= 80 else text[:77] + '...'}: {reason}")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer tells us to address its memory: its agent name, its NIXL agent metadata (opaque bytes, which
+    NIXL itself parses), and its registered buffers by name.
+
+    ``encode()`` gives JSON bytes: ``{"format": "kvxfer.nixl-peer", "version": 1, "agent": str, "metadata":
+    base64 str, "buffers": [[name, mem, addr, nbytes, dev], ...]}``; ``decode(blob)`` checks every field."""
+
+    agent: str
+    metadata: bytes
+    buffers: tuple[tuple[str, Segment], ...]
+
+    def encode(self) -> bytes:
+        """The description as JSON bytes (see the class docstring)."""
+        rows = [[name, seg.mem, seg.addr, seg.nbytes, seg.dev] for name, seg in self.buffers]
+        return json.dumps({"format": PEER_FORMAT, "version": PEER_VERSION, "agent": self.agent,
+                           "metadata": base64.b64encode(self.metadata).decode(), "buffers": rows}).encode()
+
+    @classmethod
+    def decode(cls, blob: object) -> PeerInfo:
+        """Parse and check a peer's description; PeerInfoError naming the first field that is malformed (not
+        bytes, too large, a pickle or other non-JSON, missing or unknown keys, wrong types, counts or values)."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise PeerInfoError("blob", type(blob).__name__, "expected bytes (PeerInfo.encode, NixlExecutor.describe)")
+        blob = bytes(blob)
+        if len(blob) > MAX_PEER_INFO_BYTES:
+            raise PeerInfoError("blob", f"{len(blob)} bytes", f"larger than {MAX_PEER_INFO_BYTES} bytes")
+        if blob[:1] == b"\x80":
+            raise PeerInfoError("blob", blob[:16], "a pickle: peer descriptions are JSON data and are never unpickled")
+        try:
+            doc = json.loads(blob.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise PeerInfoError("blob", blob[:32], f"not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise PeerInfoError("blob", type(doc).__name__, "expected a JSON object")
+        keys = ("format", "version", "agent", "metadata", "buffers")
+        for k in keys:
+            if k not in doc:
+                raise PeerInfoError(k, "missing", f"a peer description has {list(keys)}")
+        extra = sorted(set(doc) - set(keys))
+        if extra:
+            raise PeerInfoError(extra[0], doc[extra[0]], f"unknown key (a peer description has {list(keys)})")
+        if doc["format"] != PEER_FORMAT:
+            raise PeerInfoError("format", doc["format"], f"expected {PEER_FORMAT!r}")
+        if _int(doc["version"]) != PEER_VERSION:
+            raise PeerInfoError("version", doc["version"], f"this kvxfer reads version {PEER_VERSION}")
+        agent = _name(doc["agent"], "agent")
+        if not isinstance(doc["metadata"], str):
+            raise PeerInfoError("metadata", type(doc["metadata"]).__name__, "expected a base64 string")
+        try:
+            metadata = base64.b64decode(doc["metadata"], validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise PeerInfoError("metadata", doc["metadata"][:32], f"not base64: {e}") from None
+        if not metadata:
+            raise PeerInfoError("metadata", "", "empty: the peer's NIXL agent metadata is needed")
+        rows = doc["buffers"]
+        if not isinstance(rows, list):
+            raise PeerInfoError("buffers", type(rows).__name__, "expected a list of [name, mem, addr, nbytes, dev]")
+        if len(rows) > MAX_PEER_BUFFERS:
+            raise PeerInfoError("buffers", f"{len(rows)} entries", f"more than {MAX_PEER_BUFFERS}")
+        buffers: list[tuple[str, Segment]] = []
+        seen: set[str] = set()
+        for i, row in enumerate(rows):
+            buffers.append(_buffer_row(row, i, seen))
+        return cls(agent, metadata, tuple(buffers))
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number here")
+
+
+def _int(value: Any) -> int | None:
+    """``value`` if it is a JSON integer (not a bool, not a float), else None."""
+    return value if type(value) is int else None
+
+
+def _name(value: Any, field: str, index: int | None = None) -> str:
+    if not isinstance(value, str) or not value:
+        raise PeerInfoError(field, value, "expected a non-empty string", index)
+    if len(value) > MAX_NAME_CHARS:
+        raise PeerInfoError(field, value, f"longer than {MAX_NAME_CHARS} characters", index)
+    return value
+
+
+def _buffer_row(row: Any, i: int, seen: set[str]) -> tuple[str, Segment]:
+    """One ``[name, mem, addr, nbytes, dev]`` entry of a peer description, checked."""
+    where = f"buffers[{i}]"
+    if not isinstance(row, list) or len(row) != 5:
+        got = f"{len(row)} entries" if isinstance(row, list) else type(row).__name__
+        raise PeerInfoError(where, got, "expected [name, mem, addr, nbytes, dev]: a name and its whole descriptor", i)
+    name, mem, addr, nbytes, dev = row
+    name = _name(name, f"{where}.name", i)
+    if name in seen:
+        raise PeerInfoError(f"{where}.name", name, "named twice", i)
+    seen.add(name)
+    if mem not in MEM_TYPES:
+        raise PeerInfoError(f"{where}.mem", mem, f"expected one of {MEM_TYPES}", i)
+    limits = (("addr", addr, 0, (1 << 64) - 1), ("nbytes", nbytes, 1, 1 << 63), ("dev", dev, 0, (1 << 31) - 1))
+    for key, value, low, high in limits:
+        v = _int(value)
+        if v is None:
+            raise PeerInfoError(f"{where}.{key}", value, "expected an integer", i)
+        if not low <= v <= high:
+            raise PeerInfoError(f"{where}.{key}", value, f"outside [{low}, {high}]", i)
+    if addr + nbytes > 1 << 64:
+        raise PeerInfoError(f"{where}.nbytes", nbytes, f"the segment at {addr:#x} would end past the 64-bit address space", i)
+    return name, Segment(addr, nbytes, dev, mem)
 
 
 def segment_of(mem: Memory, name: str) -> Segment:

@@ -1,6 +1,8 @@
 """A small bootstrap for two NIXL agents: exchange metadata over any multiprocessing Connection (a socket
 pair, a Pipe, or a loopback socket from multiprocessing.connection), and a child process that holds the
-remote side's buffers. No NIXL listener thread is involved.
+remote side's buffers. No NIXL listener thread is involved. Descriptions cross as ``PeerInfo`` JSON bytes
+(``send_bytes``/``recv_bytes``, never pickled), so a peer cannot make this process run code; the commands to
+the child below are pickled, the child being this package's own process.
 
 The child is a fresh interpreter (``python -m kvxfer.executors.nixl_peer --serve FD``) talking over an
 inherited socket pair: nothing is forked from a process that runs UCX threads, and the caller's
@@ -13,13 +15,16 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .nixl_memory import Registration, RemoteBuffer
+from .nixl_memory import MAX_PEER_INFO_BYTES, PeerInfo, PeerInfoError, Registration, RemoteBuffer
+
+if TYPE_CHECKING:  # ops_nixl imports nixl lazily, but importing it here would load the executor for every peer
+    from .ops_nixl import NixlExecutor
 
 LOOPBACK_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
 
@@ -30,13 +35,20 @@ def _recv(conn: Any, timeout_s: float, what: str) -> Any:
     return conn.recv()
 
 
-def exchange(executor: Any, conn: Any, registration: Registration | None,
+def exchange(executor: NixlExecutor, conn: Connection, registration: Registration | None,
              timeout_s: float = 30.0) -> tuple[str, dict[str, RemoteBuffer]]:
-    """Send this agent's description (metadata, serialized descriptors of ``registration``) and load the
-    peer's. Both sides call it. Returns the peer's agent name and its buffers as RemoteBuffers by name."""
-    conn.send(executor.describe(registration or Registration(executor.agent, {}, [], [])))
-    info = _recv(conn, timeout_s, "metadata")
-    return info["agent"], executor.add_peer(info)
+    """Send this agent's description (``describe`` of ``registration``: name, metadata, segments) and load the
+    peer's. Both sides call it. Returns the peer's agent name and its buffers as RemoteBuffers by name; a
+    malformed or oversized description raises PeerInfoError naming the field."""
+    conn.send_bytes(executor.describe(registration or Registration(executor.agent, {}, [], [])))
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no metadata from the peer within {timeout_s}s")
+    try:
+        blob = conn.recv_bytes(MAX_PEER_INFO_BYTES)
+    except OSError as e:  # recv_bytes refuses a message above the limit
+        raise PeerInfoError("blob", "message", f"unreadable or larger than {MAX_PEER_INFO_BYTES} bytes ({e})") from None
+    info = PeerInfo.decode(blob)
+    return info.agent, executor.add_peer(info)
 
 
 def _serve(conn: Any) -> None:
@@ -123,13 +135,13 @@ class PeerProcess:
 
     def read(self, name: str) -> np.ndarray:
         """A copy of the peer's buffer ``name``."""
-        return self._ask("read", name)
+        return np.asarray(self._ask("read", name), dtype=np.uint8)
 
     def write(self, name: str, data: np.ndarray) -> None:
         """Overwrite the peer's buffer ``name`` with ``data`` (as bytes); RuntimeError if the peer fails or does not answer."""
         self._ask("write", name, np.asarray(data, dtype=np.uint8))
 
-    def wait_notifs(self, notifs: Any, timeout_s: float | None = None) -> None:
+    def wait_notifs(self, notifs: Iterable[bytes], timeout_s: float | None = None) -> None:
         """Block until the peer has received every notification in ``notifs`` from the executor's agent."""
         self._ask("notifs", list(notifs), timeout_s or self.timeout_s)
 
@@ -174,7 +186,7 @@ def demo(regions: int = 4, blocks: int = 64, page_bytes: int = 4096) -> None:
             t = ex.run(plan, {**dev, **peer.remote}).wait()
             peer.wait_notifs(t.notifs)
             same = all(np.array_equal(want[k], v) for k, v in {**dev, host.name: peer.read(host.name)}.items())
-            print(f"{plan!r}: {t.op} with {t.peer}, {t.elapsed_s * 1e3:.2f} ms, bytes {'match' if same else 'DIFFER'}")
+            print(f"{plan!r}: {t.op} with {t.peer}, {(t.elapsed_s or 0.0) * 1e3:.2f} ms, bytes {'match' if same else 'DIFFER'}")
             if not same:
                 raise SystemExit(1)
     ex.close()

@@ -68,7 +68,7 @@ class Inflight:
 
     def _state(self, call: int) -> str:
         try:
-            return self.agent.check_xfer_state(self.pending[call])
+            return str(self.agent.check_xfer_state(self.pending[call]))
         except Exception as e:
             return reason(e)
 

@@ -33,6 +33,7 @@ class CudaRuntime:
     """The CUDA driver on device ``device`` (a Runtime): cuda-bindings for everything but the batch call."""
 
     platform = Platform.CUDA
+    domain = "cuda"  # events and streams of every CUDA context in the process order each other
     _batch: dict[CopyApi, Any]  # ctypes function pointers by ABI, only those the driver has
 
     def __init__(self, device: int = 0):
@@ -79,8 +80,8 @@ class CudaRuntime:
         """cuMemcpyBatchAsync through the ABI of ``api`` (the 13.0 ABI takes no ``fail_idx``)."""
         fn = self._batch[api]
         if api is CopyApi.CUDA_BATCH_V2:
-            return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream)
-        return fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
+            return int(fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream))
+        return int(fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream))
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         """cuMemcpyAsync."""

@@ -56,6 +56,7 @@ class HipRuntime:
     """The HIP runtime on device ``device`` (a Runtime): hip-python, plus ctypes for the batch call."""
 
     platform = Platform.ROCM
+    domain = "rocm"
     _batch: Any  # ctypes function (declare_batch), None before ROCm 7.1
 
     def __init__(self, library: str | Path | None = None, *, device: int = 0):
@@ -84,7 +85,7 @@ class HipRuntime:
     def batch(self, api: CopyApi, dsts: int, srcs: int, sizes: int, count: int, attrs: int | None,
               attrs_idxs: int | None, num_attrs: int, fail_idx: ctypes.c_size_t, stream: int) -> int:
         """hipMemcpyBatchAsync through ctypes."""
-        return self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream)
+        return int(self._batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream))
 
     def _code(self, result: Any) -> int:
         return int(result[0] if isinstance(result, tuple) else result)

@@ -10,6 +10,10 @@ A buffer bound to a ``FileBinding`` (nixl_files) is a file: this agent reads and
 storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
 Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
+
+NIXL posts from the host and has no device events: ``run`` waits on the host for its ``after`` transfers and,
+when the plan's local memory is on a GPU, for the work queued on the caller's ``stream``; a NixlTransfer's
+``stream_wait`` waits on the host.
 """
 from __future__ import annotations
 
@@ -17,22 +21,33 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, TransferPlan
+from kvxfer.planner import Buffer, Layout, TransferPlan
 
-from .base import Bindings, Executor, ExecutorError, Transfer
-from .binding import BindingError, BoundMemory, Memory
+from .base import (
+    After,
+    Bindings,
+    Executor,
+    ExecutorError,
+    Stream,
+    Transfer,
+    stream_handle,
+    synchronize_stream,
+    transfers_after,
+    wait_on_host,
+)
+from .binding import BindingError, BoundMemory, Lowered, Memory
 from .nixl_files import FileBinding, register_files
-from .nixl_memory import MEM_TYPES, Registration, RemoteBuffer, Segment, descriptor_rows, register, segment_of
+from .nixl_memory import PeerInfo, PeerInfoError, Registration, RemoteBuffer, Segment, register, segment_of
 from .nixl_transfer import Inflight, poll_until, reason
 from .options import NixlOptions
 
-__all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "RemoteBuffer"]
+__all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "PeerInfo", "PeerInfoError", "RemoteBuffer"]
 
 INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
 
@@ -40,7 +55,7 @@ INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (n
 @dataclass(eq=False, kw_only=True)
 class NixlTransfer(Transfer):
     """A plan in flight through NIXL: ``op`` READ or WRITE, the remote ``peer``, one notification per call.
-    NIXL calls finish independently; ``stream_wait`` is refused (NIXL transfers are not stream-ordered)."""
+    NIXL calls finish independently; NIXL has no device events, so ``stream_wait`` waits on the host."""
 
     flight: Inflight | None = field(repr=False, default=None)
     op: str = ""
@@ -72,9 +87,12 @@ class NixlTransfer(Transfer):
             self.flight.wait_call(call)
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
-        """Always raises ValueError: NIXL transfers are not stream-ordered; wait on the host instead."""
-        raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; wait_call({call}) on the host")
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
+        """Wait on the host until call ``call`` (default: the last) is done, so whatever is queued on ``stream`` later
+        runs after it (NIXL has no device events). IndexError, RunArgumentError, or ExecutorError on failure."""
+        if stream is not None:
+            stream_handle(stream)  # a stream of the wrong kind is refused, as by every transfer
+        self.wait_call(call)
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,11 @@ class NixlExecutor(Executor):
 
     ``bind(layout, bindings)`` registers the local memory with the agent once (the registration is released
     by ``bound.close()``); a one-off ``run(plan, bindings)`` needs local memory registered with ``register``.
-    Threads: one executor may be shared; ``run`` holds a lock while it checks and posts a plan.
+
+    Threads: one executor may be shared by any number of threads. ``run`` waits on the calling thread for its
+    ``after`` transfers and its stream, then holds the executor's lock while it checks and posts a plan;
+    ``register``, ``describe``, ``add_peer``, ``remove_peer`` and ``close`` take the same lock. A NixlTransfer's
+    methods may be called from any thread.
     """
 
     def __init__(self, options: NixlOptions | Mapping[str, Any] | None = None, *, agent: Any = None, **kw: Any):
@@ -130,63 +152,76 @@ class NixlExecutor(Executor):
     @property
     def agent_name(self) -> str:
         """The name of this executor's NIXL agent."""
-        return self.agent.name
+        return str(self.agent.name)
 
     # ---- memory and peers --------------------------------------------------------------------------------
-    def register(self, bindings: Mapping[str, Any], buffers: Any = None) -> Registration:
+    @property
+    def synchronous(self) -> bool:
+        """False: ``run`` posts the transfers and returns."""
+        return False
+
+    def register(self, bindings: Mapping[str, Any],
+                 buffers: Layout | TransferPlan | Iterable[Buffer] | None = None) -> Registration:
         """Register local memory under buffer names; ``buffers`` (a Layout, plan or Buffer list) restricts and
         size-checks the names. See nixl_memory.register."""
-        bufs = getattr(buffers, "buffers", buffers)
+        bufs = buffers.buffers if isinstance(buffers, (Layout, TransferPlan)) else buffers
         files = {n: b for n, b in bindings.items() if isinstance(b, FileBinding)}  # storage: FILE memory
         if files and len(files) < len(bindings):
             raise BindingError(sorted(set(bindings) - set(files))[0], "memory", "register files and memory separately")
-        reg = register_files(self.agent, files, bufs) if files else register(self.agent, bindings, bufs)
-        self._registrations.append(reg)
+        with self._lock:
+            reg = register_files(self.agent, files, bufs) if files else register(self.agent, bindings, bufs)
+            self._registrations.append(reg)
         return reg
 
-    def describe(self, registration: Registration) -> dict[str, Any]:
-        """What a peer needs to address ``registration``: agent name, metadata, serialized descriptor lists."""
-        lists = {}
-        for mem in MEM_TYPES:
-            names = [n for n, s in registration.segments.items() if s.mem == mem]
-            if names:
-                dlist = self.agent.get_xfer_descs(descriptor_rows(registration.segments[n] for n in names), mem)
-                lists[mem] = (names, self.agent.get_serialized_descs(dlist))
-        return {"agent": self.agent_name, "metadata": self.agent.get_agent_metadata(), "buffers": lists}
+    def describe(self, registration: Registration) -> bytes:
+        """What a peer needs to address ``registration``: this agent's name, its NIXL metadata and each registered
+        buffer's segment, as ``PeerInfo`` JSON bytes for the peer's ``add_peer``."""
+        with self._lock:
+            metadata = bytes(self.agent.get_agent_metadata())
+            buffers = tuple((n, s) for n, s in registration.segments.items() if s.mem != "FILE")
+        return PeerInfo(self.agent_name, metadata, buffers).encode()
 
-    def add_peer(self, info: Mapping[str, Any]) -> dict[str, RemoteBuffer]:
-        """Load a peer's ``describe()`` output; returns its buffers as RemoteBuffer bindings by name.
+    def add_peer(self, info: bytes | PeerInfo) -> dict[str, RemoteBuffer]:
+        """Load a peer's ``describe()`` output (the JSON bytes, or a decoded PeerInfo); returns its buffers as
+        RemoteBuffer bindings by name.
 
-        The serialized lists are unpickled (NIXL's own format), so take ``info`` only from a trusted peer.
-        """
-        peer = self.agent.add_remote_agent(info["metadata"])
-        peer = peer.decode() if isinstance(peer, bytes) else peer
-        if peer != info["agent"]:
-            raise BindingError(info["agent"], f"metadata of {peer!r}", "the metadata names a different agent")
-        remote = {}
-        for mem, (names, blob) in info["buffers"].items():
-            dlist = self.agent.deserialize_descs(blob)
-            for i, n in enumerate(names):
-                addr, nbytes, dev = dlist[i]
-                remote[n] = RemoteBuffer(peer, int(addr), int(nbytes), int(dev), mem)
-        return remote
+        Raises PeerInfoError naming the field for a malformed description (nothing is loaded), or when NIXL
+        refuses the metadata or it names another agent than the description does. The description is data:
+        nothing in it is executed; buffers it names that the peer did not register are refused by NIXL when a
+        transfer is posted."""
+        peer_info = info if isinstance(info, PeerInfo) else PeerInfo.decode(info)
+        with self._lock:
+            try:
+                loaded = self.agent.add_remote_agent(peer_info.metadata)
+            except Exception as e:  # the binding raises one class per nixl status
+                raise PeerInfoError("metadata", f"{len(peer_info.metadata)} bytes", f"refused by NIXL: {reason(e)}") from None
+            peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if peer != peer_info.agent:
+                try:
+                    self.agent.remove_remote_agent(peer)
+                except Exception:  # best effort: what matters is that nothing of it is used
+                    pass
+                raise PeerInfoError("agent", peer_info.agent, f"the NIXL metadata is agent {peer!r}'s")
+        return {n: RemoteBuffer(peer, seg.addr, seg.nbytes, seg.dev, seg.mem) for n, seg in peer_info.buffers}
 
     def remove_peer(self, peer: str) -> None:
         """Forget the remote agent ``peer`` (its metadata loaded by ``add_peer``)."""
-        self.agent.remove_remote_agent(peer)
+        with self._lock:
+            self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
         """Wait for transfers still in flight, then deregister everything registered through this executor."""
-        for flight in self._flights:  # memory must not be deregistered under a transfer in flight
-            try:
-                flight.wait()
-            except ExecutorError:
-                pass  # a failed transfer has already stopped touching memory (its owner sees the error)
-        self._flights = []
-        while self._registrations:
-            self._registrations.pop().deregister()
+        with self._lock:
+            flights, self._flights = self._flights, []
+            for flight in flights:  # memory must not be deregistered under a transfer in flight
+                try:
+                    flight.wait()
+                except ExecutorError:
+                    pass  # a failed transfer has already stopped touching memory (its owner sees the error)
+            while self._registrations:
+                self._registrations.pop().deregister()
 
-    def wait_notifs(self, peer: str, notifs: Any, timeout_s: float | None = None) -> None:
+    def wait_notifs(self, peer: str, notifs: Iterable[bytes], timeout_s: float | None = None) -> None:
         """Block until every notification in ``notifs`` arrived from ``peer``; TimeoutError names the missing."""
         missing = [bytes(n) for n in notifs]
 
@@ -224,7 +259,7 @@ class NixlExecutor(Executor):
         return {n: (b.open(table[n]).remote(self.agent_name) if isinstance(b, FileBinding) and n in table else b)
                 for n, b in bindings.items()}
 
-    def bind(self, buffers: Any, bindings: Bindings) -> BoundMemory:
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Bindings) -> BoundMemory:
         """As Executor.bind; FileBinding values are opened and bound as FILE segments (register them first)."""
         return super().bind(buffers, self._files_as_segments(buffers, bindings))
 
@@ -234,10 +269,11 @@ class NixlExecutor(Executor):
             memory = self._files_as_segments(plan.buffers, memory)
         return super().memory_for(plan, memory)
 
-    def _sides(self, plan: TransferPlan, bound: BoundMemory) -> _Sides:
-        """Check which side is remote and decide READ or WRITE. Raises BindingError."""
-        src = set(plan.buffers_used("src").tolist())
-        dst = set(plan.buffers_used("dst").tolist())
+    def _sides(self, plan: TransferPlan, bound: BoundMemory, low: Lowered) -> _Sides:
+        """Check which side is remote and decide READ or WRITE, from the buffers ``low`` was checked with. Raises
+        BindingError."""
+        src = set(low.src_runs[0].tolist())
+        dst = set(low.dst_runs[0].tolist())
         dev = np.zeros(len(plan.buffers), dtype=np.uint64)
         remote: dict[int, RemoteBuffer] = {}
         local: dict[int, Segment] = {}
@@ -285,42 +321,56 @@ class NixlExecutor(Executor):
                 raise BindingError(what, sorted(m), "one side of a NIXL descriptor list has one memory type")
         return _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), dev)
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None) -> NixlTransfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
+            after: After = None) -> NixlTransfer:
         """Post every call of ``plan`` as one NIXL transfer; returns at once with a NixlTransfer.
 
-        Raises BindingError or PlanError (before anything is posted) for a malformed plan, a range outside
-        its bound buffer, a missing, undersized, unregistered or wrongly-sided binding or an unknown agent,
-        and ExecutorError naming the call when NIXL rejects a transfer (calls posted before it are drained
-        first). ``done()``/``wait()`` raise ExecutorError when a transfer ends in ERR or outlives
-        ``poll_timeout_s``; a failed transfer is never reported done.
+        First waits on the host for every ``after`` transfer and, when the local memory is on a GPU, for the work
+        queued on ``stream`` (None: the current stream of that GPU). Raises BindingError, PlanError or
+        RunArgumentError (before anything is posted) for a malformed plan, a range outside its bound buffer, a
+        missing, undersized, unregistered or wrongly-sided binding or an unknown agent, and ExecutorError naming
+        the call when NIXL rejects a transfer (calls posted before it are drained first). ``done()``/``wait()``
+        raise ExecutorError when a transfer ends in ERR or outlives ``poll_timeout_s``; a failed transfer is never
+        reported done.
         """
-        if stream is not None:
-            raise ValueError(f"stream = {stream!r}: NIXL transfers are not stream-ordered; synchronize before run()")
         t0 = time.perf_counter()
+        if stream is not None:
+            stream_handle(stream)  # a stream of the wrong kind is refused before anything else
+        waits = transfers_after(after)
         bound = self.memory_for(plan, memory)
-        src_addr, dst_addr = bound.lower(plan)  # every range inside its bound buffer, local and remote
+        low = bound.descriptors(plan)  # every range inside its bound buffer, local and remote
         if plan.num_ranges == 0:
+            wait_on_host(waits)
             return NixlTransfer(nbytes=0, ranges=0, calls=0, elapsed_s=time.perf_counter() - t0)
         with self._lock:
-            s = self._sides(plan, bound)
-            reading = s.op == "READ"
-            loc_buf, loc_addr, rem_buf, rem_addr = ((plan.dst_buf, dst_addr, plan.src_buf, src_addr) if reading else
-                                                    (plan.src_buf, src_addr, plan.dst_buf, dst_addr))
-            local = np.stack([loc_addr, plan.nbytes, s.dev[loc_buf]], axis=1)
-            remote = np.stack([rem_addr, plan.nbytes, s.dev[rem_buf]], axis=1)
-            tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
-            notifs = tuple(f"{tag}:{c};".encode() for c in range(plan.num_calls))  # ';' ends the tag: 1 never matches 10
-            used = plan.buffers_used("dst" if reading else "src").tolist()
-            registrations = [r for r in self._registrations
-                             if any(r.covers(segment_of(bound.memory[i], plan.buffers[i].name)) for i in used)]
-            notify = s.peer != self.agent_name  # storage backends (FILE) take no notifications
-            flight = Inflight(self.agent, t0, self.options.poll_timeout_s, bound.owners(), notifs,
-                              drain_s=self.options.drain_timeout_s, registrations=registrations, notify=notify)
-            self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
-            for c, sl in enumerate(plan.calls()):
-                flight.post(c, lambda sl=sl, c=c: self.agent.initialize_xfer(
-                    s.op, self.agent.get_xfer_descs(local[sl], s.local_mem),
-                    self.agent.get_xfer_descs(remote[sl], s.remote_mem), s.peer, notifs[c] if notify else b""),
-                    f"{s.op} to {s.peer!r}")
+            s = self._sides(plan, bound, low)
+        wait_on_host(waits)
+        if s.local_mem == "VRAM":  # the device memory NIXL reads or writes must be done being computed on
+            synchronize_stream(stream, int(s.dev[int(low.dst_runs[0][0] if s.op == "READ" else low.src_runs[0][0])]))
+        with self._lock:
+            return self._post(plan, bound, low, s, t0)
+
+    def _post(self, plan: TransferPlan, bound: BoundMemory, low: Lowered, s: _Sides, t0: float) -> NixlTransfer:
+        reading = s.op == "READ"
+        loc_side, rem_side = ("dst", "src") if reading else ("src", "dst")
+        loc_addr, rem_addr = (low.dst, low.src) if reading else (low.src, low.dst)
+        local = np.stack([loc_addr, low.nbytes, s.dev[low.buffer_column(loc_side)]], axis=1)
+        remote = np.stack([rem_addr, low.nbytes, s.dev[low.buffer_column(rem_side)]], axis=1)
+        tag = f"kvxfer:{plan.fingerprint[:12]}:{next(self._runs)}"
+        notifs = tuple(f"{tag}:{c};".encode() for c in range(low.num_calls))  # ';' ends the tag: 1 never matches 10
+        used = np.unique((low.dst_runs if reading else low.src_runs)[0]).tolist()
+        registrations = [r for r in self._registrations
+                         if any(r.covers(segment_of(bound.memory[i], plan.buffers[i].name)) for i in used)]
+        notify = s.peer != self.agent_name  # storage backends (FILE) take no notifications
+        flight = Inflight(self.agent, t0, self.options.poll_timeout_s, bound.owners(), notifs,
+                          drain_s=self.options.drain_timeout_s, registrations=registrations, notify=notify)
+        self._flights = [f for f in self._flights if f.pending and f.error is None] + [flight]
+        agent = self.agent
+
+        def make(lo: int, hi: int, notif: bytes) -> Callable[[], Any]:
+            return lambda: agent.initialize_xfer(s.op, agent.get_xfer_descs(local[lo:hi], s.local_mem),
+                                                 agent.get_xfer_descs(remote[lo:hi], s.remote_mem), s.peer, notif)
+        for c, (lo, hi) in enumerate(low.calls()):
+            flight.post(c, make(lo, hi, notifs[c] if notify else b""), f"{s.op} to {s.peer!r}")
         return NixlTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, flight=flight,
                             op=s.op, peer=s.peer, notifs=notifs if notify else ())

@@ -6,8 +6,10 @@ unmasked and tails masked. Loads (h2d) read pinned host memory through unified a
 buffers that are not pinned are refused. With TRITON_INTERPRET=1 set before triton is imported, the kernel
 runs on the CPU on host memory (about 5-8 MB/s: for correctness checks only).
 
-Threads: one executor may be shared; ``run`` holds a lock while it launches (the copy stream's order is
-one chain, and the interpreter is not reentrant).
+Threads: one executor may be shared by any number of threads. ``run`` waits on the calling thread for the
+``after`` transfers it cannot order on the device, then holds the executor's lock while it launches (the copy
+stream's order is one chain, and the interpreter is not reentrant). A TritonTransfer's methods may be called
+from any thread.
 """
 from __future__ import annotations
 
@@ -21,8 +23,21 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Location, Platform, Target, TransferPlan, cuda_version, hip_version
 
-from .base import Bindings, Executor, ExecutorError, TargetMismatchError, Transfer, completed
-from .binding import BindingError, BoundMemory, Memory, check_location
+from .base import (
+    After,
+    Bindings,
+    Executor,
+    ExecutorError,
+    Stream,
+    TargetMismatchError,
+    Transfer,
+    completed,
+    split_after,
+    stream_handle,
+    transfers_after,
+    wait_on_host,
+)
+from .binding import BindingError, BoundMemory, Lowered, Memory, check_location, hold_for_stream
 from .options import TritonOptions
 
 ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
@@ -37,8 +52,9 @@ def interpreter_active() -> bool:
 def launch_tables(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tile_bytes: int) -> list[dict[str, Any]]:
     """Group ranges by the widest element their addresses and sizes allow, and tile each group.
 
-    Returns one dict per launch: ``word`` (bytes per element), ``align16``, and int64 arrays ``src``, ``dst``,
-    ``nbytes`` (the group's ranges), ``tile_range`` (index into the group) and ``tile_start`` (byte offset).
+    Returns one dict per launch: ``word`` (bytes per element), ``align16``, ``first`` (the index of the group's
+    first range), and int64 arrays ``src``, ``dst``, ``nbytes`` (the group's ranges), ``tile_range`` (index into
+    the group) and ``tile_start`` (byte offset).
     """
     g = src | dst | nbytes
     word = np.ones(len(g), dtype=np.int64)
@@ -54,8 +70,8 @@ def launch_tables(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tile_byt
         tile_range = np.repeat(np.arange(len(sel), dtype=np.int64), tiles)
         first = np.cumsum(tiles) - tiles
         tile_start = (np.arange(len(tile_range), dtype=np.int64) - first[tile_range]) * tile_bytes
-        out.append(dict(word=k // 2, align16=bool(k % 2), src=src[sel].view(np.int64), dst=dst[sel].view(np.int64),
-                        nbytes=n, tile_range=tile_range, tile_start=tile_start))
+        out.append(dict(word=k // 2, align16=bool(k % 2), first=int(sel[0]), src=src[sel].view(np.int64),
+                        dst=dst[sel].view(np.int64), nbytes=n, tile_range=tile_range, tile_start=tile_start))
     return out
 
 
@@ -77,38 +93,56 @@ class TritonTransfer(Transfer):
     marks: tuple[Any, ...] = field(repr=False)
     keep: tuple[Any, ...] = field(repr=False, default=())
     torch: Any = field(repr=False, default=None)
+    device: int = 0
 
     def done(self) -> bool:
-        """Whether the end event has completed."""
-        return bool(self.end.query())
+        """Whether the end event has completed; ExecutorError if the GPU reports an error."""
+        return bool(_guard("event query", lambda: self.end.query()))
 
     def wait(self) -> TritonTransfer:
-        """Block until the kernels finish and set ``elapsed_s`` from the start/end events; returns self."""
-        self.end.synchronize()
+        """Block until the kernels finish and set ``elapsed_s`` from the start/end events; returns self. Raises
+        ExecutorError if the GPU reports an error."""
+        _guard("event synchronize", self.end.synchronize)
         self.elapsed_s = self.start.elapsed_time(self.end) / 1e3
         return self
 
     def call_done(self, call: int) -> bool:
-        """Whether call ``call`` has completed (IndexError outside the calls)."""
-        return bool(self.marks[self._call(call)].query())
+        """Whether call ``call`` has completed (IndexError outside the calls; ExecutorError from the GPU)."""
+        mark = self.marks[self._call(call)]
+        return bool(_guard("event query (call)", mark.query))
 
     def wait_call(self, call: int) -> TritonTransfer:
         """Block the host until call ``call`` has completed; returns self. IndexError outside the calls."""
-        self.marks[self._call(call)].synchronize()
+        _guard("event synchronize (call)", self.marks[self._call(call)].synchronize)
         return self
 
-    def stream_wait(self, stream: Any, call: int = -1) -> None:
-        """Make ``stream`` (a torch stream or a raw handle) wait on the device until call ``call`` (default: the last) is done."""
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
+        """Make ``stream`` (a torch stream or a raw handle of this GPU platform) wait on the device until call ``call``
+        (default: the last) is done."""
         cuda = self.torch.cuda
-        (stream if isinstance(stream, cuda.Stream) else cuda.ExternalStream(int(stream))).wait_event(self.marks[self._call(call)])
+        mark = self.marks[self._call(call)]
+        target: Any = stream if isinstance(stream, cuda.Stream) else cuda.ExternalStream(stream_handle(stream, self.device),
+                                                                                         device=self.device)
+        target.wait_event(mark)
+
+
+def _guard(call: str, fn: Any) -> Any:
+    """``fn()``, with a GPU error torch raises (an illegal address in the kernel, say) as ExecutorError naming ``call``."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise ExecutorError(call, 0, None, f"the GPU reported {e}", 0) from e
 
 
 class TritonExecutor(Executor):
     """Copies with a Triton kernel on ``device`` (or on the CPU under TRITON_INTERPRET=1).
 
-    On a GPU the kernel runs on the executor's own stream, which first waits for the caller's compute stream
-    and the previous transfer. Plans of any platform version run (the kernel uses no copy API), but the
-    platform must match the GPU's.
+    On a GPU the kernel runs on the executor's own stream, which first waits for the caller's compute stream,
+    the previous transfer and every ``after`` transfer (on the device for transfers of the GPU's platform, on
+    the host before launching for others). Plans of any platform version run (the kernel uses no copy API),
+    but the platform must match the GPU's. Under the interpreter ``run`` copies before it returns
+    (``synchronous``). A failed launch raises ExecutorError naming the call and its first descriptor.
+    Threads: see the module docstring.
     """
 
     def __init__(self, *, device: int = 0, tile_bytes: int = 8192, num_programs: int | None = None):
@@ -121,10 +155,12 @@ class TritonExecutor(Executor):
             from .triton_kernel import copy_ranges
         except ImportError as e:
             raise ImportError(f"the Triton executor needs triton and torch: pip install 'kvxfer[triton,torch]' ({e})") from None
-        self._torch, self._kernel, self.tile_bytes = torch, copy_ranges, tile_bytes
+        self._torch: Any = torch  # torch's stream and event classes are untyped
+        self._kernel, self.tile_bytes = copy_ranges, tile_bytes
         self._elem = {w: getattr(tl, name) for w, name in ELEMENTS}
         self.interpret = interpreter_active()
-        self._last_end = None
+        self.domain: str | None = None  # under the interpreter nothing is ordered on a device
+        self._last_end: Any = None
         self._lock = threading.Lock()
         if self.interpret:
             self._device, self._target, self.num_programs = torch.device("cpu"), Target(), num_programs or 4
@@ -133,8 +169,9 @@ class TritonExecutor(Executor):
             raise ExecutorError("triton", 0, None, "no GPU visible to torch (set TRITON_INTERPRET=1 before triton is "
                                 "imported to run the kernel on the CPU)", 0)
         self._device = torch.device("cuda", device)
-        self._stream = torch.cuda.Stream(self._device)
+        self._stream = self._torch.cuda.Stream(self._device)
         self._target = _torch_target(torch)
+        self.domain = self._target.platform.value  # "cuda" or "rocm": the driver torch runs on
         self.num_programs = num_programs or 4 * torch.cuda.get_device_properties(self._device).multi_processor_count
 
     @classmethod
@@ -163,40 +200,75 @@ class TritonExecutor(Executor):
                                "the Triton kernel reads host memory through unified addressing, which needs pinned "
                                "memory (pin it, or use the cuda-batch executor)")
 
-    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Any = None) -> Transfer:
-        """Launch the copies; complete on return under the interpreter, asynchronous on a GPU.
-        Raises TargetMismatchError (other platform), BindingError or PlanError before anything runs."""
+    @property
+    def synchronous(self) -> bool:
+        """True under the interpreter (the kernel runs before ``run`` returns), False on a GPU."""
+        return self.interpret
+
+    def _attach(self, bound: BoundMemory) -> None:
+        if not self.interpret:
+            hold_for_stream(bound, int(self._stream.cuda_stream))
+
+    def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None, after: After = None) -> Transfer:
+        """Launch the copies after ``stream``'s pending work and every ``after`` transfer (see ``Executor.run``);
+        complete on return under the interpreter, asynchronous on a GPU. Raises TargetMismatchError (other
+        platform), BindingError, PlanError or RunArgumentError before anything runs, ExecutorError naming the
+        call when a launch fails."""
         t0 = time.perf_counter()
         if not self.interpret and plan.target.platform is not self._target.platform:
             raise TargetMismatchError(plan.target, self._target, None)
+        if self.interpret and stream is not None:
+            stream_handle(stream)  # a stream of the wrong kind is refused, as by every executor
+        waits = transfers_after(after)
         bound = self.memory_for(plan, memory)
-        src, dst = bound.lower(plan)
+        if bound is not memory and not self.interpret:
+            hold_for_stream(bound, int(self._stream.cuda_stream))
+        low = bound.descriptors(plan)
         # the plan's calls are kept: launches of call i all precede those of call i+1, so completion can be
         # reported per call (per layer with regions_per_call)
-        per_call = [launch_tables(src[c], dst[c], plan.nbytes[c], self.tile_bytes) for c in plan.calls()]
+        per_call = [launch_tables(low.src[lo:hi], low.dst[lo:hi], low.nbytes[lo:hi], self.tile_bytes)
+                    for lo, hi in low.calls()]
+        for (lo, _), groups in zip(low.calls(), per_call):
+            for g in groups:
+                g["first"] += lo
+        on_device, on_host = split_after(waits, self.domain)
+        wait_on_host(on_host)
         with self._lock:
             if self.interpret:
-                for g in (g for groups in per_call for g in groups):
-                    self._launch(g, {k: self._torch.from_numpy(g[k]) for k in TABLE_KEYS})
+                for call, groups in enumerate(per_call):
+                    for g in groups:
+                        self._launch(call, g, {k: self._torch.from_numpy(g[k]) for k in TABLE_KEYS})
                 return completed(plan, t0)
-            return self._run_on_gpu(plan, per_call, bound, stream)
+            return self._run_on_gpu(plan, low, per_call, bound, stream, on_device)
 
-    def _launch(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+    def _launch(self, call: int, g: dict[str, Any], t: dict[str, Any]) -> None:
+        """Launch the kernel for one group ``g`` of call ``call`` over tile tables ``t``; ExecutorError naming the call and
+        the group's first descriptor if the launch fails (calls before it were launched)."""
+        try:
+            self._start_kernel(g, t)
+        except Exception as e:  # triton and torch raise their own classes for a failed compile or launch
+            raise ExecutorError("triton launch", call, g["first"], f"{type(e).__name__}: {e}", call) from e
+
+    def _start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+        """The kernel launch itself for group ``g`` (see ``launch_tables``) over tile tables ``t``."""
         num_tiles = len(g["tile_range"])
         grid = (max(1, min(num_tiles, self.num_programs)),)
         self._kernel[grid](t["src"], t["dst"], t["nbytes"], t["tile_range"], t["tile_start"], num_tiles,
                            ELEM=self._elem[g["word"]], WORD=g["word"], BLOCK=self.tile_bytes // g["word"],
                            ALIGN16=g["align16"])
 
-    def _run_on_gpu(self, plan: TransferPlan, per_call: list[list[dict[str, Any]]], bound: BoundMemory,
-                    stream: Any) -> TritonTransfer:
+    def _run_on_gpu(self, plan: TransferPlan, low: Lowered, per_call: list[list[dict[str, Any]]], bound: BoundMemory,
+                    stream: Stream, after: list[Transfer]) -> TritonTransfer:
         torch = self._torch
-        compute = (torch.cuda.current_stream(self._device) if stream is None else
-                   stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(int(stream)))
+        compute = (torch.cuda.current_stream(self._device) if stream is None else stream
+                   if isinstance(stream, torch.cuda.Stream) else
+                   torch.cuda.ExternalStream(stream_handle(stream, self._device.index or 0), device=self._device))
         cs = self._stream
         cs.wait_stream(compute)
         if self._last_end is not None:
             cs.wait_event(self._last_end)
+        for t in after:  # transfers of this GPU platform: ordered on the device
+            t.stream_wait(cs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         marks = [torch.cuda.Event() for _ in range(max(len(per_call) - 1, 0))] + [end]  # marks[i]: call i done
         groups = [g for gs in per_call for g in gs]
@@ -207,19 +279,22 @@ class TritonExecutor(Executor):
             table = host.to(self._device, non_blocking=True)
             start.record(cs)
             at = 0
-            for call, gs in enumerate(per_call):
-                for g in gs:
-                    views = {}
-                    for k in TABLE_KEYS:
-                        views[k] = table[at:at + len(g[k])]
-                        at += len(g[k])
-                    self._launch(g, views)
-                if call < len(per_call) - 1:
-                    marks[call].record(cs)
-            end.record(cs)
-        self._last_end = end
-        return TritonTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, start=start,
-                              end=end, marks=tuple(marks), keep=(*bound.owners(), host, table), torch=torch)
+            try:
+                for call, gs in enumerate(per_call):
+                    for g in gs:
+                        views = {}
+                        for k in TABLE_KEYS:
+                            views[k] = table[at:at + len(g[k])]
+                            at += len(g[k])
+                        self._launch(call, g, views)
+                    if call < len(per_call) - 1:
+                        marks[call].record(cs)
+            finally:  # successors order after whatever was launched, even on failure
+                end.record(cs)
+                self._last_end = end
+        return TritonTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, domain=self.domain,
+                              start=start, end=end, marks=tuple(marks), keep=(*bound.owners(), host, table), torch=torch,
+                              device=self._device.index or 0)
 
 
 def _driver_says_pinned(address: int) -> bool | None:

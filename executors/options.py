@@ -54,7 +54,7 @@ class Options(BaseModel):
             raise _config_error(e, type(self)) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, **kw: Any) -> Any:  # type: ignore[override]
+    def model_validate(cls, obj: Any, **kw: Any) -> Any:
         """As pydantic's ``model_validate``, but a validation error is raised as a ConfigError naming the field."""
         try:
             return super().model_validate(obj, **kw)

@@ -81,11 +81,12 @@ class PinnedRegion:
     def close(self) -> None:
         """Unregister every registered chunk (last first). Raises RuntimeError naming a chunk that fails."""
         failures = []
-        while self.chunks:
+        registrar = self._registrar
+        while self.chunks and registrar is not None:  # chunks are only ever registered through a registrar
             addr, size = self.chunks.pop()
-            code = self._registrar.unregister(addr)
+            code = registrar.unregister(addr)
             if code:
-                failures.append(f"[{addr:#x}, +{size}): {self._registrar.error_name(code)} ({code})")
+                failures.append(f"[{addr:#x}, +{size}): {registrar.error_name(code)} ({code})")
         self.pinned = False
         if failures:
             raise RuntimeError("host unregister failed for " + "; ".join(failures))

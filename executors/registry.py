@@ -35,7 +35,8 @@ class Backend:
     def load(self) -> type[Any]:
         """Import and return the executor class; ImportError names the backend (with the module's install hint)."""
         try:
-            return getattr(importlib.import_module(f"kvxfer.executors.{self.module}"), self.cls)
+            cls: type[Any] = getattr(importlib.import_module(f"kvxfer.executors.{self.module}"), self.cls)
+            return cls
         except ImportError as e:
             raise ImportError(f"executor {self.kind.value!r} ({self.module}:{self.cls}) is not available: {e}") from e
 
@@ -58,7 +59,7 @@ def backend(kind: ExecutorKind | str) -> Backend:
                           f"no executor class (known: {', '.join(k.value for k in BACKENDS)})") from None
 
 
-def kind_of(executor: Any) -> ExecutorKind | None:
+def kind_of(executor: object) -> ExecutorKind | None:
     """The kind whose class ``executor`` is an instance of (None for auto and unregistered classes)."""
     name = type(executor).__name__
     return next((b.kind for b in BACKENDS.values() if b.cls == name), None)

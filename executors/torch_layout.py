@@ -24,7 +24,10 @@ class _Buffers:
     in it (a storage behind K and V of one layer is named after the layer, not after its K half)."""
 
     def __init__(self, prefix: str):
-        self.prefix, self.by_ptr, self.buffers, self.tensors = prefix, {}, [], {}
+        self.prefix = prefix
+        self.by_ptr: dict[int, str] = {}
+        self.buffers: list[Buffer] = []
+        self.tensors: dict[str, Any] = {}
 
     def place(self, t: Any, layer: str) -> tuple[str, int]:
         storage = t.untyped_storage()

@@ -1,6 +1,8 @@
 """Binding: what memory objects resolve to, the checks made before any copy, bind once, and the uint64 math."""
 from __future__ import annotations
 
+import ctypes
+import struct
 import warnings
 
 import numpy as np
@@ -172,9 +174,9 @@ def test_verify_refuses_memory_that_moved_since_bind():
     torch = pytest.importorskip("torch")
     layout, plan = _one_range_plan()
     bufs = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8) for b in layout.buffers}
-    bound = bind(layout, bufs, check=lambda buf, mem: None)  # as a DMA executor binds: no numpy view is taken
+    bound = bind(layout, bufs, check=lambda buf, mem: None)  # as a DMA executor binds
     bound.verify()
-    bufs["cpu"].resize_(1 << 20)  # re-allocates the storage: the bound address is stale
+    bufs["cpu"].set_(torch.zeros(1 << 20, dtype=torch.uint8))  # the tensor now points elsewhere: the bound address is stale
     with pytest.raises(BindingError, match=r"bindings\['cpu'\] = .*changed since bind .*bind it again"):
         bound.verify()
 
@@ -196,3 +198,56 @@ def test_range_past_its_buffer_is_refused_whichever_way_ranges_are_lowered(block
     dst_off[i] = buf.nbytes - 8  # 8 bytes inside, 8 past the end
     with pytest.raises(PlanError, match=rf"dst_offset\[{i}\] = {buf.nbytes - 8}: range of 16 bytes runs past buffer '{buf.name}'"):
         bound.lower(_hand_made(plan, dst_offset=dst_off))
+
+
+def _map_pages(n: int) -> tuple[ctypes.CDLL, int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    base = libc.mmap(None, n * 4096, 3, 0x22, -1, 0)  # PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    return libc, base
+
+
+@pytest.mark.parametrize("offset", [0, 8, 16, 24, 31])
+def test_bytes_data_just_past_a_page_boundary_is_recognised_as_immutable(offset):
+    """The header of a bytes object whose data starts within 32 bytes of a page lies on the page before."""
+    from kvxfer.executors.binding import _over_immutable_bytes
+    libc, base = _map_pages(2)
+    try:
+        data = base + 4096 + offset
+        header = data - (bytes.__basicsize__ - bytes.__itemsize__)  # a bytes object's layout, written by hand
+        ctypes.memmove(header + object.__basicsize__ - 8, struct.pack("<QQ", id(bytes), 100), 16)
+        assert _over_immutable_bytes(data, 64) and _over_immutable_bytes(data, 100)
+        assert not _over_immutable_bytes(data, 101)  # more bytes than the object holds: not that object
+        libc.munmap(base, 4096)  # the page before is gone: reading the header there must not fault
+        fields = header + object.__basicsize__ - 8  # type and size: all that is read
+        assert _over_immutable_bytes(data, 64) is (fields >= base + 4096)
+    finally:
+        libc.munmap(base + 4096, 4096)
+
+
+def test_bytes_data_far_from_a_page_boundary_is_recognised_as_immutable_without_the_slow_read():
+    from kvxfer.executors import binding
+    libc, base = _map_pages(1)
+    try:
+        data = base + 512
+        ctypes.memmove(data - 24, struct.pack("<QQ", id(bytes), 64), 16)
+        assert binding._over_immutable_bytes(data, 64)
+        ctypes.memmove(data - 24, struct.pack("<QQ", id(bytearray), 64), 16)
+        assert not binding._over_immutable_bytes(data, 64)  # another type: writable memory
+    finally:
+        libc.munmap(base, 4096)
+
+
+def test_torch_tensors_over_bytes_objects_of_many_sizes_are_read_only():
+    """torch.frombuffer over bytes objects wherever the allocator put them: every one is refused as a destination."""
+    torch = pytest.importorskip("torch")
+    from kvxfer.executors.binding import _over_immutable_bytes
+    objects = [bytes(range(n % 256)) * (1 + n // 256) + b"x" for n in range(1, 400)]  # many sizes: many placements
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for b in objects:
+            t = torch.frombuffer(b, dtype=torch.uint8)
+            assert _over_immutable_bytes(t.data_ptr(), len(b)) and resolve(t, "t").writable is False

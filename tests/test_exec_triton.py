@@ -49,6 +49,8 @@ def test_interpreter_matches_numpy_byte_for_byte(seed):
     assert report["mismatches"] == []
     assert report["plans"] == 16 and report["ranges"] > 0
     assert set(report["widths"]) >= {"1", "2", "4", "8", "8a16"}  # every element width was exercised
+    assert report["synchronous"] is True and report["after"] == [False] * 16  # copies began after each wait
+    assert report["bad stream"].startswith("stream = <object object at ")
 
 
 SIGNATURE = {"src_addr": "*i64", "dst_addr": "*i64", "nbytes": "*i64", "tile_range": "*i64", "tile_start": "*i64",

@@ -141,6 +141,8 @@ def test_every_section_runs_on_the_cpu_over_the_cuda_shim(tmp_path):
     assert bw["h2d contiguous merged"]["ranges"] == gpu_check.CPU.regions and bw["h2d one-copy"]["vs_one_copy"] == 1
     assert len(report["submit"]["by_descriptors"]) == len(gpu_check.CPU.submit_moved)
     assert all(v is True for k in ("dma-roundtrip", "triton-roundtrip") for v in report[k].values())
+    assert report["run-api"] == {"dma then triton bytes_ok": True, "triton then dma bytes_ok": True,
+                                 "moved tensor refused": True}
     assert [int(s) for s in report["crossover"]["rows"]] == list(gpu_check.CPU.crossover_sizes)
     for sec in ("dma-interference", "triton-interference"):
         assert {"decode", "gemm"} <= set(report[sec]) and report[sec]["decode"]["op_ms_alone"] > 0

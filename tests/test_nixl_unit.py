@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, ExecutorError
+from kvxfer.executors import BindingError, ExecutorError, RunArgumentError, Transfer
 from kvxfer.executors.nixl_memory import RemoteBuffer
 from kvxfer.executors.ops_nixl import NixlExecutor, NixlOptions
 from kvxfer.planner import PlanOptions, plan_transfer, presets
@@ -128,10 +128,39 @@ def test_wait_notifs_deadline():
         ex.wait_notifs("peer", [b"x"])
 
 
-def test_stream_is_refused():
-    ex, bindings, plan = _setup(ScriptedAgent())
-    with pytest.raises(ValueError, match="not stream-ordered"):
+def test_a_stream_is_accepted_and_one_of_the_wrong_kind_refused_before_posting():
+    agent = ScriptedAgent()
+    ex, bindings, plan = _setup(agent)
+    ex.run(plan, bindings, stream=77).wait()  # host memory: nothing queued on a stream to order after
+    assert len(agent.handles) == plan.num_calls
+    with pytest.raises(RunArgumentError, match=r"^stream = <object object at .*>: expected None, an int handle"):
         ex.run(plan, bindings, stream=object())
+    assert len(agent.handles) == plan.num_calls
+
+
+class SlowTransfer(Transfer):
+    """A transfer of another executor that finishes when ``wait`` is called (and records that it was)."""
+
+    def __init__(self, log: list, fails: bool = False):
+        super().__init__(nbytes=0, ranges=0, calls=1)
+        self.log, self.fails = log, fails
+
+    def wait(self):
+        self.log.append("after waited")
+        if self.fails:
+            raise ExecutorError("copy", 0, None, "failed elsewhere", 0)
+        return self
+
+
+def test_run_posts_only_after_every_after_transfer_finished_even_a_failed_one():
+    agent = ScriptedAgent()
+    ex, bindings, plan = _setup(agent)
+    log = agent.log
+    ex.run(plan, bindings, after=[SlowTransfer(log), SlowTransfer(log, fails=True)]).wait()
+    kinds = [e if isinstance(e, str) else e[0] for e in log]
+    assert kinds[:2] == ["after waited", "after waited"] and kinds.count("READ") == plan.num_calls
+    with pytest.raises(RunArgumentError, match=r"^after\[1\] = 'x': expected a Transfer"):
+        ex.run(plan, bindings, after=[SlowTransfer(log), "x"])
 
 
 def test_empty_plan_is_done_at_once():
@@ -172,8 +201,7 @@ def test_per_call_completion_and_tags():
     assert not t.call_done(0) and t.call_done(1) and t.call_done(2)  # NIXL calls finish independently
     t.wait_call(0)
     assert t.call_done(0) and t.done()
-    with pytest.raises(ValueError, match="not stream-ordered"):
-        t.stream_wait(0)
+    t.stream_wait(None, 0)  # no device events: waits on the host, here for a call already done
     assert all(n.endswith(b";") for n in t.notifs)  # self-delimiting: call 1's tag is no part of call 10's
     assert not any(a != b and a in b for a in t.notifs for b in t.notifs)
 
@@ -196,17 +224,37 @@ def test_close_waits_for_transfers_before_deregistering():
     assert all(h.released for h in agent.handles)
 
 
-def test_wait_is_bounded_by_timeout_plus_drain_and_stuck_memory_stays_registered():
-    import time
+class VirtualClock:
+    """Stands in for the ``time`` module of nixl_transfer: time passes only as the code under test reads the clock
+    (one step per read) or sleeps, so how long a wait lasts is counted exactly, whatever the machine's load."""
+
+    STEP = 1e-5
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.STEP
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_wait_is_bounded_by_timeout_plus_one_drain_and_stuck_memory_stays_registered(monkeypatch):
+    from kvxfer.executors import nixl_transfer
+    clock = VirtualClock()
+    monkeypatch.setattr(nixl_transfer, "time", clock)
     agent = ScriptedAgent(states={0: ["PROC"], 1: ["PROC"], 2: ["PROC"]})  # never finishes (a stopped peer)
     ex, bindings, plan = _setup(agent, poll_timeout_s=0.2, drain_timeout_s=0.1)
     reg = ex._registrations[0]
     t = ex.run(plan, bindings)
-    t0 = time.perf_counter()
+    start = clock.now
     with pytest.raises(ExecutorError, match=r"still in progress after 0.2s.*given 0.1s to drain, 3 still running.*"
                                             r"memory stays referenced and its registration is marked unusable"):
         t.wait()
-    assert time.perf_counter() - t0 < 0.2 + 0.1 + 0.25  # the timeout, one bounded drain, scheduling slack
+    waited = clock.now - start
+    assert 0.2 + 0.1 <= waited <= 0.2 + 0.1 + 2 * nixl_transfer.SLEEP_S  # the timeout, then one bounded drain
     assert not any(h.released for h in agent.handles)  # never released under a transfer in flight
     assert t.flight.keep and not reg.usable
     with pytest.raises(BindingError, match="registration is unusable"):
@@ -242,3 +290,26 @@ def test_bind_registers_once_and_close_deregisters():
     assert [e for e in agent.log if e[0] == "deregister"] == [("deregister", "DRAM")]
     with pytest.raises(BindingError, match="was closed"):
         ex.run(plan, bound)
+
+
+@pytest.mark.parametrize("where", ["inside", "starts inside, ends past", "starts before, ends inside"])
+def test_memory_only_partly_inside_a_registration_is_refused_as_not_registered(where):
+    agent = ScriptedAgent()
+    ex = NixlExecutor(agent=agent)
+    sizes = {b.name: b.nbytes for b in LAYOUT.buffers if b.name != "cpu"}
+    arena = np.zeros(4 * sum(sizes.values()), np.uint8)
+    half = LAYOUT.buffers[1].nbytes // 2
+    name = LAYOUT.buffers[1].name
+    regions = {n: arena[i * 2 * s + s:(i * 2 + 1) * s + s] for i, (n, s) in enumerate(sizes.items())}  # a gap before each
+    ex.register(regions)
+    lo = regions[name].ctypes.data - arena.ctypes.data
+    shift = {"inside": 0, "starts inside, ends past": half, "starts before, ends inside": -half}[where]
+    local = dict(regions, **{name: arena[lo + shift:lo + shift + sizes[name]]})
+    bindings = {**local, "cpu": RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes)}
+    plan = plan_transfer(LAYOUT, presets.mapping("fragmented", 6, 16, "h2d"))
+    if where == "inside":
+        ex.run(plan, bindings).wait()
+        return
+    with pytest.raises(BindingError, match=rf"^bindings\['{name}'\] = DRAM at 0x[0-9a-f]+, {sizes[name]} bytes: not registered"):
+        ex.run(plan, bindings)
+    assert agent.handles == []

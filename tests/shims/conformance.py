@@ -6,8 +6,10 @@ arrays, and for NIXL the remote side's arrays too) so a check can see every byte
   moves (every byte of every buffer unchanged);
 - ``threads``: 8 threads share one executor, each running its own plan (disjoint destinations, ranges of
   different sizes) several times; the result equals the reference, or the executor refuses;
-- ``fault``: a driver fault injected at the first descriptor of call k is reported as call k, with k calls
-  issued and exactly those calls' bytes copied.
+- ``fault``: a fault injected at the first descriptor of call k is reported as call k, with k calls issued and
+  exactly those calls' bytes copied. Faults come in through what each executor is built from: the C shims
+  (DMA), a NIXL agent that refuses a post (NIXL), and subclasses whose copy or launch step fails (NumPy,
+  Triton), all defined here, in the tests.
 
 ``python tests/shims/conformance.py triton`` (with TRITON_INTERPRET=1) runs the checks for the Triton
 interpreter in a fresh process and prints one JSON line: {check: "pass" | "skip: ..." | "fail: ..."}.
@@ -67,12 +69,31 @@ class Adapter:
             self.executor.close()
 
 
+class FaultyNumpyExecutor(NumpyExecutor):
+    """Test double: moving any range at or past descriptor ``fault`` fails, as numpy running out of memory for a
+    group's temporary would."""
+
+    fault = -1
+
+    def _move(self, src: np.ndarray, dst: np.ndarray, low: Any, index: np.ndarray) -> None:
+        if 0 <= self.fault <= int(index.max()):
+            raise MemoryError(f"injected at descriptor {self.fault}")
+        super()._move(src, dst, low, index)
+
+
 class NumpyAdapter(Adapter):
     name = "numpy"
+    faults = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.executor = NumpyExecutor()
+        self.executor = FaultyNumpyExecutor()
+
+    def inject_fault(self, descriptor: int) -> None:
+        self.executor.fault = descriptor
+
+    def clear_fault(self) -> None:
+        self.executor.fault = -1
 
 
 class ShimAdapter(Adapter):
@@ -94,11 +115,58 @@ class ShimAdapter(Adapter):
 
 class TritonAdapter(Adapter):
     name = "triton-interpreter"
+    faults = True
 
     def __init__(self) -> None:
         super().__init__()
         from kvxfer.executors.ops_triton import TritonExecutor
-        self.executor = TritonExecutor(tile_bytes=64, num_programs=2)
+
+        class FaultyTritonExecutor(TritonExecutor):
+            """Test double: launching a group whose first range is at or past descriptor ``fault`` fails, as a
+            launch the driver refuses would."""
+
+            fault = -1
+
+            def _start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+                if 0 <= self.fault <= g["first"]:
+                    raise RuntimeError(f"injected launch failure at descriptor {self.fault}")
+                super()._start_kernel(g, t)
+
+        self.executor = FaultyTritonExecutor(tile_bytes=64, num_programs=2)
+
+    def inject_fault(self, descriptor: int) -> None:
+        self.executor.fault = descriptor
+
+    def clear_fault(self) -> None:
+        self.executor.fault = -1
+
+
+class FaultyAgent:
+    """Test double around a real nixl_agent: posting the call whose descriptors include ``fault`` (counted from
+    ``arm``) is refused, as NIXL refuses a transfer; everything else goes to the real agent."""
+
+    def __init__(self, agent: Any):
+        self._agent, self.fault, self.posted = agent, -1, 0
+        self._sizes: dict[int, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def arm(self, descriptor: int) -> None:
+        self.fault, self.posted = descriptor, 0
+
+    def get_xfer_descs(self, rows: Any, mem: str) -> Any:
+        descs = self._agent.get_xfer_descs(rows, mem)
+        self._sizes[id(descs)] = len(rows)
+        return descs
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str, notif: bytes) -> Any:
+        n = self._sizes.pop(id(local), 0)
+        self._sizes.pop(id(remote), None)
+        first, self.posted = self.posted, self.posted + n
+        if first <= self.fault < first + n:
+            raise RuntimeError(f"NIXL_ERR_BACKEND (injected at descriptor {self.fault})")
+        return self._agent.initialize_xfer(op, local, remote, peer, notif)
 
 
 class NixlAdapter(Adapter):
@@ -106,12 +174,16 @@ class NixlAdapter(Adapter):
     ``tier`` holds the host buffer, which the engine reaches as a RemoteBuffer."""
 
     name = "nixl-loopback"
+    faults = True
 
     def __init__(self) -> None:
         super().__init__()
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+
         from kvxfer.executors.ops_nixl import NixlExecutor
         opts = {"poll_timeout_s": 20.0, "drain_timeout_s": 1.0}
-        self.executor, self.tier = NixlExecutor(name="conf-engine", **opts), NixlExecutor(name="conf-tier", **opts)
+        self.agent = FaultyAgent(nixl_agent("conf-engine", nixl_agent_config(backends=["UCX"])))
+        self.executor, self.tier = NixlExecutor(agent=self.agent, **opts), NixlExecutor(name="conf-tier", **opts)
         device = {k: v for k, v in self.arrays.items() if k != "cpu"}
         reg = self.executor.register(device)
         self.remote = self.executor.add_peer(self.tier.describe(self.tier.register({"cpu": self.arrays["cpu"]})))
@@ -119,6 +191,12 @@ class NixlAdapter(Adapter):
 
     def bindings(self) -> dict[str, Any]:
         return {**{k: v for k, v in self.arrays.items() if k != "cpu"}, **self.remote}
+
+    def inject_fault(self, descriptor: int) -> None:
+        self.agent.arm(descriptor)
+
+    def clear_fault(self) -> None:
+        self.agent.arm(-1)
 
     def close(self) -> None:
         self.executor.close()

@@ -75,6 +75,7 @@ class ShimCudaRuntime(ShimRuntime):
 
     def __init__(self, path: str | Path, version: int):
         self.lib = ctypes.CDLL(str(path))
+        self.domain = f"shim:{path}"  # the shim's handles mean something to this library only
         ctypes.c_long.in_dll(self.lib, "shim_version").value = int(version)
         self._proc = self.lib.fake_cuGetProcAddress
         self._proc.argtypes = [c_char_p, POINTER(c_void_p), c_int, c_uint64, c_void_p]
@@ -139,6 +140,7 @@ class ShimHipRuntime(ShimRuntime):
 
     def __init__(self, path: str | Path):
         lib = self.lib = ctypes.CDLL(str(path))
+        self.domain = f"shim:{path}"
         self._error_name = _declare(lib, "hipGetErrorName", [c_int], c_char_p)
         self._copy = _declare(lib, "hipMemcpyAsync", [c_void_p, c_void_p, c_size_t, c_int, c_void_p])
         self._stream_create = _declare(lib, "hipStreamCreateWithFlags", [POINTER(c_void_p), c_uint])

@@ -1,0 +1,285 @@
+"""No executor writes to memory its binding does not keep alive, and lowering uses the values it checked.
+
+Bound memory holds the memory itself (a tensor's storage) and each run refuses a bound tensor that no longer
+points at it (``set_``, ``.data = ...``); on the CPU torch refuses to grow a bound storage at all, so a resized
+tensor's memory stays where it was and is the only memory written. A plan column that changes right after its first read (as a racing thread could change it)
+never makes an executor write past a binding: every byte outside the bound buffers is a guard that must stay.
+Run on the NumPy executor and on the CUDA batch executor over the C driver shim (host memory).
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+from kvxfer.executors import BindingError, NumpyExecutor, bind
+from kvxfer.executors.ops_cuda import CudaBatchExecutor
+from kvxfer.planner import COLUMNS, PlanError, Target, TransferPlan, cuda_version, plan_transfer, presets
+from kvxfer.testing import apply_copies, expected_copies
+
+from .shims.build import ShimState, build, compiler
+
+torch = pytest.importorskip("torch")
+
+V13 = cuda_version(13, 0)
+LAYOUT = presets.kv_layout(2, 64, 64, shared_host=False)  # host cpu.kv0/kv1, device gpu.kv0/kv1: 4 KiB each
+GUARD = 4096
+
+
+@pytest.fixture(scope="module")
+def shim_path(tmp_path_factory):
+    if compiler() is None:
+        pytest.skip("no C compiler (cc) to build the driver shim")
+    return build("fake_cuda", tmp_path_factory.mktemp("memory_shim"))
+
+
+@pytest.fixture(params=["numpy", "cuda-shim"])
+def executor(request):
+    if request.param == "numpy":
+        return NumpyExecutor()
+    from .shims.runtime import ShimCudaRuntime
+    path = request.getfixturevalue("shim_path")
+    state = ShimState(ctypes.CDLL(str(path)))
+    state.reset()
+    state.set(null_batch=0)
+    return CudaBatchExecutor(ShimCudaRuntime(path, V13))
+
+
+def _plan(direction: str = "h2d") -> TransferPlan:
+    return plan_transfer(LAYOUT, presets.mapping("fragmented", 16, 64, direction, seed=3),
+                         Target(platform="cuda", runtime_version=V13))
+
+
+def _tensors(seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {b.name: torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=g) for b in LAYOUT.buffers}
+
+
+def _want(plan: TransferPlan, tensors: dict) -> dict[str, np.ndarray]:
+    """Every buffer after ``plan``, from the oracle's per-piece copies (not from an executor)."""
+    out = {k: _bytes(v) for k, v in tensors.items()}
+    apply_copies(expected_copies(LAYOUT, _mapping(plan)), out)
+    return out
+
+
+def _bytes(t) -> np.ndarray:
+    """A copy of a tensor's bytes (``t.numpy()`` itself would fix the size of ``t``'s storage)."""
+    return t.clone().numpy()
+
+
+def _mapping(plan: TransferPlan):
+    return presets.mapping("fragmented", 16, 64, plan.direction.value, seed=3)
+
+
+MOVED = {  # the bound tensor ends up pointing at other memory: the run must be refused, naming it
+    "set_": lambda t: t.set_(torch.zeros(t.numel(), dtype=t.dtype)),
+    ".data =": lambda t: setattr(t, "data", torch.zeros(t.numel(), dtype=t.dtype)),
+}
+RESIZED = {  # the bound memory stays where it was: shrinking keeps it, growing a bound CPU storage is refused by torch
+    "resize_ smaller": (lambda t: t.resize_(t.numel() // 2), None),
+    "resize_ larger": (lambda t: t.resize_(t.numel() * 64), "not resizable"),
+    "untyped_storage().resize_": (lambda t: t.untyped_storage().resize_(t.untyped_storage().nbytes() * 64), "not resizable"),
+}
+
+
+@pytest.mark.parametrize("how", list(MOVED))
+def test_a_run_over_a_tensor_that_moved_since_bind_is_refused_and_touches_nothing(executor, how):
+    plan = _plan()
+    tensors = _tensors()
+    bound = executor.bind(LAYOUT, tensors)
+    dst = plan.buffers[int(plan.dst_buf[0])].name
+    MOVED[how](tensors[dst])
+    gc.collect()
+    unrelated = [torch.zeros(LAYOUT.buffers[0].nbytes, dtype=torch.uint8) for _ in range(16)]  # may reuse freed memory
+    before = {k: _bytes(v) for k, v in tensors.items()}
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = Tensor.* no longer the memory bound, .*bind it again"):
+        executor.run(plan, bound).wait()
+    assert all(not u.any() for u in unrelated)
+    assert all(np.array_equal(_bytes(tensors[k]), before[k]) for k in tensors)
+    executor.close()
+
+
+@pytest.mark.parametrize("how", list(RESIZED))
+def test_a_resized_bound_tensor_keeps_its_memory_and_runs_write_only_that_memory(executor, how):
+    plan = _plan()
+    tensors = _tensors()
+    want = _want(plan, tensors)
+    bound = executor.bind(LAYOUT, tensors)
+    dst = plan.buffers[int(plan.dst_buf[0])].name
+    storage = tensors[dst].untyped_storage()
+    address, nbytes = storage.data_ptr(), storage.nbytes()
+    resize, refusal = RESIZED[how]
+    if refusal is None:
+        resize(tensors[dst])
+    else:
+        with pytest.raises(RuntimeError, match=refusal):
+            resize(tensors[dst])
+    assert (storage.data_ptr(), storage.nbytes()) == (address, nbytes)  # the memory bound was never freed
+    unrelated = [torch.zeros(LAYOUT.buffers[0].nbytes, dtype=torch.uint8) for _ in range(16)]
+    executor.run(plan, bound).wait()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    assert np.array_equal(_bytes(whole), want[dst])
+    assert all(np.array_equal(_bytes(tensors[k]), want[k]) for k in tensors if k != dst)
+    assert all(not u.any() for u in unrelated)
+    executor.close()
+
+
+def test_bound_memory_outlives_every_reference_the_caller_held(executor):
+    plan = _plan()
+    tensors = _tensors(seed=5)
+    want = _want(plan, tensors)
+    views = {k: v[:] for k, v in tensors.items()}  # the bound objects are views; the caller drops the bases
+    bound = executor.bind(LAYOUT, views)
+    addresses = {k: v.data_ptr() for k, v in tensors.items()}
+    del tensors
+    gc.collect()
+    executor.run(plan, bound).wait()
+    assert {k: v.data_ptr() for k, v in views.items()} == addresses
+    assert all(np.array_equal(_bytes(views[k]), want[k]) for k in views)
+    executor.close()
+
+
+def test_a_one_off_run_checks_the_tensors_as_a_bound_run_does(executor):
+    plan = _plan()
+    tensors = _tensors()
+    want = _want(plan, tensors)
+    executor.run(plan, tensors).wait()  # bound for this run only
+    assert all(np.array_equal(_bytes(tensors[k]), want[k]) for k in tensors)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        tensors["gpu.kv0"].resize_(1 << 20)  # the run fixed the storage's size
+    executor.close()
+
+
+def test_numpy_arrays_are_held_and_a_view_of_a_tensor_keeps_the_tensors_storage():
+    t = torch.arange(64, dtype=torch.uint8)
+    view = t.numpy()  # holds the tensor object, not its storage
+    layout = presets.kv_layout(1, 4, 16)
+    host, device = (b.name for b in sorted(layout.buffers, key=lambda b: b.location.value != "host"))
+    bound = bind(layout, {host: view, device: np.zeros(64, np.uint8)}, check=lambda buf, mem: None)
+    t.set_(torch.zeros(8, dtype=torch.uint8))  # the storage behind ``view`` now has no other holder
+    gc.collect()
+    storages = [h for held in bound.held for h in (held if isinstance(held, tuple) else (held,))
+                if isinstance(h, torch.UntypedStorage)]
+    assert [s.data_ptr() for s in storages] == [view.ctypes.data]
+    assert view.tolist() == list(range(64))  # still readable: the memory was kept
+
+
+# ---- lowering reads each value once -------------------------------------------------------------------------
+class ChangesAfterFirstRead(np.ndarray):
+    """A plan column that changes one value right after the first ufunc reads it, as a racing thread could."""
+
+    change: dict
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.change = getattr(obj, "change", None)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        plain = [np.asarray(x) if isinstance(x, ChangesAfterFirstRead) else x for x in inputs]
+        if out is not None:
+            kw["out"] = tuple(np.asarray(o) if isinstance(o, ChangesAfterFirstRead) else o for o in out)
+        result = getattr(ufunc, method)(*plain, **kw)
+        c = self.change
+        if not c["done"]:
+            c["done"] = True
+            c["target"][c["index"]] = c["value"]
+        return result
+
+
+def racing(plan: TransferPlan, column: str, index: int, value: int) -> TransferPlan:
+    """``plan`` whose ``column`` changes at ``index`` to ``value`` right after its first read."""
+    raw = np.array(plan.column(column))
+    col = raw.view(ChangesAfterFirstRead)
+    col.change = {"done": False, "target": raw, "index": index, "value": value}
+
+    class Racing(TransferPlan):
+        def column(self, name: str) -> np.ndarray:
+            return col if name == column else super().column(name)
+
+    out = object.__new__(Racing)
+    for slot in TransferPlan.__slots__:
+        object.__setattr__(out, slot, getattr(plan, slot))
+    return out
+
+
+def _subset(plan: TransferPlan, keep: np.ndarray | None) -> TransferPlan:
+    """The ranges ``keep`` selects of a one-call ``plan`` (all of them for None), every column a dense array."""
+    assert plan.num_calls == 1
+    keep = np.ones(plan.num_ranges, dtype=bool) if keep is None else keep
+    cols = {c: np.array(plan.column(c))[keep] for c in COLUMNS}
+    return TransferPlan(direction=plan.direction, target=plan.target, options=plan.options, buffers=plan.buffers,
+                        regions=plan.regions, attrs=plan.attrs, requested_copies=int(keep.sum()),
+                        call_offsets=np.array([0, int(keep.sum())]), columns=cols)
+
+
+def _arena(seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    """One array holding every buffer with GUARD bytes around each; (arena, bindings, guard mask)."""
+    sizes = [b.nbytes for b in LAYOUT.buffers]
+    arena = np.random.default_rng(seed).integers(0, 256, sum(sizes) + GUARD * (len(sizes) + 1), dtype=np.uint8)
+    guard = np.ones(len(arena), dtype=bool)
+    bindings, at = {}, GUARD
+    for b in LAYOUT.buffers:
+        bindings[b.name] = arena[at:at + b.nbytes]
+        guard[at:at + b.nbytes] = False
+        at += b.nbytes + GUARD
+    return arena, bindings, guard
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+@pytest.mark.parametrize("pattern", ["fragmented", "uneven"])
+def test_an_offset_changed_right_after_lowering_read_it_never_moves_a_byte_past_a_binding(executor, side, pattern):
+    plan = _plan()
+    if pattern == "uneven":  # buffer runs of unequal lengths: the per-range path instead of the 2-D one
+        plan = _subset(plan, np.arange(plan.num_ranges) >= 3)
+    arena, bindings, guard = _arena()
+    i = plan.num_ranges - 1
+    buf = plan.buffers[int(plan.column(f"{side}_buf")[i])]
+    n = int(plan.nbytes[i])
+    bad = racing(plan, f"{side}_offset", i, buf.nbytes - n + 64)  # 64 bytes past the end of its buffer
+    want_guard = arena[guard].copy()
+    want = {k: v.copy() for k, v in bindings.items()}
+    NumpyExecutor().run(plan, want)  # the plan as it was when lowering read the offset
+    bound = executor.bind(LAYOUT, bindings)
+    try:
+        executor.run(bad, bound).wait()
+    except PlanError:
+        want = {k: v.copy() for k, v in bindings.items()}  # refusing the changed value is as good: nothing moved
+    assert np.array_equal(arena[guard], want_guard), "bytes outside every binding changed"
+    assert all(np.array_equal(bindings[k], want[k]) for k in want), "the bytes moved are not those of the offset checked"
+    executor.close()
+
+
+def test_a_size_changed_after_its_first_read_is_the_size_checked_and_used(executor):
+    plan = _subset(_plan(), None)  # every column dense
+    arena, bindings, guard = _arena(seed=1)
+    i = plan.num_ranges - 1
+    buf = plan.buffers[int(plan.dst_buf[i])]
+    grown = buf.nbytes - int(plan.dst_offset[i]) + 64  # would end 64 bytes past the buffer
+    want_guard = arena[guard].copy()
+    bound = executor.bind(LAYOUT, bindings)
+    try:
+        executor.run(racing(plan, "nbytes", i, grown), bound).wait()
+    except PlanError as e:
+        assert e.field == "dst_offset" and e.index == i  # the grown size was read, so it was checked
+    assert np.array_equal(arena[guard], want_guard), "bytes outside every binding changed"
+    executor.close()
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_that_moved_are_refused_and_kept_alive():
+    if not torch.cuda.is_available():
+        pytest.skip("no NVIDIA GPU visible to torch on this machine")
+    ex = CudaBatchExecutor()
+    plan = plan_transfer(LAYOUT, _mapping(_plan()), ex.target)
+    mem = {b.name: (torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8).cuda() if b.location.value == "device"
+                    else torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8).pin_memory()) for b in LAYOUT.buffers}
+    bound = ex.bind(LAYOUT, mem)
+    ex.run(plan, bound).wait()
+    for how in ("set_", "resize_ larger"):  # on a GPU torch cannot fix a storage's size: growing reallocates
+        t = mem["gpu.kv0"]
+        (t.set_(torch.zeros(t.numel(), dtype=t.dtype, device=t.device)) if how == "set_" else t.resize_(t.numel() * 64))
+        with pytest.raises(BindingError, match=r"^bindings\['gpu.kv0'\] = Tensor.* no longer the memory bound"):
+            ex.run(plan, bound)
+        bound = ex.bind(LAYOUT, mem)
+    ex.close()
