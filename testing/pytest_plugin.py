@@ -14,7 +14,8 @@ only with ``--update-golden`` or ``KVXFER_UPDATE_GOLDEN=1``. The folder is the i
 
 At the end of a run that exercised the whole golden folder (every collected test ran: no ``-k``, ``-m``,
 node-id or file selection, no early stop), golden files no test used are listed; ``--prune-golden`` deletes
-them. A narrower run never reports or deletes anything. This module is test tooling, so it may read the
+them. Such a run also records the names it used in ``<folder>/.kvxfer-golden-used``, which ``kvxfer golden
+check --prune`` reads. A narrower run never reports, records or deletes anything. This module is test tooling, so it may read the
 environment; the golden logic itself (kvxfer.planner's golden module) stays pure.
 """
 from __future__ import annotations
@@ -152,6 +153,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not used or not folder.is_dir() or not _whole_suite(session):
         return
     unused = sorted(p for p in folder.glob("*.json") if p.resolve() not in used)
+    from kvxfer.planner import golden
+
+    record = folder / golden.USED_RECORD
+    if not record.is_symlink():  # what ``kvxfer golden check --prune`` reads; never written through a link
+        golden.write_used(folder, [p.name for p in folder.glob("*.json") if p.resolve() in used])
     if config.getoption("--prune-golden"):
         for p in unused:
             p.unlink()

@@ -229,7 +229,7 @@ def golden_project(pytester):
 def test_repeated_unnamed_snapshots_are_numbered(golden_project):
     pytester, folder = golden_project
     pytester.runpytest("-p", "no:cacheprovider", "--update-golden").assert_outcomes(passed=2)
-    assert sorted(p.name for p in folder.iterdir()) == ["named.json", "test_twice.1.json", "test_twice.2.json",
+    assert sorted(p.name for p in folder.glob("*.json")) == ["named.json", "test_twice.1.json", "test_twice.2.json",
                                                        "test_twice.json"]
     assert golden.load(folder / "test_twice.json").case == _case(16)
     assert golden.load(folder / "test_twice.1.json").case == _case(2)
@@ -253,10 +253,28 @@ def test_unused_goldens_are_reported_and_pruned_only_on_a_whole_run(golden_proje
     pruned = pytester.runpytest("-p", "no:cacheprovider", "--prune-golden")
     pruned.stdout.fnmatch_lines(["*kvxfer: 1 golden file(s) deleted*", "*stale.json"])
     assert not (folder / "stale.json").exists()
-    assert sorted(p.name for p in folder.iterdir()) == ["named.json", "test_twice.1.json", "test_twice.2.json",
+    assert sorted(p.name for p in folder.glob("*.json")) == ["named.json", "test_twice.1.json", "test_twice.2.json",
                                                        "test_twice.json"]
     clean = pytester.runpytest("-p", "no:cacheprovider")
     assert "golden file(s) unused" not in clean.stdout.str()
+
+
+def test_a_whole_run_leaves_the_record_that_the_cli_prunes_by(golden_project, capsys):
+    from kvxfer.cli.main import main as cli_main
+
+    pytester, folder = golden_project
+    pytester.runpytest("-p", "no:cacheprovider", "--update-golden").assert_outcomes(passed=2)
+    golden.save(folder / "stale.json", _case(7))
+    (folder / golden.USED_RECORD).unlink()
+    pytester.runpytest("-p", "no:cacheprovider", "-k", "named").assert_outcomes(passed=1, deselected=1)
+    assert not (folder / golden.USED_RECORD).exists()  # a narrow run records nothing
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    assert (folder / golden.USED_RECORD).read_text().split() == ["named.json", "test_twice.1.json",
+                                                                 "test_twice.2.json", "test_twice.json"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["golden", "check", str(folder), "--prune"])
+    assert exit_info.value.code in (0, None) and "deleted" in capsys.readouterr().out
+    assert not (folder / "stale.json").exists() and (folder / "named.json").exists()
 
 
 def test_a_run_stopped_early_reports_nothing(golden_project):
