@@ -47,11 +47,11 @@ bench: $(BIN)/.installed-demo
 	$(BIN)/kvxfer bench
 
 # ---- docs and the example notebook (output under build/, git-ignored) ----------------------------------------
-# API reference (docs/reference.py over pdoc): every package in pyproject's package-dir, their public submodules,
+# API reference (tests/reference/reference.py over pdoc): every package in pyproject's package-dir, their public submodules,
 # a page per CLI command, and an index that opens on the entry points (packages added later are picked up)
 docs: $(BIN)/.installed
 	rm -rf build/docs
-	$(BIN)/python docs/reference.py build/docs
+	$(BIN)/python tests/reference/reference.py build/docs
 
 # executes the example notebook (nbclient + ipykernel) and renders it to HTML (nbconvert)
 notebook: $(BIN)/.installed

@@ -1,4 +1,4 @@
-"""The API reference (``make docs``: docs/reference.py over pdoc) builds, opens on the entry points, and documents
+"""The API reference (``make docs``: tests/reference/reference.py over pdoc) builds, opens on the entry points, and documents
 every public name of every package, every public submodule, the golden_plan fixture and every CLI command, with
 real defaults in its signatures."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("pdoc", reason="pdoc (the API reference tool) is in the dev extra")
 pytest.importorskip("typer", reason="the command pages are generated from the CLI (the cli extra)")
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parent / "reference"
 sys.path.insert(0, str(DOCS))
 import reference  # noqa: E402
 

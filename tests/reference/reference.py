@@ -1,4 +1,4 @@
-"""Build kvxfer's API reference with pdoc: ``python docs/reference.py OUT`` (what ``make docs`` runs).
+"""Build kvxfer's API reference with pdoc: ``python tests/reference/reference.py OUT`` (what ``make docs`` runs).
 
 What it documents, and how it differs from a bare ``pdoc`` run:
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 ENTRY_POINTS = ("kvxfer.planner.plan_transfer", "kvxfer.planner.TransferPlan", "kvxfer.executors.get_executor",
                 "kvxfer.offload.create_worker", "kvxfer.offload.vllm.KvxferOffloadingSpec")
