@@ -130,7 +130,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
 def detect_platform(config: ExecutorConfig | None = None) -> Platform:
     """The platform to run on: a CUDA driver with a device; else a HIP runtime with a device; else the CPU."""
     try:
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # type: ignore[import-untyped, import-not-found, unused-ignore]
         if int(cu.cuInit(0)[0]) == 0:
             err, count = cu.cuDeviceGetCount()
             if int(err) == 0 and count > 0:
@@ -138,7 +138,7 @@ def detect_platform(config: ExecutorConfig | None = None) -> Platform:
     except Exception:  # no cuda-bindings, or no libcuda: not a CUDA machine
         pass
     try:
-        from hip import hip
+        from hip import hip  # type: ignore[import-untyped, import-not-found, unused-ignore]
         err, count = hip.hipGetDeviceCount()
         if int(err) == 0 and count > 0:
             return Platform.ROCM

@@ -38,7 +38,7 @@ class CudaRuntime:
 
     def __init__(self, device: int = 0):
         try:
-            from cuda.bindings import driver as cu
+            from cuda.bindings import driver as cu  # type: ignore[import-untyped, import-not-found, unused-ignore]
         except ImportError as e:
             raise ImportError(f"{INSTALL_HINT} ({e})") from None
         self._cu = cu

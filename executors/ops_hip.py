@@ -62,7 +62,7 @@ class HipRuntime:
     def __init__(self, library: str | Path | None = None, *, device: int = 0):
         self._batch = declare_batch(load_hip(library))
         try:
-            from hip import hip
+            from hip import hip  # type: ignore[import-untyped, import-not-found, unused-ignore]
         except ImportError as e:
             raise ImportError(f"{INSTALL_HINT} ({e})") from None
         self._hip, self.device = hip, device

@@ -150,7 +150,7 @@ class TritonExecutor(Executor):
             raise ValueError(f"tile_bytes = {tile_bytes}: must be a power of two >= 16")
         try:
             import torch
-            import triton.language as tl
+            import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
             from .triton_kernel import copy_ranges
         except ImportError as e:
@@ -300,7 +300,7 @@ class TritonExecutor(Executor):
 def _driver_says_pinned(address: int) -> bool | None:
     """Ask the CUDA runtime whether ``address`` is page-locked host memory (None if it cannot tell)."""
     try:
-        from cuda.bindings import runtime as rt
+        from cuda.bindings import runtime as rt  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError:
         return None
     err, _flags = rt.cudaHostGetFlags(address)

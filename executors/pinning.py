@@ -30,7 +30,7 @@ class Registrar:
 def cuda_registrar(flags: int = 0) -> Registrar:
     """cudaHostRegister through cuda-bindings' runtime module (``flags``: cudaHostRegister* bits)."""
     try:
-        from cuda.bindings import runtime as rt
+        from cuda.bindings import runtime as rt  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError as e:
         raise ImportError(f"pinning on CUDA needs cuda-bindings: pip install 'kvxfer[cuda]' ({e})") from None
     return Registrar("cudaHostRegister", lambda a, n: int(rt.cudaHostRegister(a, n, flags)[0]),
@@ -41,7 +41,7 @@ def cuda_registrar(flags: int = 0) -> Registrar:
 def hip_registrar(flags: int = 0) -> Registrar:
     """hipHostRegister through hip-python (``flags``: hipHostRegister* bits)."""
     try:
-        from hip import hip
+        from hip import hip  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError as e:
         raise ImportError(f"pinning on ROCm needs hip-python: pip install 'kvxfer[rocm]' ({e})") from None
 

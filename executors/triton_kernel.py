@@ -1,3 +1,4 @@
+# mypy: disable-error-code="untyped-decorator, no-untyped-def, unused-ignore"
 """The Triton copy kernel (imported only by ops_triton, which needs triton anyway).
 
 Programs loop over tiles of the plan's ranges. A tile is ``BLOCK`` elements of ``ELEM`` (``WORD`` bytes)
@@ -5,8 +6,8 @@ starting ``tile_start`` bytes into range ``tile_range``. Full tiles copy unmaske
 compiler can emit 128-bit accesses); a range's last, partial tile is masked. Addresses are raw int64 values
 cast to pointers, so host memory is reached through unified addressing and must be pinned.
 """
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 
 @triton.jit
