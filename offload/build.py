@@ -42,7 +42,7 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
     row-major contiguous. Views of one storage become one buffer. ``sharing``/``shard_rows``/``groups``: per
     layer (defaults: private, 1, group 0). Raises LayoutError naming the layer and the dimension it cannot read.
     """
-    from kvxfer.executors.torch_layout import storage_bytes
+    from kvxfer.executors import torch_layout
 
     if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
         raise LayoutError("num_blocks", num_blocks, "must be a positive integer")
@@ -59,7 +59,7 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
                 buffers[ptr] = Buffer(name=f"device.{part}", nbytes=storage.nbytes(),
                                       location=Location.HOST if view.device.type == "cpu" else Location.DEVICE,
                                       device=view.device.index or 0)
-                bindings[buffers[ptr].name] = storage_bytes(view)
+                bindings[buffers[ptr].name] = torch_layout.storage_bytes(view)
             out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
                                 stride_bytes=stride, group=groups.get(name, 0),
                                 sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
