@@ -21,11 +21,14 @@ from .worker import ExecutorSpec, OffloadWorker
 
 @dataclass(frozen=True)
 class DeviceKV:
-    """The device side: buffers, the KV tensors placed in them, and each buffer's memory."""
+    """The device side: buffers, the KV tensors placed in them, and each buffer's memory. ``num_blocks``: the
+    blocks every tensor holds (the fewest of any), so a worker refuses device block ids past them (None: unknown,
+    bounded by the buffers alone)."""
 
     buffers: tuple[Buffer, ...]
     tensors: tuple[KVTensor, ...]
     bindings: Mapping[str, Any]
+    num_blocks: int | None = None
 
 
 def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharing | str] | None = None,
@@ -50,8 +53,10 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
     buffers: dict[int, Buffer] = {}
     bindings: dict[str, Any] = {}
     out = []
+    blocks: list[int] = []
     for name, t in tensors.items():
         for part, view in _kv_parts(name, t, kv_split, num_blocks):
+            blocks.append(int(view.shape[0]))
             page, stride = _block_page(name, view, 1 if len(part) > len(name) else 0)
             storage = view.untyped_storage()
             ptr = storage.data_ptr()
@@ -63,7 +68,7 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
             out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
                                 stride_bytes=stride, group=groups.get(name, 0),
                                 sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
-    return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
+    return DeviceKV(tuple(buffers.values()), tuple(out), bindings, min(blocks) if blocks else None)
 
 
 def _kv_parts(name: str, t: Any, kv_split: bool | None, num_blocks: int | None) -> list[tuple[str, Any]]:
@@ -180,7 +185,8 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
                 raise RuntimeError(f"pinning the host tier failed: {pinned.reason}")
         if region is not None:
             closers.append(region.close)
-        worker = OffloadWorker(layout, {**device.bindings, "host": memory}, executor, tp=tp, on_close=closers, **kw)
+        worker = OffloadWorker(layout, {**device.bindings, "host": memory}, executor, tp=tp, on_close=closers,
+                               **{"device_blocks": device.num_blocks, **kw})
     except BaseException:
         for c in closers:
             c()

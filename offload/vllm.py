@@ -349,7 +349,7 @@ def build_worker(caches: CacheMap, tier: HostTier, executor: Any, *, pin: bool, 
         if region is not None:
             closers.append(region.close)
         worker = OffloadWorker(layout, {**caches.device.bindings, HOST_BUFFER: memory}, executor, tp=caches.tp,
-                               on_close=closers)
+                               on_close=closers, device_blocks=caches.device.num_blocks)
     except BaseException:
         for c in closers:
             c()

@@ -69,7 +69,9 @@ class OffloadWorker:
     executor does. Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a
     replicated region rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan.
     ``regions_per_layer``: regions per layer for per-layer load completion (None: whole jobs only).
-    ``on_close``: callables run last by ``shutdown`` (releasing host memory).
+    ``on_close``: callables run last by ``shutdown`` (releasing host memory). ``device_blocks``: the blocks each device
+    KV tensor holds; device block ids at or past it are refused (SubmissionError naming the id), since views of one
+    storage share a buffer and a block past one view is the next view's (None: bounded by the buffers alone).
 
     Threading contract:
 
@@ -94,8 +96,9 @@ class OffloadWorker:
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
                  tp: TPRank | None = None, regions_per_layer: int | None = 1, max_descriptors: int | None = None,
-                 on_close: Sequence[Callable[[], Any]] = ()):
+                 on_close: Sequence[Callable[[], Any]] = (), device_blocks: int | None = None):
         self.layout = layout
+        self.device_blocks = device_blocks
         self.tp = tp or TPRank()
         self.host: np.ndarray | None = bindings.get("host")  # the host rows (set by create_worker)
         self.geometry: Any = None  # the host rows' Geometry (set by create_worker)
@@ -217,7 +220,9 @@ class OffloadWorker:
         op = "load" if direction is LOAD else "store"
         host_ids = np.unique(np.asarray(host, dtype=np.int64))
         self._check_chunks(job_id, "host_ids", host, host_ids)
-        reads, writes = touched(op, np.unique(np.asarray(dev, dtype=np.int64)), host_ids)
+        device_ids = np.unique(np.asarray(dev, dtype=np.int64))
+        self._check_blocks(job_id, dev, device_ids)
+        reads, writes = touched(op, device_ids, host_ids)
         layer_calls = None
         if direction is LOAD and self.regions_per_layer:
             layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
@@ -234,6 +239,15 @@ class OffloadWorker:
             ids = np.asarray(given, dtype=np.int64)
             i = int(np.argmax(ids >= n))
             raise SubmissionError(job_id, field, int(ids[i]), f"past the host tier's {n} chunks", i)
+
+    def _check_blocks(self, job_id: int, given: Ids, unique: np.ndarray) -> None:
+        """Refuse device block ids past ``device_blocks``: KV tensors that are views of one storage sit in one buffer,
+        so a block past one tensor's end is the next tensor's block, inside the buffer, where the planner cannot tell."""
+        n = self.device_blocks
+        if n is not None and len(unique) and int(unique[-1]) >= n:
+            ids = np.asarray(given, dtype=np.int64)
+            i = int(np.argmax(ids >= n))
+            raise SubmissionError(job_id, "device_ids", int(ids[i]), f"past the {n} blocks of the device KV tensors", i)
 
     def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
               starts: Sequence[int] | None) -> TransferPlan:

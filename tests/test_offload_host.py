@@ -14,6 +14,7 @@ from kvxfer.offload import (
     SharedRegion,
     SharedRegionError,
     Sharing,
+    SubmissionError,
     TPRank,
     build_params,
     copy_blocks,
@@ -150,6 +151,23 @@ def test_worker_from_torch_tensors_round_trips():
     assert [r.success for r in w.get_finished()] == [True, True]
     for k, t in layers.items():
         assert torch.equal(t[10:15], before[k][3:8]) and torch.equal(t[:10], before[k][:10])
+    w.shutdown()
+
+
+def test_a_device_block_past_a_view_is_refused_not_written_into_the_next_view():
+    # vLLM's CPU build at TP=2 puts both ranks' views of a layer in one storage; this rank binds only its own,
+    # but the buffer is the whole storage, so block 8 of this rank's view is block 0 of the other rank's
+    storage = torch.zeros(2, 8, 64, dtype=torch.uint8)
+    dev = device_from_tensors({"layer0": storage[0]})
+    assert len(dev.buffers) == 1 and dev.buffers[0].nbytes == 2 * 8 * 64 and dev.num_blocks == 8
+    w = create_worker(dev, HostTier(num_chunks=4, pin=False), {"kind": "numpy"})
+    w.host[:] = 7
+    with pytest.raises(SubmissionError, match=r"job 2: device_ids\[1\] = 8: past the 8 blocks of the device KV tensors"):
+        w.submit_load(2, [0, 1], [7, 8])
+    w.submit_load(3, [0, 1], [6, 7])
+    w.wait([3])
+    assert [r.success for r in w.get_finished()] == [True]
+    assert storage[0, 6:].eq(7).all() and not storage[1].any()  # the other rank's view is untouched
     w.shutdown()
 
 
