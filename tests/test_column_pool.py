@@ -1,4 +1,4 @@
-"""ColumnPool (planner/scratch.py): large offset columns are reused only once nothing refers to them.
+"""ColumnPool (planner/column_pool.py): large offset columns are reused only once nothing refers to them.
 
 Reuse is observed through the pool itself (how many arrays it holds, and whether a returned array is one of
 them), never through addresses alone: the C allocator may hand freed memory back at the same address.
@@ -22,11 +22,11 @@ from kvxfer.planner import (
     PlanOptions,
     Region,
     TransferPlan,
+    column_pool,
     plan_transfer,
     presets,
-    scratch,
 )
-from kvxfer.planner.scratch import POOL_MIN, ColumnPool
+from kvxfer.planner.column_pool import POOL_MIN, ColumnPool
 
 GIL_CPYTHON = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
 pytestmark = pytest.mark.skipif(not GIL_CPYTHON, reason="pooling is off by design outside CPython with the GIL")
@@ -41,7 +41,7 @@ def pooled(pool: ColumnPool, a: np.ndarray) -> bool:
 
 # ---- reuse and its safety -----------------------------------------------------------------------------------
 def test_pooling_is_on_in_cpython_with_the_gil():
-    assert scratch.FREE > 0
+    assert column_pool.FREE > 0
 
 
 @pytest.mark.parametrize("n", [POOL_MIN, POOL_MIN + 1, 3 * POOL_MIN])
@@ -124,7 +124,7 @@ def test_small_arrays_are_never_pooled():
 
 def test_pooling_is_off_without_trustworthy_reference_counts(monkeypatch):
     """With FREE == 0 (not CPython, or free-threaded) every call returns fresh memory and the pool holds none."""
-    monkeypatch.setattr(scratch, "FREE", 0)
+    monkeypatch.setattr(column_pool, "FREE", 0)
     pool = ColumnPool()
     for n in (POOL_MIN, 2 * POOL_MIN, POOL_MIN):
         a = pool.empty(n)
@@ -299,7 +299,7 @@ def test_a_dropped_plans_memory_is_reused_by_a_later_plan(make_layout):
 def test_plans_with_pooling_off_are_the_same(monkeypatch):
     layout = _kv_layout()
     want = plan_transfer(layout, _job(4, "d2h"), options=PlanOptions(coalesce=False)).fingerprint
-    monkeypatch.setattr(scratch, "FREE", 0)
+    monkeypatch.setattr(column_pool, "FREE", 0)
     fresh = _kv_layout()
     plan = plan_transfer(fresh, _job(4, "d2h"), options=PlanOptions(coalesce=False))
     assert plan.fingerprint == want

@@ -1,0 +1,53 @@
+"""Read-only arrays that no holder can make writeable again: how a plan keeps its columns immutable in fact.
+
+numpy lets anyone set ``flags.writeable = True`` on an array that owns its memory, or on a view of a writeable
+array (reached through ``.base``). A frozen array owns no memory and its base exports no writeable buffer, so
+that flag, every view of it, ``np.asarray``, ``np.frombuffer`` and ``memoryview`` all stay read-only:
+
+* small arrays are copied into an immutable ``bytes`` object (a copy costs less than a wrapper below 64 KiB);
+* larger ones are wrapped as they are (no copy): their base is a ``_Frozen`` object that exposes the memory
+  through a read-only ``__array_interface__`` and keeps the writeable array it came from alive privately.
+  Whoever freezes an array hands it over: nothing else may write it afterwards (the planner freezes only
+  arrays it made, and the plan constructor freezes copies of the caller's).
+
+Raw addresses (``ctypes``) and private attributes are outside any guarantee, as with every Python object.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_COPY_BELOW = 1 << 16  # bytes: below this a copy into ``bytes`` is cheaper than building a wrapper
+
+
+class _Frozen:
+    """The base of a large frozen array: a read-only view of ``_memory`` for numpy, and nothing else."""
+
+    __slots__ = ("__array_interface__", "_memory")
+
+    def __init__(self, arr: np.ndarray, dtype: np.dtype) -> None:
+        self._memory = arr  # kept alive only; never exposed as a writeable array
+        self.__array_interface__ = {"shape": arr.shape, "typestr": dtype.str, "data": (arr.ctypes.data, True),
+                                    "strides": None, "version": 3}
+
+
+def freeze(arr: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+    """``arr`` (C-contiguous), reinterpreted as ``dtype`` of the same item size when given, as a frozen array.
+
+    The caller hands ``arr`` over: it must not write ``arr`` afterwards. An array frozen already is returned as
+    it is (or reinterpreted)."""
+    dtype = arr.dtype if dtype is None else dtype
+    if arr.nbytes < _COPY_BELOW:  # a copy: frozen or not, the result is
+        return np.frombuffer(arr.tobytes(), dtype=dtype)
+    if is_frozen(arr):
+        return arr if arr.dtype == dtype else arr.view(dtype)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return np.asarray(_Frozen(arr, dtype))
+
+
+def is_frozen(arr: np.ndarray) -> bool:
+    """Whether ``arr`` is a frozen array (its ultimate base is immutable ``bytes`` or a ``_Frozen``)."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, (bytes, _Frozen))
