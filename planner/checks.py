@@ -20,14 +20,14 @@ builder takes the same runs. Nothing is retried elsewhere: the front end's resul
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
 from .columns import PageRuns, id_runs, run_lasts, sort_by
 from .errors import LayoutError, MappingError, PlanError
 from .ids import MAPPING_KEYS, REQUIRED_KEYS, borrow_ids, check_lengths, plain_ints, refuse_negative
-from .layout_cache import LayoutCache, RegionTable, Strategy, WriterSet
+from .layout_cache import Group, LayoutCache, RegionTable, Strategy, WriterSet
 from .runs import Ranges, dense_all
 from .spec import BlockMapping, Direction, Location
 from .target import PlanOptions, Target
@@ -126,12 +126,14 @@ def read_settings(ids: Ids, target: Any, options: Any) -> tuple[Target, PlanOpti
 
 class PageSet:
     """Checked page pairs of one KV-cache group for one writer set: ``src[i]`` -> ``dst[i]`` in every region of
-    ``ws``, each page inside its buffers; ``top_src`` / ``top_dst`` are the largest pages (-1 without pairs)."""
+    ``ws``, each page inside its buffers; ``top_src`` / ``top_dst`` are the largest pages. ``ids_at`` maps the
+    pages back to their ids, for naming one in a refusal (None where the ids are the pages)."""
 
-    __slots__ = ("ws", "src", "dst", "top_src", "top_dst", "_runs", "_sorted")
+    __slots__ = ("ws", "src", "dst", "top_src", "top_dst", "ids_at", "_runs", "_sorted")
 
-    def __init__(self, ws: WriterSet, src: np.ndarray, dst: np.ndarray, top_src: int, top_dst: int):
-        self.ws, self.src, self.dst, self.top_src, self.top_dst = ws, src, dst, top_src, top_dst
+    def __init__(self, ws: WriterSet, src: np.ndarray, dst: np.ndarray, ids_at: IdsAt | None = None):
+        self.ws, self.src, self.dst, self.ids_at = ws, src, dst, ids_at
+        self.top_src = self.top_dst = -1
         self._runs: dict[bool, PageRuns] = {}
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -148,6 +150,17 @@ class PageSet:
             self._sorted = sort_by(self.dst, np.arange(len(self.dst)))
         return self._sorted
 
+    def measure(self, coalesce: bool) -> None:
+        """Set the largest pages, from the runs the builder takes when the set has whole-page regions (the pages
+        must be bounded: checked non-negative, their chunks inside the buffers)."""
+        ws = self.ws
+        if len(ws.page_dense) or len(ws.page_sparse):
+            runs = self.runs(coalesce and len(ws.page_dense) > 0)
+            last = runs.rl - 1
+            self.top_src, self.top_dst = int((runs.rs + last).max()), int((runs.rd + last).max())
+        else:
+            self.top_src, self.top_dst = int(self.src.max()), int(self.dst.max())
+
     def repeated(self, coalesce: bool) -> bool:
         """Whether some destination page repeats; found on what the builder will take anyway."""
         ws = self.ws
@@ -156,6 +169,25 @@ class PageSet:
             return (made or self.runs(coalesce and len(ws.page_dense) > 0)).repeated
         sd = self.dst_order()[0]
         return len(sd) > 1 and bool((sd[1:] == sd[:-1]).any())
+
+
+class IdsAt(NamedTuple):
+    """Where a page set's pages come from: its group's first src and dst id, start, size and blocks per chunk
+    on each side, and the pages writer rotation kept (None: all)."""
+
+    first_src: int
+    first_dst: int
+    start: int
+    size: int
+    k_src: int
+    k_dst: int
+    keep: np.ndarray | None
+
+    def positions(self, dst: bool) -> np.ndarray:
+        """For each page of the set on one side: the index of its id in that side's list."""
+        first, k = (self.first_dst, self.k_dst) if dst else (self.first_src, self.k_src)
+        pos = first + (np.arange(self.size) + self.start % k) // k
+        return pos if self.keep is None else pos[self.keep]
 
 
 class Request:
@@ -212,7 +244,8 @@ def _check_ids_as_pages(t: RegionTable, ids: Ids, strategy: Strategy, coalesce: 
     runs = PageRuns(rs, rd, rl, n, joined)
     if runs.repeated:
         _refuse_repeated(ids, d, None)
-    page = PageSet(ws, s, d, top_s, top_d)
+    page = PageSet(ws, s, d)
+    page.top_src, page.top_dst = top_s, top_d
     page._runs[joined] = runs
     return Request(ids.direction, [page], n * ws.pieces, top_s, top_d)
 
@@ -228,74 +261,72 @@ def _check_groups(cache: LayoutCache, ids: Ids, strategy: Strategy, coalesce: bo
     """Groups, chunks of k blocks, writer sets: each group's ids become its pages on each side, checked."""
     ids.check_negatives()
     t = cache.unique
-    sides = ((ids.direction.src_side, "src_ids", ids.src), (ids.direction.dst_side, "dst_ids", ids.dst))
-    used = [0, 0]
+    src_side, dst_side = ids.direction.src_side, ids.direction.dst_side
+    used_s = used_d = requested = 0
     sets: list[PageSet] = []
-    where: list[tuple[int, int, int, np.ndarray | None]] = []  # per set: (group, first src id, first dst id, kept)
-    requested = 0
     for g, (count, start) in enumerate(zip(sizes, starts)):
         group = cache.groups[g]
         regs = group.regions
-        pages = []
-        firsts = tuple(used)
-        for j, (side, field, id_list) in enumerate(sides):
-            gs = group.side[side]
-            if count == 0 and not len(regs):  # a group with no regions and no ids consumes nothing
-                pages.append(id_list[:0])
-                continue
-            if gs.refusal is not None:
-                ids.refuse(LayoutError(*gs.refusal))
-            k, u = gs.k, used[j]
-            skip = start % k
-            need = -(-(skip + count) // k) if count else 0
-            if u + need > len(id_list):
-                ids.refuse(MappingError(field, f"length {len(id_list)}", f"group {g} (size {count}, start {start}, "
-                                        f"{k} blocks per chunk) needs {field}[{u}:{u + need}], past the end of the list"))
-            chunks = id_list[u:u + need]
-            # every chunk's first page inside every buffer of the group: bounds every later product in int64
-            if len(chunks) and len(regs) and int(chunks.max()) > gs.lowest_chunk:
-                _refuse_past(ids, t, side, regs, chunks, t.side[side].chunk_limit[regs], field, u, k, skip)
-            pages.append(chunks if k == 1 else np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count])
-            used[j] = u + need
+        if count == 0 and not len(regs):  # a group with no regions and no ids consumes nothing, whatever its chunks
+            continue
+        first_s, first_d = used_s, used_d
+        sp, used_s = _group_pages(ids, t, group, src_side, "src_ids", ids.src, used_s, count, start, g)
+        dp, used_d = _group_pages(ids, t, group, dst_side, "dst_ids", ids.dst, used_d, count, start, g)
         if not len(regs):
             continue
         refusal = strategy.writer_refusals[g]
         if refusal is not None:
             ids.refuse(LayoutError(*refusal))
         for ws in strategy.writer_sets[g]:
-            sp, dp = pages
             keep = None
+            ps, pd = sp, dp
             if ws.writers > 1:  # replicated data: this rank writes only its share of the canonical pages
                 keep = dp % ws.writers == ws.rank
-                sp, dp = sp[keep], dp[keep]
-            tops = []
-            for (side, field, _), p, fit, j in zip(sides, (sp, dp), (ws.max_src, ws.max_dst), (0, 1)):
-                top = int(p.max()) if len(p) else -1
-                if top > fit:
-                    gs = group.side[side]
-                    _refuse_past(ids, t, side, ws.regs, p, t.side[side].max_page[ws.regs], field,
-                                 _positions(firsts[j], start, group.side[side].k, count, keep))
-                tops.append(top)
-            requested += len(sp) * ws.pieces
-            if len(sp):
-                sets.append(PageSet(ws, sp, dp, tops[0], tops[1]))
-                where.append((g, firsts[0], firsts[1], keep))
-    for (_, field, id_list), u in zip(sides, used):
-        if u != len(id_list):
+                ps, pd = sp[keep], dp[keep]
+            requested += len(ps) * ws.pieces
+            if not len(ps):
+                continue
+            at = IdsAt(first_s, first_d, start, count, group.side[src_side].k, group.side[dst_side].k, keep)
+            page = PageSet(ws, ps, pd, at)
+            page.measure(coalesce)
+            if page.top_src > ws.max_src:
+                _refuse_past(ids, t, src_side, ws.regs, ps, t.side[src_side].max_page[ws.regs], "src_ids",
+                             at.positions(False))
+            if page.top_dst > ws.max_dst:
+                _refuse_past(ids, t, dst_side, ws.regs, pd, t.side[dst_side].max_page[ws.regs], "dst_ids",
+                             at.positions(True))
+            sets.append(page)
+    for field, id_list, used in (("src_ids", ids.src, used_s), ("dst_ids", ids.dst, used_d)):
+        if used != len(id_list):
             ids.refuse(MappingError(field, f"length {len(id_list)}", f"the groups (sizes {list(sizes)}, starts "
-                                    f"{list(starts)}) consume {u} ids; the lists must add up exactly"))
-    for page, (g, _, first_d, keep) in zip(sets, where):
-        if page.repeated(coalesce):
-            k = cache.groups[g].side[ids.direction.dst_side].k
-            _refuse_repeated(ids, page.dst, _positions(first_d, starts[g], k, sizes[g], keep))
+                                    f"{list(starts)}) consume {used} ids; the lists must add up exactly"))
+    for page in sets:
+        if page.repeated(coalesce) and page.ids_at is not None:
+            _refuse_repeated(ids, page.dst, page.ids_at.positions(True))
     return Request(ids.direction, sets, requested, max((p.top_src for p in sets), default=-1),
                    max((p.top_dst for p in sets), default=-1))
 
 
-def _positions(first: int, start: int, k: int, count: int, keep: np.ndarray | None) -> np.ndarray:
-    """For each page of a group on one side (only those ``keep`` marks, when given): the index of its id."""
-    pos = first + (np.arange(count) + start % k) // k
-    return pos if keep is None else pos[keep]
+def _group_pages(ids: Ids, t: RegionTable, group: Group, side: Location, field: str, id_list: np.ndarray, used: int,
+                 count: int, start: int, g: int) -> tuple[np.ndarray, int]:
+    """The group's pages on one side and the ids consumed after it: chunk c of k pages enumerates pages c*k ..
+    c*k + k - 1, and the group's pages are that list from ``start % k`` on, ``count`` long. Refuses a list too
+    short, and a chunk whose first page ends past the buffer of a region of the group (bounding every later
+    product of ids)."""
+    gs = group.side[side]
+    if gs.refusal is not None:
+        ids.refuse(LayoutError(*gs.refusal))
+    k = gs.k
+    skip = start % k
+    need = -(-(skip + count) // k) if count else 0
+    if used + need > len(id_list):
+        ids.refuse(MappingError(field, f"length {len(id_list)}", f"group {g} (size {count}, start {start}, {k} blocks "
+                                f"per chunk) needs {field}[{used}:{used + need}], past the end of the list"))
+    chunks = id_list[used:used + need]
+    regs = group.regions
+    if need and len(regs) and int(chunks.max()) > gs.lowest_chunk:
+        _refuse_past(ids, t, side, regs, chunks, t.side[side].chunk_limit[regs], field, used, k, skip)
+    return (chunks if k == 1 else np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count]), used + need
 
 
 def _refuse_past(ids: Ids, t: RegionTable, side: Location, regs: np.ndarray, values: np.ndarray, limits: np.ndarray,

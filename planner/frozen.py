@@ -20,25 +20,33 @@ _COPY_BELOW = 1 << 16  # bytes: below this a copy into ``bytes`` is cheaper than
 
 
 class _Frozen:
-    """The base of a large frozen array: a read-only view of ``_memory`` for numpy, and nothing else."""
+    """The base of a large frozen array: a read-only view of ``_memory`` for numpy, and nothing else (the
+    interface is made afresh on each read, so changing the dict numpy was handed changes nothing)."""
 
-    __slots__ = ("__array_interface__", "_memory")
+    __slots__ = ("_memory", "_typestr")
 
     def __init__(self, arr: np.ndarray, dtype: np.dtype) -> None:
-        self._memory = arr  # kept alive only; never exposed as a writeable array
-        self.__array_interface__ = {"shape": arr.shape, "typestr": dtype.str, "data": (arr.ctypes.data, True),
-                                    "strides": None, "version": 3}
+        self._memory, self._typestr = arr, dtype.str  # the memory is kept alive only, never exposed writeable
+
+    @property
+    def __array_interface__(self) -> dict[str, object]:
+        a = self._memory
+        return {"shape": a.shape, "typestr": self._typestr, "data": (a.ctypes.data, True), "strides": None,
+                "version": 3}
 
 
 def freeze(arr: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
-    """``arr`` (C-contiguous), reinterpreted as ``dtype`` of the same item size when given, as a frozen array.
+    """``arr``, reinterpreted as ``dtype`` of the same item size when given, as a frozen array.
 
-    The caller hands ``arr`` over: it must not write ``arr`` afterwards. An array frozen already is returned as
-    it is (or reinterpreted)."""
+    The caller hands ``arr`` over: it must not write ``arr`` afterwards. An array over immutable memory already
+    (frozen, or unpickled by numpy over a ``bytes`` object it owns) is made read-only where it is not, and kept."""
     dtype = arr.dtype if dtype is None else dtype
     if arr.nbytes < _COPY_BELOW:  # a copy: frozen or not, the result is
         return np.frombuffer(arr.tobytes(), dtype=dtype)
-    if is_frozen(arr):
+    views, bottom = _chain(arr)
+    if isinstance(bottom, (bytes, _Frozen)):
+        for a in views:
+            a.flags.writeable = False  # numpy leaves the arrays it unpickles writeable: they never are again
         return arr if arr.dtype == dtype else arr.view(dtype)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
@@ -46,8 +54,17 @@ def freeze(arr: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
 
 
 def is_frozen(arr: np.ndarray) -> bool:
-    """Whether ``arr`` is a frozen array (its ultimate base is immutable ``bytes`` or a ``_Frozen``)."""
+    """Whether ``arr`` is a frozen array: read-only, and so is every array it views, down to immutable memory
+    (a ``bytes`` object or a ``_Frozen``)."""
+    views, bottom = _chain(arr)
+    return isinstance(bottom, (bytes, _Frozen)) and not any(a.flags.writeable for a in views)
+
+
+def _chain(arr: np.ndarray) -> tuple[list[np.ndarray], object]:
+    """(``arr`` and the arrays it views, the object at the bottom: None for an array that owns its memory)."""
+    views = [arr]
     base = arr.base
     while isinstance(base, np.ndarray):
+        views.append(base)
         base = base.base
-    return isinstance(base, (bytes, _Frozen))
+    return views, base

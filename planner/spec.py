@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator, model_serializer, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_serializer, model_validator
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
@@ -218,14 +218,10 @@ class BlockMapping(Spec):
                 out[name] = value if ints is None else ints
         return out
 
-    @field_validator("group_sizes", "group_starts")
-    @classmethod
-    def _non_negative(cls, v: tuple[int, ...] | None, info: ValidationInfo) -> tuple[int, ...] | None:
-        refuse_negative_entry(v or (), str(info.field_name))  # values pydantic converted (plain ones: above)
-        return v
-
     @model_validator(mode="after")
     def _lengths(self) -> BlockMapping:
+        for name in ("group_sizes", "group_starts"):  # values pydantic converted (plain ones were checked above)
+            refuse_negative_entry(getattr(self, name) or (), name)
         check_lengths(self.src_ids, self.dst_ids, self.group_sizes, self.group_starts)
         return self
 

@@ -223,6 +223,54 @@ def test_threads_never_share_a_live_array():
     assert len(pool) > 0  # the pool was used
 
 
+def test_threads_never_share_an_array_even_when_switched_inside_the_hand_out(monkeypatch):
+    """A thread switch forced between finding a free array and claiming it (inside ``ColumnPool.empty``) must not
+    let another thread claim the same array: 8 threads, a switch interval of a microsecond, and every reference
+    count read followed by a yield."""
+    real = column_pool._count
+
+    def count_then_yield(owners: list[np.ndarray], i: int) -> int:
+        n = real(owners, i)
+        time.sleep(0)  # another thread runs here, between the check and the claim
+        return n
+
+    monkeypatch.setattr(column_pool, "_count", count_then_yield)
+    pool = ColumnPool(slots=4)
+    live: dict[int, np.ndarray] = {}
+    lock = threading.Lock()
+    clashes: list[tuple[int, list[int]]] = []
+    start = threading.Barrier(8)
+
+    def work(tid: int) -> None:
+        start.wait()
+        for step in range(60):
+            a = pool.empty(POOL_MIN)
+            token = tid * 1000 + step
+            with lock:
+                clash = [t for t, b in live.items() if np.shares_memory(a, b)]
+                live[token] = a
+            if clash:
+                clashes.append((token, clash))
+            a.fill(token)
+            time.sleep(0)
+            with lock:
+                del live[token]
+            del a
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not clashes, clashes[:5]
+    assert 0 < len(pool) <= pool.slots
+
+
 # ---- through the planner --------------------------------------------------------------------------------------
 NREG, NBLOCKS, NPAIRS = 64, 2048, 1024  # 64 x 1024 fragmented pairs: 65,536 ranges per offset column
 
