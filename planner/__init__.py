@@ -21,10 +21,20 @@ from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .files import PlanFileError, read_bytes, read_json, shorten, suggest
 from .layout import Layout
-from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan, format_bytes
+from .plan import COLUMNS, SCHEMA_VERSION, TransferPlan, format_bytes
 from .planning import plan_transfer
 from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
-from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_version, hip_version
+from .target import (
+    AccessOrder,
+    CopyApi,
+    CopyAttributes,
+    LocationHint,
+    PlanOptions,
+    Platform,
+    Target,
+    cuda_version,
+    hip_version,
+)
 
 _LAZY = ("golden", "presets", "viz")  # public submodules imported on first use
 

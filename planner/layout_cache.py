@@ -21,9 +21,8 @@ import numpy as np
 from ._model import IntTuple
 from .column_pool import ColumnPool
 from .columns import merge
-from .plan import CopyAttributes, LocationHint
 from .spec import Buffer, Direction, Location, Region
-from .target import AccessOrder, CopyApi, PlanOptions, Target
+from .target import AccessOrder, CopyApi, CopyAttributes, LocationHint, PlanOptions, Target
 
 Table = tuple[np.ndarray, np.ndarray, np.ndarray]  # src piece offsets, dst piece offsets, sizes (dst order)
 

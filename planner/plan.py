@@ -9,45 +9,19 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-from pydantic import Field
 
-from ._model import IntTuple, Spec
+from ._model import IntTuple
 from .errors import PlanError
 from .files import PLAN_COLUMNS, PlanFileError, check_int, int_array, parse_json, plan_fields, read_bytes, read_npz, validate
 from .frozen import freeze
 from .runs import Column, Runs, runs_of
-from .spec import Buffer, Direction, Location
-from .target import AccessOrder, CopyApi, PlanOptions, Target
+from .spec import Buffer, Direction
+from .target import CopyApi, PlanOptions, Target
+from .target import CopyAttributes as CopyAttributes  # defined with the target (the driver's record); views
+from .target import LocationHint as LocationHint  # import both from here too
 
 SCHEMA_VERSION = 1
 COLUMNS: dict[str, np.dtype] = PLAN_COLUMNS
-
-
-class LocationHint(Spec):
-    """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
-
-    location: Location
-    id: int = Field(default=0, ge=0, lt=2**31)
-
-    @property
-    def code(self) -> int:
-        """The C location type: 1 (device) or 2 (host)."""
-        return 1 if self.location is Location.DEVICE else 2
-
-
-class CopyAttributes(Spec):
-    """One CUmemcpyAttributes / hipMemcpyAttributes record."""
-
-    src_access_order: AccessOrder
-    src_location: LocationHint
-    dst_location: LocationHint
-    flags: int = Field(default=0, ge=0, lt=2**32)  # C unsigned int
-
-    def short(self) -> str:
-        """One line for tables, e.g. ``any host->dev0 flags 0x0``."""
-        def loc(h: LocationHint) -> str:
-            return f"dev{h.id}" if h.location is Location.DEVICE else "host"
-        return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"
 
 
 def format_bytes(n: int) -> str:

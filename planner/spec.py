@@ -198,6 +198,11 @@ class BlockMapping(Spec):
     group_sizes: tuple[int, ...] | None = None
     group_starts: tuple[int, ...] | None = None
 
+    def __init__(self, **data: Any) -> None:
+        """``direction``, ``src_ids`` and ``dst_ids`` (lists or arrays of integers, copied), and ``group_sizes`` and
+        ``group_starts`` (sequences of integers) when the mapping has groups; raises MappingError."""
+        super().__init__(**data)
+
     @model_validator(mode="before")
     @classmethod
     def _ids(cls, data: Any) -> Any:

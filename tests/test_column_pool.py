@@ -9,6 +9,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -182,9 +183,10 @@ def test_a_request_larger_than_the_byte_cap_is_served_unpooled():
 
 
 # ---- threads ------------------------------------------------------------------------------------------------
-def test_threads_never_share_a_live_array():
-    """8 threads take, fill, yield, verify and drop arrays of random sizes from one pool."""
-    pool = ColumnPool()
+def _storm(pool: ColumnPool, steps: int, size: Callable[[random.Random], int],
+           pause: Callable[[int], None]) -> list[str]:
+    """8 threads each take ``steps`` arrays from ``pool``, in turn: check that no live holder shares the memory,
+    fill it, ``pause(step)``, check the contents, drop it. Returns what went wrong."""
     live: dict[int, np.ndarray] = {}  # holder token -> its array, while held
     lock = threading.Lock()
     errors: list[str] = []
@@ -193,9 +195,8 @@ def test_threads_never_share_a_live_array():
     def work(tid: int) -> None:
         rng = random.Random(tid)
         start.wait()
-        for step in range(150):
-            n = rng.randrange(POOL_MIN // 2, 3 * POOL_MIN)
-            a = pool.empty(n)
+        for step in range(steps):
+            a = pool.empty(size(rng))
             token = tid * 1000 + step
             with lock:
                 clash = [t for t, b in live.items() if np.shares_memory(a, b)]
@@ -203,10 +204,7 @@ def test_threads_never_share_a_live_array():
             if clash:
                 errors.append(f"thread {tid} got memory held by {clash}")
             a.fill(token)
-            if step % 3 == 0:
-                time.sleep(0)
-            else:
-                time.sleep(0.0001)
+            pause(step)
             if not bool((a == token).all()):
                 errors.append(f"thread {tid} step {step}: contents changed while held")
             with lock:
@@ -218,6 +216,14 @@ def test_threads_never_share_a_live_array():
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def test_threads_never_share_a_live_array():
+    """8 threads take, fill, yield, verify and drop arrays of random sizes from one pool."""
+    pool = ColumnPool()
+    errors = _storm(pool, 150, lambda rng: rng.randrange(POOL_MIN // 2, 3 * POOL_MIN),
+                    lambda step: time.sleep(0 if step % 3 == 0 else 0.0001))
     assert not errors, errors[:5]
     assert len(pool) <= pool.slots and pool.nbytes <= pool.max_bytes
     assert len(pool) > 0  # the pool was used
@@ -236,38 +242,13 @@ def test_threads_never_share_an_array_even_when_switched_inside_the_hand_out(mon
 
     monkeypatch.setattr(column_pool, "_count", count_then_yield)
     pool = ColumnPool(slots=4)
-    live: dict[int, np.ndarray] = {}
-    lock = threading.Lock()
-    clashes: list[tuple[int, list[int]]] = []
-    start = threading.Barrier(8)
-
-    def work(tid: int) -> None:
-        start.wait()
-        for step in range(60):
-            a = pool.empty(POOL_MIN)
-            token = tid * 1000 + step
-            with lock:
-                clash = [t for t, b in live.items() if np.shares_memory(a, b)]
-                live[token] = a
-            if clash:
-                clashes.append((token, clash))
-            a.fill(token)
-            time.sleep(0)
-            with lock:
-                del live[token]
-            del a
-
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = _storm(pool, 60, lambda rng: POOL_MIN, lambda step: time.sleep(0))
     finally:
         sys.setswitchinterval(interval)
-    assert not clashes, clashes[:5]
+    assert not errors, errors[:5]
     assert 0 < len(pool) <= pool.slots
 
 

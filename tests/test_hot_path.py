@@ -548,8 +548,8 @@ def test_lowering_where_the_quick_bound_fails_but_every_range_fits(grid):
     template = plan_transfer(layout, presets.mapping("fragmented", 2, 8, "h2d"))
     size = layout.buffers[0].nbytes
     lengths = [2, 2] if grid else [1, 3]
-    buf = np.repeat([layout.info.buffer_index["gpu.kv0"], layout.info.buffer_index["gpu.kv1"]], lengths).astype(np.int32)
-    src_buf = np.repeat([layout.info.buffer_index["cpu.kv0"], layout.info.buffer_index["cpu.kv1"]], lengths).astype(np.int32)
+    buf = np.repeat([layout.buffer_index("gpu.kv0"), layout.buffer_index("gpu.kv1")], lengths).astype(np.int32)
+    src_buf = np.repeat([layout.buffer_index("cpu.kv0"), layout.buffer_index("cpu.kv1")], lengths).astype(np.int32)
     nb = np.array([64, 8, 64, 8], dtype=np.uint64) if grid else np.array([64, 64, 8, 8], dtype=np.uint64)
     off = np.array([0, size - 8, 0, size - 8], dtype=np.uint64) if grid else np.array([0, 0, 64, size - 8], dtype=np.uint64)
     plan = TransferPlan(direction=template.direction, target=template.target, options=template.options,
