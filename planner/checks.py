@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from .columns import PageRuns, id_runs, run_lasts, sort_by
+from .columns import PageRuns, id_runs, run_holds_negative, sort_by
 from .errors import LayoutError, MappingError, PlanError
 from .ids import MAPPING_KEYS, REQUIRED_KEYS, borrow_ids, check_lengths, plain_ints, refuse_negative
 from .layout_cache import Group, LayoutCache, RegionTable, Strategy, WriterSet
@@ -100,7 +100,7 @@ class Ids:
         """Refuse a negative id, naming field, value and index (source list first), unless known not to hold any."""
         if not self.checked:
             for field, ids in (("src_ids", self.src), ("dst_ids", self.dst)):
-                if len(ids) and int(ids.min()) < 0:
+                if len(ids) and int(np.minimum.reduce(ids)) < 0:
                     refuse_negative(ids, field)
             self.checked = True
 
@@ -157,9 +157,10 @@ class PageSet:
         if len(ws.page_dense) or len(ws.page_sparse):
             runs = self.runs(coalesce and len(ws.page_dense) > 0)
             last = runs.rl - 1
-            self.top_src, self.top_dst = int((runs.rs + last).max()), int((runs.rd + last).max())
+            self.top_src = int(np.maximum.reduce(runs.rs + last))
+            self.top_dst = int(np.maximum.reduce(runs.rd + last))
         else:
-            self.top_src, self.top_dst = int(self.src.max()), int(self.dst.max())
+            self.top_src, self.top_dst = int(np.maximum.reduce(self.src)), int(np.maximum.reduce(self.dst))
 
     def repeated(self, coalesce: bool) -> bool:
         """Whether some destination page repeats; found on what the builder will take anyway."""
@@ -231,11 +232,11 @@ def _check_ids_as_pages(t: RegionTable, ids: Ids, strategy: Strategy, coalesce: 
         if not ids.checked and (int(rs[0]) < 0 or int(rd[0]) < 0 or max(top_s, top_d) >= _INT64_TOP):
             ids.check_negatives()
     else:
-        last_s, neg_s = run_lasts(rs, rl)
-        last_d, neg_d = run_lasts(rd, rl)
-        if neg_s or neg_d:
+        last = rl - 1
+        last_s, last_d = rs + last, rd + last
+        if not ids.checked and (run_holds_negative(rs, last_s) or run_holds_negative(rd, last_d)):
             ids.check_negatives()
-        top_s, top_d = int(last_s.max()), int(last_d.max())
+        top_s, top_d = int(np.maximum.reduce(last_s)), int(np.maximum.reduce(last_d))
     ids.checked = True  # the runs cover every id
     if top_s > ws.max_src:
         _refuse_past_ids(ids, t, ids.direction.src_side, ws.regs, "src_ids")
@@ -324,7 +325,7 @@ def _group_pages(ids: Ids, t: RegionTable, group: Group, side: Location, field: 
                                 f"per chunk) needs {field}[{used}:{used + need}], past the end of the list"))
     chunks = id_list[used:used + need]
     regs = group.regions
-    if need and len(regs) and int(chunks.max()) > gs.lowest_chunk:
+    if need and len(regs) and int(np.maximum.reduce(chunks)) > gs.lowest_chunk:
         _refuse_past(ids, t, side, regs, chunks, t.side[side].chunk_limit[regs], field, used, k, skip)
     return (chunks if k == 1 else np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count]), used + need
 

@@ -38,7 +38,7 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     """Runs (src id, dst id, length) where both ids advance by one, in the order of the lists (see
     ``order_runs`` for destination order). Without ``coalesce`` every pair is a run of one.
 
-    Differences of non-negative int64 ids cannot overflow; for unchecked ids see ``check_runs``."""
+    Differences of non-negative int64 ids cannot overflow; for unchecked ids see ``run_holds_negative``."""
     n = len(d)
     if not coalesce or n < 2:
         return s, d, np.ones(n, dtype=np.int64)
@@ -62,14 +62,14 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     return s[starts], d[starts], lengths
 
 
-def run_lasts(rs: np.ndarray, rl: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Each run's last id, and whether the runs hold a negative id (ids not yet checked).
+def run_holds_negative(first: np.ndarray, last: np.ndarray) -> bool:
+    """Whether runs from ``first`` to ``last`` ids (each run's last id computed as ``first + length - 1`` in
+    int64) hold a negative id, for ids not yet checked.
 
     Every id lies in its run between the first and the last id, so both non-negative proves every id
     non-negative. A run can only hide a negative id by wrapping past the int64 maximum, and then its last
     id, computed the same way, is negative too."""
-    last: np.ndarray = rs + (rl - 1)
-    return last, bool(len(rs)) and int(np.bitwise_or(rs, last).min()) < 0  # sign bit of either
+    return bool(len(first)) and int(np.minimum.reduce(np.bitwise_or(first, last))) < 0  # sign bit of either
 
 
 def order_runs(rs: np.ndarray, rd: np.ndarray, rl: np.ndarray,

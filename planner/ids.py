@@ -52,7 +52,7 @@ def as_ids(value: Any, field: str) -> np.ndarray:
         i = int(np.argmax(np.abs(arr)))
         raise MappingError(field, float(arr[i]), "block id out of range", i)
     out = np.array(arr, dtype=np.int64, copy=True)
-    if out.size and out.min() < 0:
+    if out.size and np.minimum.reduce(out) < 0:
         refuse_negative(out, field)
     out.flags.writeable = False
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import numpy as np
 from pydantic import Field, WithJsonSchema, field_validator, model_serializer, model_validator
@@ -198,37 +198,30 @@ class BlockMapping(Spec):
     group_sizes: tuple[int, ...] | None = None
     group_starts: tuple[int, ...] | None = None
 
-    def __init__(self, **data: Any) -> None:
-        """``direction``, ``src_ids`` and ``dst_ids`` (lists or arrays of integers, copied), and ``group_sizes`` and
-        ``group_starts`` (sequences of integers) when the mapping has groups; raises MappingError."""
-        super().__init__(**data)
+    if TYPE_CHECKING:  # what callers may pass (lists or arrays of integers); validated as ``Spec.__init__`` does
+        def __init__(self, **data: Any) -> None: ...
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _ids(cls, data: Any) -> Any:
-        """The id lists converted and checked (``as_ids``), and group fields of plain integers taken as tuples,
-        before pydantic checks the rest (other group values, the direction, unknown and missing keys)."""
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name in ("src_ids", "dst_ids"):
-            if name in data:
-                out[name] = as_ids(data[name], name)
-        for name in ("group_sizes", "group_starts"):
-            value = data.get(name)
-            if value is not None:
-                ints = plain_ints(value)
+    def _checked(cls, data: Any, handler: Any) -> BlockMapping:
+        """The id lists converted and checked first (``as_ids``), group fields of plain integers taken as tuples;
+        then pydantic checks the rest (other group values, the direction, unknown and missing keys); then the
+        groups are non-negative and the lengths agree (``check_lengths``)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in ("src_ids", "dst_ids"):
+                if name in data:
+                    data[name] = as_ids(data[name], name)
+            for name in ("group_sizes", "group_starts"):
+                value = data.get(name)
+                ints = None if value is None else plain_ints(value)
                 if ints is not None:
-                    refuse_negative_entry(ints, name)
-                out[name] = value if ints is None else ints
-        return out
-
-    @model_validator(mode="after")
-    def _lengths(self) -> BlockMapping:
-        for name in ("group_sizes", "group_starts"):  # values pydantic converted (plain ones were checked above)
-            refuse_negative_entry(getattr(self, name) or (), name)
-        check_lengths(self.src_ids, self.dst_ids, self.group_sizes, self.group_starts)
-        return self
+                    data[name] = ints
+        m: BlockMapping = handler(data)
+        for name in ("group_sizes", "group_starts"):
+            refuse_negative_entry(getattr(m, name) or (), name)
+        check_lengths(m.src_ids, m.dst_ids, m.group_sizes, m.group_starts)
+        return m
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips
         """direction, src_ids and dst_ids (and the group fields when set) as JSON-ready values; keyword arguments are ignored."""

@@ -257,12 +257,12 @@ NREG, NBLOCKS, NPAIRS = 64, 2048, 1024  # 64 x 1024 fragmented pairs: 65,536 ran
 
 
 def _kv_layout() -> Layout:
-    """All regions dense: the fast path's one-part assembly (PlainKit)."""
+    """All regions dense: every region takes the same id runs (one block of rows)."""
     return presets.kv_layout(NREG, NBLOCKS, 256, shared_host=False)
 
 
 def _mixed_layout() -> Layout:
-    """Half the regions dense, half with padded rows: the fast path's mixed assembly (columns.assemble)."""
+    """Half the regions dense, half with padded rows: the regions' ranges assembled part by part."""
     buffers, regions = [], []
     for r in range(NREG):
         stride = 256 if r % 2 else 512

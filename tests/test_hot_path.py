@@ -61,7 +61,7 @@ def hot(direction, s, d, **groups):
     return {"direction": direction, "src_ids": s, "dst_ids": d, **groups}
 
 
-# ---- 1. equivalence with BlockMapping, the general path and the oracle ---------------------------------------
+# ---- 1. equivalence with BlockMapping and the oracle ------------------------------------------------------------
 @st.composite
 def id_lists(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct destination ids (consecutive or scattered), source ids (a run or random, repeats allowed),
@@ -135,7 +135,7 @@ def test_hot_path_plans_and_refuses_as_blockmapping_does(drawn, data):
 @settings(max_examples=120, deadline=None)
 @given(general_cases(), st.sampled_from(["int64", "int32", "strided"]))
 def test_hot_path_with_groups_and_chunks_equals_blockmapping(case, form):
-    """k > 1, groups, skips, fragments and writers: the dict goes down the general path and plans the same."""
+    """k > 1, groups, skips, fragments and writers: the dict plans as the BlockMapping does."""
     layout, mapping, options = case
     src, dst = FORMS[form](mapping.src_ids), FORMS[form](mapping.dst_ids)
     groups = {"group_sizes": list(mapping.group_sizes), "group_starts": list(mapping.group_starts)}
@@ -161,7 +161,7 @@ def _strided_layout(n: int = 16):
 
 
 def _mixed_layout(n: int = 16):
-    """One dense region and one with padded rows: the fast path's mixed assembly."""
+    """One dense region and one with padded rows: id runs on one, one range per page on the other."""
     regions = [Region(name="dense", page_bytes=16, device=Placement(buffer="g0"), host=Placement(buffer="h0")),
                Region(name="padded", page_bytes=16, device=Placement(buffer="g1", stride_bytes=32),
                       host=Placement(buffer="h1"))]
@@ -301,7 +301,7 @@ JOBS = {
 def test_callers_arrays_are_not_modified_nor_kept(job, layout_name, options):
     s, d = (np.array(a, dtype=np.int64, copy=True) for a in JOBS[job])  # fresh: the test overwrites them
     groups = {}
-    if layout_name == "chunked":  # the general path: host chunks of 2 pages, one chunk id per 2 device ids
+    if layout_name == "chunked":  # host chunks of 2 pages: one chunk id per 2 device ids
         layout, groups = presets.chunked_layout(3, 64, 16, blocks_per_chunk=2, host_chunks=32), {"group_sizes": [16]}
         s = np.ascontiguousarray(s[::2] // 2)
     else:

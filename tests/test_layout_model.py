@@ -315,14 +315,14 @@ def test_layout_model_equals_per_piece_copies_with_fewest_ranges(case):
     assert plan.requested_copies == len(expected_copies(once, mapping, options))  # aliases' copies are made once
 
 
-# ---- the general path refuses what the fast path refuses --------------------------------------------------
+# ---- refusals of chunked layouts ---------------------------------------------------------------------------
 def chunk_layout(k: int = 2) -> Layout:
     return Layout(buffers=(Buffer(name="g", nbytes=8 * 64), Buffer(name="h", nbytes=8 * 64, location=Location.HOST)),
                   regions=(Region(name="r", page_bytes=8, device=Placement(buffer="g"),
                                   host=Placement(buffer="h", blocks_per_chunk=k)),))
 
 
-def test_general_path_refuses_a_repeated_destination_chunk():
+def test_a_repeated_destination_chunk_of_a_chunked_layout_is_refused():
     m = BlockMapping(direction="d2h", src_ids=[0, 1, 2, 3], dst_ids=[5, 5], group_sizes=[4])
     with pytest.raises(MappingError, match=r"dst_ids\[1\] = 5: destination block is written twice \(also dst_ids\[0\]\)"):
         plan_transfer(chunk_layout(), m)
@@ -330,7 +330,7 @@ def test_general_path_refuses_a_repeated_destination_chunk():
         plan_transfer(chunk_layout(), m, options=PlanOptions(regions_per_call=1, coalesce=False))
 
 
-def test_general_path_refuses_destinations_over_its_own_sources():
+def test_destinations_over_their_own_sources_are_refused():
     layout = Layout(buffers=(Buffer(name="m", nbytes=8 * 64, location=Location.HOST),),
                     regions=(Region(name="r", page_bytes=8, device=Placement(buffer="m"),
                                     host=Placement(buffer="m", byte_offset=8 * 32, blocks_per_chunk=2)),))
