@@ -18,10 +18,13 @@ from __future__ import annotations
 import sys
 import sysconfig
 import threading
+import weakref
 
 import numpy as np
 
-POOL_MIN = 1 << 15  # elements (256 KiB of int64): smaller arrays come from the allocator's own free lists
+from .frozen import freeze
+
+POOL_MIN = 1 << 13  # elements (64 KiB of int64): smaller columns are copied when frozen, not pooled
 POOL_SLOTS = 8  # arrays kept per layout (two per plan: source and destination offsets)
 POOL_BYTES = 128 << 20  # at most this much memory kept per layout (four C32-sized plans)
 
@@ -48,12 +51,23 @@ FREE = _unreferenced_count()  # the count of a pooled array nothing else refers 
 
 
 class ColumnPool:
-    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe."""
+    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``empty`` and ``freeze``
+    may be called from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
+
+    Each pooled array has a frozen twin over the same memory (``kvxfer.planner.frozen``), made once: the
+    planner writes through the array ``empty`` hands out, and a plan keeps a view of the twin (``freeze``), which
+    no holder can make writeable again. An array is free when neither it nor its twin is referenced from
+    outside the pool (the twin holds the array itself: one reference more)."""
 
     def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES):
         self.slots, self.max_bytes = slots, max_bytes
         self._owners: list[np.ndarray] = []
+        self._twins: list[np.ndarray] = []  # the frozen twin of each owner, same index
+        self._handed: list[weakref.ref[np.ndarray] | None] = []  # the view ``empty`` last handed out, same index
         self._lock = threading.Lock()
+
+    def _free(self, i: int) -> bool:
+        return _count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
@@ -64,22 +78,45 @@ class ColumnPool:
             best = -1
             for i in range(len(owners)):
                 size = len(owners[i])
-                if size >= n and _count(owners, i) == FREE and (best < 0 or size < len(owners[best])):
+                if size >= n and self._free(i) and (best < 0 or size < len(owners[best])):
                     best = i
             if best >= 0:
-                return owners[best][:n]
+                view = owners[best][:n]
+                self._handed[best] = weakref.ref(view)
+                return view
             size = 1 << (n - 1).bit_length()  # next power of two: jobs of varying size reuse one array
             size = size - (size >> 2) if n <= size - (size >> 2) else size  # or 3/4 of it: at most 33% spare
             fresh = np.empty(size, dtype=np.int64)
             if len(owners) >= self.slots or self.nbytes + fresh.nbytes > self.max_bytes:
-                free = [i for i in range(len(owners)) if _count(owners, i) == FREE]
+                free = [i for i in range(len(owners)) if self._free(i)]
                 if not free:
                     return fresh[:n]  # every slot is in use: not pooled
-                owners.pop(min(free, key=lambda i: len(owners[i])))
+                gone = min(free, key=lambda i: len(owners[i]))
+                owners.pop(gone)
+                self._twins.pop(gone)
+                self._handed.pop(gone)
                 if self.nbytes + fresh.nbytes > self.max_bytes:
                     return fresh[:n]
+            view = fresh[:n]
             owners.append(fresh)
-            return fresh[:n]
+            self._twins.append(freeze(fresh))
+            self._handed.append(weakref.ref(view))
+            return view
+
+    def freeze(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` frozen (``kvxfer.planner.frozen.freeze``); for an array ``empty`` handed out, a view of its
+        frozen twin (no wrapper to build per plan). The caller hands ``arr`` over: nobody writes it afterwards."""
+        base = arr.base
+        if base is not None and arr.dtype == np.int64:
+            with self._lock:
+                owners = self._owners
+                for i in range(len(owners)):
+                    if owners[i] is base:
+                        handed = self._handed[i]
+                        if handed is not None and handed() is arr:  # the very view ``empty`` handed out: from byte 0
+                            return self._twins[i][:len(arr)]
+                        break
+        return freeze(arr)
 
     @property
     def nbytes(self) -> int:
