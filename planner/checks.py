@@ -156,6 +156,10 @@ class PageSet:
         ws = self.ws
         if len(ws.page_dense) or len(ws.page_sparse):
             runs = self.runs(coalesce and len(ws.page_dense) > 0)
+            if len(runs.rl) == 1:  # one run (a contiguous job): no arrays to make
+                n = int(runs.rl[0]) - 1
+                self.top_src, self.top_dst = int(runs.rs[0]) + n, int(runs.rd[0]) + n
+                return
             last = runs.rl - 1
             self.top_src = int(np.maximum.reduce(runs.rs + last))
             self.top_dst = int(np.maximum.reduce(runs.rd + last))
