@@ -183,8 +183,8 @@ def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> l
 
 def assemble(src: SideColumns, dst: SideColumns, parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Ranges:
     """One set of columns from parts (regions, their ranges), region-major in the given order. Offsets are
-    written once, in place; buffer and region columns (and ``nbytes`` when each region's ranges share one
-    size) stay run-length encoded."""
+    written once, in place (pooled ones are then handed on frozen: nothing writes them afterwards); buffer and
+    region columns (and ``nbytes`` when each region's ranges share one size) stay run-length encoded."""
     if not parts:
         return empty_ranges()
     regs = np.concatenate([g for g, _ in parts]).astype(np.int32)
@@ -192,7 +192,7 @@ def assemble(src: SideColumns, dst: SideColumns, parts: Sequence[tuple[np.ndarra
     lengths = np.concatenate(counts).astype(np.int64, copy=False)
     sizes = [p.uniform_nbytes(g) for g, p in parts]
     total = int(lengths.sum())
-    so, do = pool.empty(total), pool.empty(total)  # reused once no plan views them (see column_pool)
+    (so, so_frozen), (do, do_frozen) = pool.take(total), pool.take(total)  # reused once no plan views them
     nb = None if all(s is not None for s in sizes) else np.empty(total, dtype=np.int64)
     ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     at = 0
@@ -200,7 +200,8 @@ def assemble(src: SideColumns, dst: SideColumns, parts: Sequence[tuple[np.ndarra
         p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
         at = end
     nbytes: np.ndarray | Runs = nb if nb is not None else Runs(np.concatenate(sizes), lengths)  # type: ignore[arg-type]
-    return {"src_buf": Runs(src.buf[regs], lengths), "src_offset": so, "dst_buf": Runs(dst.buf[regs], lengths), "dst_offset": do,
+    return {"src_buf": Runs(src.buf[regs], lengths), "src_offset": so if so_frozen is None else so_frozen,
+            "dst_buf": Runs(dst.buf[regs], lengths), "dst_offset": do if do_frozen is None else do_frozen,
             "nbytes": nbytes, "region": Runs(regs, lengths)}
 
 
@@ -213,19 +214,20 @@ def _assemble_rows(rows: Rows, runs: PageRuns, pool: ColumnPool) -> Ranges:
         if m == 1:  # one run (a contiguous job): one range per region
             out.append(base + int(ids[0]) * (stride if one is None else one))
             continue
-        col = pool.empty(n_rows * m)
+        col, frozen = pool.take(n_rows * m)
         if one is not None:  # one stride for all regions: one product over the ids, one broadcast sum
             np.add(base[:, None], ids * one, out=col.reshape(n_rows, m))
         else:
             affine_rows(base, stride, ids, col.reshape(n_rows, m))
-        out.append(col)
+        out.append(col if frozen is None else frozen)
     lengths = rows.single if m == 1 else np.full(n_rows, m, dtype=np.int64)
     n = n_rows * m
     if runs.uniform:
         nbytes: np.ndarray | Runs = Runs.of(rows.page * int(runs.rl[0]), lengths, n)
     else:
-        nbytes = pool.empty(n)
-        affine_rows(np.zeros(n_rows, np.int64), rows.page, runs.rl, nbytes.reshape(n_rows, m))
+        sizes, frozen = pool.take(n)
+        affine_rows(np.zeros(n_rows, np.int64), rows.page, runs.rl, sizes.reshape(n_rows, m))
+        nbytes = sizes if frozen is None else frozen
     return {"src_buf": Runs.of(rows.src_buf, lengths, n), "src_offset": out[0],
             "dst_buf": Runs.of(rows.dst_buf, lengths, n), "dst_offset": out[1], "nbytes": nbytes,
             "region": Runs.of(rows.regs, lengths, n)}

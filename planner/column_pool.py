@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 import sysconfig
 import threading
-import weakref
 
 import numpy as np
 
@@ -51,19 +50,18 @@ FREE = _unreferenced_count()  # the count of a pooled array nothing else refers 
 
 
 class ColumnPool:
-    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``empty`` and ``freeze``
+    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` and ``empty``
     may be called from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
 
     Each pooled array has a frozen twin over the same memory (``kvxfer.planner.frozen``), made once: the
-    planner writes through the array ``empty`` hands out, and a plan keeps a view of the twin (``freeze``), which
-    no holder can make writeable again. An array is free when neither it nor its twin is referenced from
-    outside the pool (the twin holds the array itself: one reference more)."""
+    planner writes through the array ``take`` hands out, and a plan keeps the view of the twin handed out with
+    it, which no holder can make writeable again. An array is free when neither it nor its twin is referenced
+    from outside the pool (the twin holds the array itself: one reference more)."""
 
     def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES):
         self.slots, self.max_bytes = slots, max_bytes
         self._owners: list[np.ndarray] = []
         self._twins: list[np.ndarray] = []  # the frozen twin of each owner, same index
-        self._handed: list[weakref.ref[np.ndarray] | None] = []  # the view ``empty`` last handed out, same index
         self._lock = threading.Lock()
 
     def _free(self, i: int) -> bool:
@@ -71,8 +69,14 @@ class ColumnPool:
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
+        return self.take(n)[0]
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """An uninitialised int64 array of ``n`` elements to write, and, when it comes from the pool, the frozen
+        view of the same memory to hand over once it is written (None: freeze the array itself). The array is
+        reused only once neither view of it is referenced."""
         if n < POOL_MIN or not FREE:
-            return np.empty(n, dtype=np.int64)
+            return np.empty(n, dtype=np.int64), None
         with self._lock:  # find and claim (take a view) under one lock: two threads never share an array
             owners = self._owners
             best = -1
@@ -81,42 +85,23 @@ class ColumnPool:
                 if size >= n and self._free(i) and (best < 0 or size < len(owners[best])):
                     best = i
             if best >= 0:
-                view = owners[best][:n]
-                self._handed[best] = weakref.ref(view)
-                return view
+                return owners[best][:n], self._twins[best][:n]
             size = 1 << (n - 1).bit_length()  # next power of two: jobs of varying size reuse one array
             size = size - (size >> 2) if n <= size - (size >> 2) else size  # or 3/4 of it: at most 33% spare
             fresh = np.empty(size, dtype=np.int64)
             if len(owners) >= self.slots or self.nbytes + fresh.nbytes > self.max_bytes:
                 free = [i for i in range(len(owners)) if self._free(i)]
                 if not free:
-                    return fresh[:n]  # every slot is in use: not pooled
+                    return fresh[:n], None  # every slot is in use: not pooled
                 gone = min(free, key=lambda i: len(owners[i]))
                 owners.pop(gone)
                 self._twins.pop(gone)
-                self._handed.pop(gone)
                 if self.nbytes + fresh.nbytes > self.max_bytes:
-                    return fresh[:n]
-            view = fresh[:n]
+                    return fresh[:n], None
+            twin = freeze(fresh)
             owners.append(fresh)
-            self._twins.append(freeze(fresh))
-            self._handed.append(weakref.ref(view))
-            return view
-
-    def freeze(self, arr: np.ndarray) -> np.ndarray:
-        """``arr`` frozen (``kvxfer.planner.frozen.freeze``); for an array ``empty`` handed out, a view of its
-        frozen twin (no wrapper to build per plan). The caller hands ``arr`` over: nobody writes it afterwards."""
-        base = arr.base
-        if base is not None and arr.dtype == np.int64:
-            with self._lock:
-                owners = self._owners
-                for i in range(len(owners)):
-                    if owners[i] is base:
-                        handed = self._handed[i]
-                        if handed is not None and handed() is arr:  # the very view ``empty`` handed out: from byte 0
-                            return self._twins[i][:len(arr)]
-                        break
-        return freeze(arr)
+            self._twins.append(twin)
+            return fresh[:n], twin[:n]
 
     @property
     def nbytes(self) -> int:

@@ -41,6 +41,9 @@ def freeze(arr: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
     The caller hands ``arr`` over: it must not write ``arr`` afterwards. An array over immutable memory already
     (frozen, or unpickled by numpy over a ``bytes`` object it owns) is made read-only where it is not, and kept."""
     dtype = arr.dtype if dtype is None else dtype
+    base = arr.base
+    if isinstance(base, np.ndarray) and isinstance(base.base, _Frozen) and not arr.flags.writeable:
+        return arr if arr.dtype == dtype else arr.view(dtype)  # a view of a frozen array (a pooled column)
     if arr.nbytes < _COPY_BELOW:  # a copy: frozen or not, the result is
         return np.frombuffer(arr.tobytes(), dtype=dtype)
     views, bottom = _chain(arr)

@@ -46,10 +46,6 @@ def plan_transfer(layout: Layout | dict[str, Any] | Any, mapping: BlockMapping |
     request = check(cache, ids, prepared.strategy, options.coalesce)
     ranges, call_offsets = build(cache, request, prepared.strategy, options, prepared.cap)
     columns = dict(ranges)
-    for name in ("src_offset", "dst_offset", "nbytes"):  # handed over to the plan: frozen where they are pooled
-        col = columns[name]
-        if isinstance(col, np.ndarray):
-            columns[name] = cache.pool.freeze(col)
     if cache.unique is not cache:  # region indices of the alias-free view -> the layout's own
         columns["region"] = _map(columns["region"], cache.unique.origin)
     reg = columns["region"]
