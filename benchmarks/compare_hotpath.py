@@ -1,12 +1,13 @@
-"""Per-job planning (BlockMapping from numpy ids + plan_transfer), old planner against new, in one process, on
-the shapes of ``bench_hostpath.py``; contiguous k = 1 shapes also against its run-based coalescing build.
+"""Per-job planning, old planner against new, in one process, on the shapes of ``bench_hostpath.py``, through
+both input forms a serving loop uses: the dict of the scheduler's numpy id arrays (``bench_hostpath.py``'s hot
+path) and a ``BlockMapping`` built per job; contiguous k = 1 shapes also against its run-based coalescing build.
 
     python benchmarks/compare_hotpath.py OLD_ROOT [ROUNDS]
 
-OLD_ROOT is a checkout of the baseline (``git worktree add /tmp/planner-old <commit>``), imported as
-``kvxfer_old.planner`` (see ``compare_planner.py``). Rounds alternate old, new and run-based; each is timed
-over at least 50 ms of process CPU time; the minimum over rounds is reported. Both plans are checked equal
-first. Nothing is asserted; figures go to benchmarks/NOTES.md.
+OLD_ROOT is a checkout of the baseline (``/work/mkold.sh planner`` makes one of 7a517d5), imported as
+``kvxfer_old.planner`` (see ``compare_planner.py``). Rounds alternate old and new of both forms (and the
+run-based build); each is timed over at least 50 ms of process CPU time; the minimum over rounds is
+reported. All plans are checked equal first. Nothing is asserted; figures go to benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -28,16 +29,17 @@ def worker_layout(mod: Any, tensors: int, gpu_blocks: int, cpu_chunks: int, page
     return mod.Layout.model_validate(new.model_dump())
 
 
-def planner(mod: Any, layout: Any, job: Any) -> Any:
+def planner(mod: Any, layout: Any, job: Any, form: str) -> Any:
+    """``plan()`` planning ``job`` on ``layout`` with ``mod``'s planner, from a dict of the job's numpy arrays
+    (``form`` "dict") or from a BlockMapping built per call ("bm")."""
     s, d = (job.cpu_chunks, job.gpu_ids) if job.direction.value == "h2d" else (job.gpu_ids, job.cpu_chunks)
     grouped = job.k > 1 or job.skip
     target, direction = mod.Target(platform="cuda", runtime_version=mod.cuda_version(13, 0)), mod.Direction(job.direction.value)
-
-    def plan() -> Any:
-        return mod.plan_transfer(layout, mod.BlockMapping(
-            direction=direction, src_ids=s, dst_ids=d, group_sizes=(job.count,) if grouped else None,
-            group_starts=(job.skip,) if grouped else None), target)
-    return plan
+    groups = {"group_sizes": (job.count,), "group_starts": (job.skip,)} if grouped else {}
+    if form == "dict":
+        mapping = {"direction": direction, "src_ids": s, "dst_ids": d} | groups
+        return lambda: mod.plan_transfer(layout, mapping, target)
+    return lambda: mod.plan_transfer(layout, mod.BlockMapping(direction=direction, src_ids=s, dst_ids=d, **groups), target)
 
 
 def main() -> None:
@@ -49,15 +51,17 @@ def main() -> None:
         for dr in ("h2d", "d2h")]
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old(Path(sys.argv[1]), Path(tmp))
-        print(f"{'case':<34}{'old ms':>9}{'new ms':>9}{'new/old':>9}{'runs ms':>9}{'old/runs':>9}{'new/runs':>9}")
+        print(f"{'case':<34}{'dict old':>9}{'new':>8}{'new/old':>8}{'bm old':>9}{'new':>8}{'new/old':>8}"
+              f"{'runs ms':>9}{'new/runs':>9}")
         for pattern, n, k, dr in shapes:
             job, g, c = bh.make_job(pattern, n, k, dr, seed=32 if n == bh.C32_BLOCKS else 0)
-            fo = planner(old, worker_layout(old, bh.NUM_TENSORS, g, c, 256, k), job)
-            fn = planner(new, worker_layout(new, bh.NUM_TENSORS, g, c, 256, k), job)
-            a, b = fo(), fn()
-            if a.fingerprint != b.fingerprint:
+            layouts = {"old": worker_layout(old, bh.NUM_TENSORS, g, c, 256, k),
+                       "new": worker_layout(new, bh.NUM_TENSORS, g, c, 256, k)}
+            fns = {f"{form} {side}": planner(mod, layouts[side], job, form) for form in ("dict", "bm")
+                   for side, mod in (("old", old), ("new", new))}
+            prints = {f().fingerprint for f in fns.values()}
+            if len(prints) != 1:
                 raise SystemExit(f"{pattern} {n} {k} {dr}: the plans differ")
-            fns = {"old": fo, "new": fn}
             if k == 1 and pattern == "contiguous":
                 _, tensors = bh.memory_for(bh.worker_layout(bh.NUM_TENSORS, g, c, 256, 1))
                 fns["runs"] = lambda: bh.run_based_descriptors(tensors, job)
@@ -65,9 +69,11 @@ def main() -> None:
             for _ in range(rounds):
                 for key, f in fns.items():
                     t[key] = min(t[key], loop_time(f) * 1e3)
-            row = f"{f'118x{n} {pattern} k={k} {dr}':<34}{t['old']:9.3f}{t['new']:9.3f}{t['new'] / t['old']:9.2f}"
+            row = f"{f'118x{n} {pattern} k={k} {dr}':<34}"
+            for form in ("dict", "bm"):
+                row += f"{t[f'{form} old']:9.3f}{t[f'{form} new']:8.3f}{t[f'{form} new'] / t[f'{form} old']:8.2f}"
             if "runs" in t:
-                row += f"{t['runs']:9.3f}{t['old'] / t['runs']:9.2f}{t['new'] / t['runs']:9.2f}"
+                row += f"{t['runs']:9.3f}{t['dict new'] / t['runs']:9.2f}"
             print(row, flush=True)
 
 

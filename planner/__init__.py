@@ -1,17 +1,57 @@
-"""kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only."""
+"""kvxfer.planner: pure planning of KV-cache block transfers. Imports numpy and pydantic only.
+
+The public API is ``__all__``: the values (layouts, mappings, targets, options, plans), ``plan_transfer``,
+the errors, the strict file loader other layers read files with (``read_bytes``, ``read_json``), the
+message helpers models of other layers word their errors with (``Spec`` to subclass; ``shorten``,
+``suggest``), ``check_alignment`` for plans over aligned (O_DIRECT) buffers, and the public submodules
+``presets`` (example layouts and patterns), ``render`` (explain, HTML, rich, stats), ``diff``, ``golden`` and
+``viz`` (the transfer map; matplotlib is imported only when drawing). Submodules not imported here load on
+first use, so ``import kvxfer.planner`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import diff, render
+from ._model import Spec
+from .alignment import check_alignment
 from .case import Case
 from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
-from .files import PlanFileError
+from .files import PlanFileError, read_bytes, read_json, shorten, suggest
 from .layout import Layout
-from .plan import COLUMNS, SCHEMA_VERSION, CopyAttributes, LocationHint, TransferPlan
+from .plan import COLUMNS, SCHEMA_VERSION, TransferPlan, format_bytes
 from .planning import plan_transfer
 from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
-from .target import AccessOrder, CopyApi, PlanOptions, Platform, Target, cuda_version, hip_version
+from .target import (
+    AccessOrder,
+    CopyApi,
+    CopyAttributes,
+    LocationHint,
+    PlanOptions,
+    Platform,
+    Target,
+    cuda_version,
+    hip_version,
+)
+
+_LAZY = ("golden", "presets", "viz")  # public submodules imported on first use
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Case", "Buffer", "COLUMNS", "CopyApi", "CopyAttributes", "Direction", "Fragment", "Layout",
-    "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanOptions", "Platform",
-    "Region", "SCHEMA_VERSION", "PlanFileError", "Target", "TargetError", "TransferPlan", "cuda_version", "diff_plans",
-    "equivalent", "hip_version", "plan_transfer",
+    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "CopyApi", "CopyAttributes", "Direction", "Fragment",
+    "Layout", "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanFileError",
+    "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target", "TargetError", "TransferPlan",
+    "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent", "format_bytes", "golden", "hip_version",
+    "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten", "suggest", "viz",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,23 +1,18 @@
-"""Column operations shared by both planning paths: page-id runs, expansion of pages to byte ranges, take,
-concat, merge, split, canonical order, call chunking, block-fits checks and overlap checks.
+"""Column operations of planning: page-id runs, take, concat, merge, split, canonical order and call chunking.
 
-Everything here works on ``Ranges`` (a dict of columns, dense arrays or ``Runs``) with numpy; nothing loops
-over ranges in Python. Work grows with block pairs and output ranges; a loop over regions appears only over
-blocks of regions that differ in stride (``affine_rows``) or on an error path that names the culprit.
+Everything here works on ``Ranges`` (a dict of columns, dense arrays or ``Runs``) or on id arrays, with numpy;
+nothing loops over ranges in Python, and nothing knows a layout: the checking front end (``checks``) and the
+builder (``build``) pass in what they read from the layout's cache. Work grows with block pairs and output
+ranges; a loop over regions appears only over blocks of regions that differ in stride (``affine_rows``).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from .errors import LayoutError, MappingError
-from .layout_info import LayoutInfo, SideColumns
-from .plan import CopyAttributes, LocationHint
 from .runs import DenseRanges, Ranges, Runs, dense, dense_all, runs_of
-from .spec import Direction, Location, refuse_negative
-from .target import AccessOrder, PlanOptions, Target
 
 INT_COLUMNS = ("src_buf", "dst_buf", "region")
 
@@ -43,7 +38,7 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     """Runs (src id, dst id, length) where both ids advance by one, in the order of the lists (see
     ``order_runs`` for destination order). Without ``coalesce`` every pair is a run of one.
 
-    Differences of non-negative int64 ids cannot overflow; for unchecked ids see ``check_runs``."""
+    Differences of non-negative int64 ids cannot overflow; for unchecked ids see ``run_holds_negative``."""
     n = len(d)
     if not coalesce or n < 2:
         return s, d, np.ones(n, dtype=np.int64)
@@ -67,17 +62,14 @@ def id_runs(s: np.ndarray, d: np.ndarray, coalesce: bool) -> tuple[np.ndarray, n
     return s[starts], d[starts], lengths
 
 
-def check_runs(rs: np.ndarray, rl: np.ndarray, ids: np.ndarray, field: str) -> np.ndarray:
-    """Refuse negative ids (MappingError naming the first), checked on the runs of unchecked ids; return
-    each run's last id.
+def run_holds_negative(first: np.ndarray, last: np.ndarray) -> bool:
+    """Whether runs from ``first`` to ``last`` ids (each run's last id computed as ``first + length - 1`` in
+    int64) hold a negative id, for ids not yet checked.
 
-    Every id lies in its run between the first and the last id, so both non-negative proves the list
+    Every id lies in its run between the first and the last id, so both non-negative proves every id
     non-negative. A run can only hide a negative id by wrapping past the int64 maximum, and then its last
     id, computed the same way, is negative too."""
-    last: np.ndarray = rs + (rl - 1)
-    if len(rs) and int(np.bitwise_or(rs, last).min()) < 0:  # sign bit of either
-        refuse_negative(ids, field)
-    return last
+    return bool(len(first)) and int(np.minimum.reduce(np.bitwise_or(first, last))) < 0  # sign bit of either
 
 
 def order_runs(rs: np.ndarray, rd: np.ndarray, rl: np.ndarray,
@@ -104,12 +96,18 @@ def order_runs(rs: np.ndarray, rd: np.ndarray, rl: np.ndarray,
     return rs[starts], rd[starts], np.add.reduceat(rl, starts)
 
 
+def packed_limit(n: int) -> int:
+    """The documented id limit of ``sort_by``'s packed key for ``n`` ids: ids below it (and non-negative) sort
+    as ``id << bits | position`` in an int64, ``bits`` being the bit length of ``n - 1`` (at least 1)."""
+    return 1 << (62 - max(n - 1, 1).bit_length())
+
+
 def sort_by(d: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``d`` sorted, and ``s`` in the same order. Equal ``d`` keep their order (a repeated destination is
     an error found later, named by its first repeat in the caller's order).
 
-    Non-negative ids that leave room for the position are sorted as one packed key ``d << bits | position``
-    (a value sort, about three times faster than an index sort); others take a stable index sort."""
+    Non-negative ids below ``packed_limit(len(d))`` are sorted as one packed key ``d << bits | position`` (a
+    value sort, about three times faster than an index sort); others take a stable index sort."""
     n = len(d)
     bits = max(n - 1, 1).bit_length()
     if n and int(d.min()) >= 0 and int(d.max()) < 1 << (62 - bits):
@@ -123,111 +121,23 @@ def sort_by(d: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d[o], s[o]
 
 
-def raise_repeated_id(dst_ids: np.ndarray) -> None:
-    """Raise MappingError naming the first destination id that repeats an earlier one (slow path, errors only)."""
-    first: dict[int, int] = {}
-    for j, v in enumerate(dst_ids.tolist()):
-        if v in first:
-            raise MappingError("dst_ids", v, f"destination block is written twice (also dst_ids[{first[v]}])", j)
-        first[v] = j
-
-
-def check_pages_fit(info: LayoutInfo, side: Location, regs: np.ndarray | None, pages: np.ndarray,
-                    index: np.ndarray | None, ids: np.ndarray, field: str, top: int | None = None) -> None:
-    """Every page of every region in ``regs`` (None: all) must end inside its buffer. Page ends grow with the
-    page id, so the largest page decides (``top``: ``pages.max()`` where the caller has it already);
-    ``index[i]`` (default i) is the position in ``ids`` of page i."""
-    col = info.side[side]
-    if regs is None:
-        lowest = col.lowest_max_page
-        if top is not None and top <= lowest:  # the common case, first: no arrays made
-            return
-        regs = np.arange(info.nregions)
-    else:
-        lowest = int(col.max_page[regs].min()) if len(regs) else 0
-    if not len(pages) or not len(regs):
-        return
-    limit = col.max_page[regs]
-    top = int(pages.max()) if top is None else top
-    if top <= lowest:
-        return
-    r = int(regs[np.argmax(limit < top)])
-    i = int(np.argmax(pages > col.max_page[r]))
-    at = i if index is None else int(index[i])
-    buf = info.buffers[int(col.buf[r])]
-    raise MappingError(field, int(ids[at]), f"block of region {info.regions[r].name!r} ({side} side) ends at byte "
-                       f"{col.page_end(r, int(pages[i]))}, past buffer {buf.name!r} of {buf.nbytes} bytes "
-                       f"(last block that fits: {int(col.max_page[r])})", at)
-
-
 # ---- pages to byte ranges ---------------------------------------------------------------------------------
-class Part(Protocol):
-    """Ranges of some regions, written straight into the plan's columns when they are assembled."""
-
-    def counts(self, regs: np.ndarray) -> np.ndarray | list[int]:
-        """Ranges per region of ``regs``."""
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | list[int] | None:
-        """Per region of ``regs``: the one size all its ranges have; None when some region's sizes vary."""
-
-    def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
-        """Write the ranges of ``regs`` (region-major) into ``so``, ``do`` and, unless None, ``nb``."""
-
-
 class PageRuns:
-    """Runs of page ids (src, dst, length) applied to regions whose offsets are linear in the page id: each
-    run is one range of ``length`` pages in each region, in destination order."""
+    """Runs of page pairs (src page, dst page, length) in destination order, where both pages advance together:
+    run i copies pages ``rs[i] .. rs[i] + rl[i] - 1`` to ``rd[i] .. rd[i] + rl[i] - 1``. Made from pages checked
+    to fit their buffers (so ``rd + rl`` cannot wrap); ``pairs`` is the number of page pairs."""
 
-    def __init__(self, info: LayoutInfo, direction: Direction, sp: np.ndarray, dp: np.ndarray, coalesce: bool,
-                 check_ids: bool = False):
-        """``check_ids``: ``sp`` and ``dp`` are the mapping's ``src_ids`` and ``dst_ids``, not yet known to be
-        non-negative: they are checked here, on the runs, and ``top_s`` / ``top_d`` (the largest ids, -1
-        otherwise) are set for the caller's fit check, which comes before anything else uses them."""
-        self.S, self.D, self.page = info.side[direction.src_side], info.side[direction.dst_side], info.page
-        rs, rd, rl = id_runs(sp, dp, coalesce)
-        self.top_s = self.top_d = -1
-        if check_ids and len(rl) == 1:  # one run (a contiguous job): Python integers cannot wrap
-            first_s, first_d, n = int(rs[0]), int(rd[0]), int(rl[0])
-            if first_s < 0 or first_s + n > 1 << 63:
-                check_runs(rs, rl, sp, "src_ids")
-            if first_d < 0 or first_d + n > 1 << 63:
-                check_runs(rd, rl, dp, "dst_ids")
-            self.top_s, self.top_d = first_s + n - 1, first_d + n - 1
-        elif check_ids and len(rl):
-            self.top_s = int(check_runs(rs, rl, sp, "src_ids").max())
-            self.top_d = int(check_runs(rd, rl, dp, "dst_ids").max())
-        if max(self.top_s, self.top_d) >= (1 << 63) - 1:  # fits no buffer (under 2^63 bytes): the
-            self.rs, self.rd, self.rl = rs, rd, rl  # fit check refuses it; ordering (id + length) could wrap
-            self.singles, self.uniform = False, False
-            return
+    __slots__ = ("rs", "rd", "rl", "singles", "uniform")
+
+    def __init__(self, rs: np.ndarray, rd: np.ndarray, rl: np.ndarray, pairs: int, coalesce: bool):
         self.rs, self.rd, self.rl = order_runs(rs, rd, rl, coalesce)
-        self.singles = len(self.rl) == len(sp)  # every run one page long
+        self.singles = len(self.rl) == pairs  # every run one page long
         self.uniform = self.singles or len(self.rl) == 1 or bool((self.rl == self.rl[0]).all())
 
     @property
     def repeated(self) -> bool:
-        """Whether some destination page repeats (runs are sorted by destination; ids checked to fit first)."""
+        """Whether some destination page repeats (runs are in destination order: a repeat overlaps the next run)."""
         return len(self.rd) > 1 and bool((self.rd[:-1] + self.rl[:-1] > self.rd[1:]).any())
-
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        """Ranges per region: the number of runs, the same for every region of ``regs``."""
-        return np.full(len(regs), len(self.rs), dtype=np.int64)
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        """Per region of ``regs``: page bytes times the run length when every run has one length, else None."""
-        if not self.uniform:
-            return None
-        out: np.ndarray = self.page[regs] * (int(self.rl[0]) if len(self.rl) else 0)
-        return out
-
-    def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
-        """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
-        shape = (len(regs), len(self.rs))
-        S, D = self.S, self.D
-        affine_rows(S.base[regs], S.linear_stride[regs], self.rs, so.reshape(shape))
-        affine_rows(D.base[regs], D.linear_stride[regs], self.rd, do.reshape(shape))
-        if nb is not None:
-            affine_rows(np.zeros(len(regs), np.int64), self.page[regs], self.rl, nb.reshape(shape))
 
 
 def affine_rows(base: np.ndarray, stride: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
@@ -250,60 +160,6 @@ def affine_rows(base: np.ndarray, stride: np.ndarray, ids: np.ndarray, out: np.n
         if p is None:
             p = products[u] = ids * u
         np.add(base[a:b, None], p, out=out[a:b])
-
-
-class Pieces:
-    """Pages x pieces of one region (a fragment table, or pages whose offsets are not linear in the id).
-
-    ``sp`` and ``dp`` are the pages in destination order; the table's pieces are in destination order already."""
-
-    def __init__(self, src: SideColumns, dst: SideColumns, r: int, sp: np.ndarray, dp: np.ndarray,
-                 table: tuple[np.ndarray, np.ndarray, np.ndarray]):
-        self.so, self.do = src.offsets(r, sp), dst.offsets(r, dp)
-        self.table = table
-        self.count = len(sp) * len(table[2])
-        self.size = int(table[2][0]) if len(table[2]) == 1 else None
-
-    def counts(self, regs: np.ndarray) -> list[int]:
-        """Ranges per region: pages times pieces, the same for every region of ``regs``."""
-        return [self.count] * len(regs)
-
-    def uniform_nbytes(self, regs: np.ndarray) -> list[int] | None:
-        """The piece size per region of ``regs`` when the table has one piece per page, else None."""
-        return None if self.size is None else [self.size] * len(regs)
-
-    def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
-        """Write every page's pieces (offsets, and sizes unless ``nb`` is None) into the output columns, page-major."""
-        fs, fd, fb = self.table
-        shape = (len(self.so), len(fb))
-        np.add(self.so[:, None], fs, out=so.reshape(shape))
-        np.add(self.do[:, None], fd, out=do.reshape(shape))
-        if nb is not None:
-            nb.reshape(shape)[:] = fb
-
-
-def assemble(info: LayoutInfo, direction: Direction, parts: Sequence[tuple[np.ndarray, Part]]) -> Ranges:
-    """One set of columns from parts (regions, their ranges), region-major in the given order. Offsets are
-    written once, in place; buffer and region columns (and ``nbytes`` when each region's ranges share one
-    size) stay run-length encoded."""
-    if not parts:
-        return empty_ranges()
-    regs = np.concatenate([g for g, _ in parts]).astype(np.int32)
-    counts = [p.counts(g) for g, p in parts]
-    lengths = np.concatenate(counts).astype(np.int64, copy=False)
-    sizes = [p.uniform_nbytes(g) for g, p in parts]
-    total = int(lengths.sum())
-    so, do = info.pool.empty(total), info.pool.empty(total)  # reused once no plan views them (see scratch)
-    nb = None if all(s is not None for s in sizes) else np.empty(total, dtype=np.int64)
-    ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
-    at = 0
-    for (g, p), end in zip(parts, ends):
-        p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
-        at = end
-    nbytes: np.ndarray | Runs = nb if nb is not None else Runs(np.concatenate(sizes), lengths)  # type: ignore[arg-type]
-    return {"src_buf": Runs(info.side[direction.src_side].buf[regs], lengths), "src_offset": so,
-            "dst_buf": Runs(info.side[direction.dst_side].buf[regs], lengths), "dst_offset": do,
-            "nbytes": nbytes, "region": Runs(regs, lengths)}
 
 
 # ---- merging, splitting, order ----------------------------------------------------------------------------
@@ -439,74 +295,3 @@ def calls_by_group(region: Runs | np.ndarray, call_group: np.ndarray, cap: int |
     bounds = np.append((ends - lengths)[first], n)
     out = [chunk_calls(b - a, cap)[:-1] + a for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
     return np.append(np.concatenate(out), n)
-
-
-# ---- overlap checks ---------------------------------------------------------------------------------------
-def check_overlaps(info: LayoutInfo, direction: Direction, r: Ranges, dst_ids: np.ndarray | None,
-                   call_group: np.ndarray | None = None) -> None:
-    """No destination byte written twice; no range reading bytes another range writes in the same buffer.
-
-    ``r`` is in canonical order; with one call group that is destination order, so one pass over neighbours
-    finds any overlap. ``dst_ids``, when given, lets a region's repeated page be named by its repeated id.
-    """
-    d = dense_all(r)
-    o: Any = slice(None) if call_group is None or not call_group.any() else np.lexsort((d["dst_offset"], d["dst_buf"]))
-    db, do, nb, reg = d["dst_buf"][o], d["dst_offset"][o], d["nbytes"][o], d["region"][o]
-    bad = np.flatnonzero((db[1:] == db[:-1]) & (do[:-1] + nb[:-1] > do[1:]))
-    if bad.size:
-        i = int(bad[0])
-        ra, rb = int(reg[i]), int(reg[i + 1])
-        name = info.buffers[int(db[i])].name
-        a, b = info.regions[ra].name, info.regions[rb].name
-        if ra == rb and dst_ids is not None:
-            raise_repeated_id(dst_ids)
-        if ra == rb:
-            raise MappingError("dst_ids", f"{name}[{int(do[i + 1])}:{int(do[i + 1] + nb[i + 1])}]",
-                               f"destination bytes of region {b!r} are written twice")
-        raise LayoutError(f"regions[{int(info.origin[rb])}]", b, f"writes bytes at offset {int(do[i + 1])} of buffer "
-                          f"{name!r} that region {a!r} also writes")
-    check_reads_vs_writes(info, direction, d)
-
-
-def check_reads_vs_writes(info: LayoutInfo, direction: Direction, r: DenseRanges) -> None:
-    """In a buffer that is both read and written, no destination range may overlap any source range."""
-    for b in info.shared_buffers(direction):
-        sm, dm = r["src_buf"] == b, np.flatnonzero(r["dst_buf"] == b)
-        if not sm.any() or not len(dm):
-            continue
-        ss, se = r["src_offset"][sm], r["src_offset"][sm] + r["nbytes"][sm]
-        o = np.argsort(ss, kind="stable")
-        ss, se = ss[o], np.maximum.accumulate(se[o])
-        do, de = r["dst_offset"][dm], r["dst_offset"][dm] + r["nbytes"][dm]
-        k = np.searchsorted(ss, de, side="left") - 1  # last source range starting before the destination ends
-        hit = (k >= 0) & (se[np.maximum(k, 0)] > do)
-        if hit.any():
-            j = int(np.argmax(hit))
-            name = info.buffers[b].name
-            region = int(info.origin[int(r["region"][dm[j]])])
-            raise LayoutError(f"regions[{region}].{direction.dst_side}", name,
-                              f"destination bytes [{int(do[j])}, {int(de[j])}) of buffer {name!r} overlap "
-                              f"source bytes of the same transfer")
-
-
-# ---- attributes -------------------------------------------------------------------------------------------
-def attributes(info: LayoutInfo, direction: Direction, target: Target,
-               options: PlanOptions) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:
-    """The attribute table and each region's entry in it (location hints follow the region's buffers)."""
-    flags = target.flags(options.prefer_overlap_with_compute)
-    return info.cached(("attrs", direction.value, flags), lambda: _attribute_table(info, direction, flags))
-
-
-def _attribute_table(info: LayoutInfo, direction: Direction, flags: int) -> tuple[tuple[CopyAttributes, ...], np.ndarray]:
-    order = AccessOrder.ANY if direction is Direction.H2D else AccessOrder.STREAM
-    table: dict[CopyAttributes, int] = {}
-    idx = np.zeros(max(info.nregions, 1), dtype=np.uint16)
-    for i, reg in enumerate(info.regions):
-        hints = []
-        for side in (direction.src_side, direction.dst_side):
-            b = info.buffers[info.buffer_index[reg.placement(side).buffer]]
-            hints.append(LocationHint(location=b.location, id=b.device if b.location is Location.DEVICE else 0))
-        a = CopyAttributes(src_access_order=order, src_location=hints[0], dst_location=hints[1], flags=flags)
-        idx[i] = table.setdefault(a, len(table))
-    idx.flags.writeable = False
-    return tuple(table), idx

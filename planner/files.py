@@ -167,9 +167,10 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
         raise PlanFileError(field, f"shape {arr.shape}", f"expected {ndim} dimension{'s' * (ndim > 1)}", source=source)
     if arr.size == 0:
         return np.zeros(arr.shape, dtype=dtype)
-    if arr.dtype.kind not in "iuO":
-        raise PlanFileError(field, str(arr.dtype), "expected integers (bools, floats and strings are refused)",
-                            source=source)
+    if arr.dtype.kind not in "iuO":  # bools, floats (even 2.0) and strings: the first entry is already one
+        first = arr.ravel()[0]
+        raise PlanFileError(field, first.item() if hasattr(first, "item") else first,
+                            f"expected an integer, got {arr.dtype.name}", 0, source)
     lo, hi = 0, int(np.iinfo(dtype).max)
     if arr.dtype.kind == "O":
         flat = arr.ravel()

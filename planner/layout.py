@@ -1,4 +1,4 @@
-"""Layout: named buffers and the regions placed in them, with the derived columns (``info``) cached on it."""
+"""Layout: named buffers and the regions placed in them, with its planning cache (``info``) made once."""
 from __future__ import annotations
 
 import functools
@@ -9,12 +9,13 @@ from pydantic import Field, model_validator
 
 from ._model import Spec
 from .errors import LayoutError
-from .layout_info import LayoutInfo
+from .layout_cache import LayoutCache
 from .spec import Buffer, Location, Region
 
 
 class Layout(Spec):
-    """Named buffers and the regions placed in them. Derived arrays are computed once per layout (cached).
+    """Named buffers and the regions placed in them. What planning derives from them is made once per layout
+    (``info``, built on first use or by ``prepare``).
 
     ``num_groups`` declares the number of KV-cache groups (None: one more than the largest ``region.group``), so
     a group with no regions still exists: it consumes its slice of the mapping's ids and copies nothing.
@@ -52,9 +53,26 @@ class Layout(Spec):
         return self
 
     @functools.cached_property
-    def info(self) -> LayoutInfo:
-        """The derived per-region columns (LayoutInfo), built on first use and cached."""
-        return LayoutInfo(self.buffers, self.regions, self.num_groups)
+    def info(self) -> LayoutCache:
+        """The layout's planning cache (per-region columns, groups, per-direction facts), built on first use."""
+        return LayoutCache(self.buffers, self.regions, self.num_groups)
+
+    @property
+    def group_count(self) -> int:
+        """The number of KV-cache groups: ``num_groups`` when declared, else one more than the largest
+        ``region.group`` (1 for a layout without regions)."""
+        return self.info.num_groups
+
+    @property
+    def chunked(self) -> bool:
+        """Whether some region holds more than one block per chunk on some side (its ids there are chunk ids)."""
+        return self.info.chunked
+
+    def prepare(self) -> Layout:
+        """Build every per-layout structure planning needs now (both directions, default options), so the first
+        plan pays no per-layout cost; returns the layout. Other option settings are made on first use."""
+        self.info.prepare()
+        return self
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Layout:
         """A copy, validated again when ``update`` changes fields (derived arrays are rebuilt, never shared)."""

@@ -9,44 +9,19 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-from pydantic import Field
 
-from ._model import IntTuple, Spec
+from ._model import IntTuple
 from .errors import PlanError
-from .files import PLAN_COLUMNS, PlanFileError, parse_json, plan_fields, read_bytes, read_npz, validate
+from .files import PLAN_COLUMNS, PlanFileError, check_int, int_array, parse_json, plan_fields, read_bytes, read_npz, validate
+from .frozen import freeze
 from .runs import Column, Runs, runs_of
-from .spec import Buffer, Direction, Location
-from .target import AccessOrder, CopyApi, PlanOptions, Target
+from .spec import Buffer, Direction
+from .target import CopyApi, PlanOptions, Target
+from .target import CopyAttributes as CopyAttributes  # defined with the target (the driver's record); views
+from .target import LocationHint as LocationHint  # import both from here too
 
 SCHEMA_VERSION = 1
 COLUMNS: dict[str, np.dtype] = PLAN_COLUMNS
-
-
-class LocationHint(Spec):
-    """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
-
-    location: Location
-    id: int = Field(default=0, ge=0, lt=2**31)
-
-    @property
-    def code(self) -> int:
-        """The C location type: 1 (device) or 2 (host)."""
-        return 1 if self.location is Location.DEVICE else 2
-
-
-class CopyAttributes(Spec):
-    """One CUmemcpyAttributes / hipMemcpyAttributes record."""
-
-    src_access_order: AccessOrder
-    src_location: LocationHint
-    dst_location: LocationHint
-    flags: int = Field(default=0, ge=0, lt=2**32)  # C unsigned int
-
-    def short(self) -> str:
-        """One line for tables, e.g. ``any host->dev0 flags 0x0``."""
-        def loc(h: LocationHint) -> str:
-            return f"dev{h.id}" if h.location is Location.DEVICE else "host"
-        return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"
 
 
 def format_bytes(n: int) -> str:
@@ -118,60 +93,39 @@ class TransferPlan:
     def __init__(self, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
                  regions: tuple[str, ...], attrs: tuple[CopyAttributes, ...], requested_copies: int,
                  call_offsets: np.ndarray, columns: Mapping[str, Column], passes_attrs: bool | None = None,
-                 api: CopyApi | None = None, region_page_bytes: tuple[int, ...] | None = None,
+                 api: CopyApi | None = None, region_page_bytes: Sequence[int] | None = None,
                  aliases: Sequence[Sequence[str]] | None = None,
                  region_writers: Sequence[Sequence[int]] | None = None):
-        set_ = object.__setattr__
-        set_(self, "direction", Direction(direction))
-        set_(self, "target", target)
-        set_(self, "options", options)
-        set_(self, "api", CopyApi(api) if api is not None else target.copy_api)
-        set_(self, "buffers", tuple(buffers))
-        set_(self, "regions", tuple(regions))
+        """A plan from fields given by hand (or read from a file), every one converted and checked: each column
+        (a list, an array or ``Runs``) and ``call_offsets`` must hold integers that fit the column's dtype (no
+        floats, bools, negative or wrapping values), columns one length and call offsets rising from 0 to it.
+        Raises PlanError naming the field (the column), the index and the value. The plan keeps copies of
+        the caller's arrays, never the arrays themselves."""
+        regions = tuple(regions)
         rpb = region_page_bytes
-        set_(self, "region_page_bytes", rpb if type(rpb) is IntTuple else tuple(map(int, rpb or ())))
-        if self.region_page_bytes and len(self.region_page_bytes) != len(self.regions):
-            raise PlanError("region_page_bytes", len(self.region_page_bytes), f"expected one per region ({len(self.regions)})")
-        set_(self, "attrs", tuple(attrs))
-        set_(self, "passes_attrs", target.passes_attrs if passes_attrs is None else bool(passes_attrs))
-        set_(self, "requested_copies", int(requested_copies))
-        set_(self, "aliases", tuple((str(a), str(b)) for a, b in aliases or ()))
-        set_(self, "region_writers", tuple((int(w), int(i)) for w, i in region_writers or ()))
-        unknown = sorted({n for pair in self.aliases for n in pair} - set(self.regions)) if self.aliases else []
+        rpb = rpb if type(rpb) is IntTuple else tuple(_checked(list(rpb or ()), "region_page_bytes", np.dtype(np.int64)).tolist())
+        if rpb and len(rpb) != len(regions):
+            raise PlanError("region_page_bytes", len(rpb), f"expected one per region ({len(regions)})")
+        pairs = tuple((str(a), str(b)) for a, b in aliases or ())
+        unknown = sorted({n for pair in pairs for n in pair} - set(regions)) if pairs else []
         if unknown:
             raise PlanError("aliases", unknown, "not regions of the plan")
-        if self.region_writers and len(self.region_writers) != len(self.regions):
-            raise PlanError("region_writers", len(self.region_writers), f"expected one per region ({len(self.regions)})")
-        n = None
+        writers = tuple((int(w), int(i)) for w, i in region_writers or ())
+        if writers and len(writers) != len(regions):
+            raise PlanError("region_writers", len(writers), f"expected one per region ({len(regions)})")
         store: dict[str, Column] = {}
-        run_total: dict[int, int] = {}  # columns of one plan share their run lengths: sum each array once
         for name, dtype in COLUMNS.items():
             col = columns[name]
             if isinstance(col, Runs):  # kept run-length encoded until first read (columns constant per region)
-                col = Runs(col.values.astype(dtype, copy=False), col.lengths)
-                col.values.flags.writeable = col.lengths.flags.writeable = False
-                total = run_total.get(id(col.lengths))
-                if total is None:
-                    total = run_total[id(col.lengths)] = len(col)
-                if n is not None and total != n:
-                    raise PlanError(name, total, f"column length differs from {n}")
-                n = total
+                store[name] = Runs(_checked(col.values, f"{name}.values", dtype),
+                                   _checked(col.lengths, f"{name}.lengths", np.dtype(np.int64)))
             else:
-                col = np.ascontiguousarray(col, dtype=dtype)
-                if col.ndim != 1:
-                    raise PlanError(name, f"shape {col.shape}", "columns are one-dimensional")
-                col.flags.writeable = False
-                if n is not None and len(col) != n:
-                    raise PlanError(name, len(col), f"column length differs from {n}")
-                n = len(col)
-            store[name] = col
-        set_(self, "_store", store)
-        set_(self, "_dense", {})  # run-length columns once expanded (their runs stay in _store)
-        co = np.ascontiguousarray(call_offsets, dtype=np.int64)
-        set_(self, "call_offsets", co)
-        set_(self, "_fingerprint", None)
-        self.check_shape()  # the call offsets (the column lengths were checked above, column by column)
-        co.flags.writeable = False
+                store[name] = freeze(_checked(col, name, dtype))
+        self._setup(Direction(direction), target, options, CopyApi(api) if api is not None else target.copy_api,
+                    tuple(buffers), regions, rpb, tuple(attrs),
+                    target.passes_attrs if passes_attrs is None else bool(passes_attrs),
+                    _checked_int(requested_copies, "requested_copies"), pairs, writers, store,
+                    freeze(_checked(call_offsets, "call_offsets", np.dtype(np.int64))), check=True)
 
     @classmethod
     def planned(cls, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
@@ -179,41 +133,54 @@ class TransferPlan:
                 call_offsets: np.ndarray, columns: Mapping[str, Column], region_page_bytes: tuple[int, ...],
                 aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...],
                 api: CopyApi, passes_attrs: bool) -> TransferPlan:
-        """For the planner: a plan from fields it built, in their final types (columns of one length with
-        non-negative values, call offsets rising from 0 to that length; ``api`` and ``passes_attrs`` the
-        target's), taken without the constructor's conversions and checks. Dense columns are reinterpreted
-        as their plan dtypes and made read-only; run-length columns are never handed out as they are.
-        Executors check every plan they run, whichever way it was made: its shape (``check_shape``) and every
-        range against its buffer."""
-        plan = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(plan, "direction", direction)
-        set_(plan, "target", target)
-        set_(plan, "options", options)
-        set_(plan, "api", api)
-        set_(plan, "buffers", buffers)
-        set_(plan, "regions", regions)
-        set_(plan, "region_page_bytes", region_page_bytes)
-        set_(plan, "attrs", attrs)
-        set_(plan, "passes_attrs", passes_attrs)
-        set_(plan, "requested_copies", requested_copies)
-        set_(plan, "aliases", aliases)
-        set_(plan, "region_writers", region_writers)
-        set_(plan, "_dense", {})
-        set_(plan, "_fingerprint", None)
+        """For the planner: a plan from fields it built, in their final types (non-negative integer columns, call
+        offsets rising from 0; ``api`` and ``passes_attrs`` the target's). The plan takes ownership of the
+        arrays (nobody may write them afterwards) and freezes them; it checks only the columns' lengths and the
+        call offsets (``check_shape``). Executors check every range of every plan they run."""
         store: dict[str, Column] = {}
         for name, dtype in COLUMNS.items():
             col = columns[name]
             if isinstance(col, Runs):  # never handed out as such (read through runs_of copies or expansion)
                 store[name] = col if col.values.dtype == dtype else Runs(col.values.astype(dtype), col.lengths)
-            else:  # same-size integers: a view (the planner's values are non-negative)
-                col = col.view(dtype) if col.dtype.itemsize == dtype.itemsize else col.astype(dtype)
-                col.flags.writeable = False
-                store[name] = col
-        set_(plan, "_store", store)
-        call_offsets.flags.writeable = False
-        set_(plan, "call_offsets", call_offsets)
+            else:  # same-size integers: reinterpreted (the planner's values are non-negative)
+                store[name] = freeze(col, dtype) if col.dtype.itemsize == dtype.itemsize else freeze(col.astype(dtype))
+        plan = object.__new__(cls)
+        plan._setup(direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs,
+                    requested_copies, aliases, region_writers, store, freeze(call_offsets), check=False)
         return plan
+
+    def _setup(self, direction: Direction, target: Target, options: PlanOptions, api: CopyApi,
+               buffers: tuple[Buffer, ...], regions: tuple[str, ...], region_page_bytes: tuple[int, ...],
+               attrs: tuple[CopyAttributes, ...], passes_attrs: bool, requested_copies: int,
+               aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...],
+               store: dict[str, Column], call_offsets: np.ndarray, check: bool) -> None:
+        """Every field, from values already in their final form (the one place a plan's fields are set); then,
+        with ``check``, the shape (``check_shape``)."""
+        set_ = object.__setattr__
+        set_(self, "direction", direction)
+        set_(self, "target", target)
+        set_(self, "options", options)
+        set_(self, "api", api)
+        set_(self, "buffers", buffers)
+        set_(self, "regions", regions)
+        set_(self, "region_page_bytes", region_page_bytes)
+        set_(self, "attrs", attrs)
+        set_(self, "passes_attrs", passes_attrs)
+        set_(self, "requested_copies", requested_copies)
+        set_(self, "aliases", aliases)
+        set_(self, "region_writers", region_writers)
+        set_(self, "_store", store)
+        set_(self, "call_offsets", call_offsets)
+        set_(self, "_dense", {})
+        set_(self, "_fingerprint", None)
+        if check:
+            self.check_shape()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickling and ``copy``: the fields as built; the copy's arrays are frozen again (see ``_restore``)."""
+        return _restore, ((self.direction, self.target, self.options, self.api, self.buffers, self.regions,
+                           self.region_page_bytes, self.attrs, self.passes_attrs, self.requested_copies,
+                           self.aliases, self.region_writers, dict(self._store), self.call_offsets),)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TransferPlan is immutable")
@@ -228,9 +195,7 @@ class TransferPlan:
             return col
         dense = self._dense.get(name)
         if dense is None:  # two threads may both expand: equal arrays, either kept
-            dense = col.dense()
-            dense.flags.writeable = False
-            self._dense[name] = dense
+            dense = self._dense[name] = freeze(col.dense())
         return dense
 
     def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -469,3 +434,39 @@ class TransferPlan:
         return read(data, str(path))
 
 
+def _restore(fields: tuple[Any, ...]) -> TransferPlan:
+    """A plan from ``TransferPlan.__reduce__``'s fields (a pickle or a copy): arrays unpickled or deep-copied
+    are frozen, run-length columns rebuilt, and the shape checked as the constructor checks it."""
+    (direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs, requested_copies,
+     aliases, region_writers, store, call_offsets) = fields
+    frozen: dict[str, Column] = {}
+    for name, col in store.items():
+        if isinstance(col, Runs):
+            values, lengths = np.array(col.values), np.array(col.lengths, dtype=np.int64)
+            values.flags.writeable = lengths.flags.writeable = False
+            frozen[name] = Runs(values, lengths)
+        else:
+            frozen[name] = freeze(np.ascontiguousarray(col))
+    plan = object.__new__(TransferPlan)
+    plan._setup(direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs,
+                requested_copies, aliases, region_writers, frozen,
+                freeze(np.ascontiguousarray(call_offsets, dtype=np.int64)), check=True)
+    return plan
+
+
+def _checked(value: Any, field: str, dtype: np.dtype) -> np.ndarray:
+    """``value`` as a new one-dimensional array of ``dtype``, every entry an integer that fits it; PlanError
+    naming the field, the index and the value otherwise."""
+    if isinstance(value, (list, tuple)) and not set(map(type, value)) <= {int}:
+        value = np.array(value, dtype=object)  # numpy integers among them are integers; anything else is named
+    try:
+        return int_array(value, field, dtype, None)
+    except PlanFileError as e:
+        raise PlanError(e.field, e.value, e.reason, e.index) from None
+
+
+def _checked_int(value: Any, field: str) -> int:
+    try:
+        return check_int(value, field, None)
+    except PlanFileError as e:
+        raise PlanError(e.field, e.value, e.reason, e.index) from None

@@ -5,15 +5,15 @@ The Layout that gathers buffers and regions lives in ``layout.py`` (it carries t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_serializer, model_validator
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
+from .ids import as_ids, check_lengths, count_of, is_plain, plain_ints, refuse_negative_entry
 
 MAX_NBYTES = 2**63 - 1  # keeps every offset and difference inside int64
 U64 = 2**64
@@ -183,207 +183,45 @@ class Region(Spec):
                 self.num_writers, self.writer_index)
 
 
-def _as_ids(value: Any, field: str) -> np.ndarray:
-    """Block ids as a read-only int64 array; rejects non-integers and negatives naming the index."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
-        arr = value
-    else:
-        if value is None or isinstance(value, (dict, str, bytes)) or not hasattr(value, "__len__"):
-            raise MappingError(field, type(value).__name__, "expected a list or array of integer block ids")
-        try:
-            arr = np.asarray(value)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise MappingError(field, type(value).__name__, f"not an array of integers ({e})") from None
-        if arr.dtype.kind == "O" and arr.ndim == 1:  # Python ints beyond int64, None, objects
-            for i, v in enumerate(arr.tolist()):
-                shown = v if isinstance(v, (int, float, str, type(None))) else type(v).__name__
-                if not isinstance(v, int) or isinstance(v, bool):
-                    raise MappingError(field, shown, "block ids must be integers", i)
-                if not 0 <= v <= np.iinfo(np.int64).max:
-                    raise MappingError(field, v, "block ids must be non-negative" if v < 0 else "block id does not fit int64", i)
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf" and arr.size:
-            idx = 0 if arr.ndim else None
-            first = arr.flat[0] if arr.size else value
-            raise MappingError(field, first.item() if hasattr(first, "item") else first, "block ids must be integers", idx)
-        if arr.dtype.kind == "f":
-            bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))
-            if bad.size:
-                raise MappingError(field, float(arr[bad[0]]), "block ids must be integers", int(bad[0]))
-    if arr.ndim != 1:
-        raise MappingError(field, f"shape {arr.shape}", "block ids must be one-dimensional")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        i = int(np.argmax(arr))
-        raise MappingError(field, int(arr[i]), "block id does not fit int64", i)
-    if arr.dtype.kind == "f" and arr.size and np.abs(arr).max() > 2.0**62:
-        i = int(np.argmax(np.abs(arr)))
-        raise MappingError(field, float(arr[i]), "block id out of range", i)
-    out = np.array(arr, dtype=np.int64, copy=True)  # own copy: the caller may reuse its array
-    if out.size and out.min() < 0:
-        refuse_negative(out, field)
-    out.flags.writeable = False
-    return out
-
-
-def refuse_negative(ids: np.ndarray, field: str) -> None:
-    """Raise MappingError naming the first negative id of ``ids`` (the error path of every non-negativity check,
-    whichever pass found it)."""
-    i = int(np.argmax(ids < 0))
-    raise MappingError(field, int(ids[i]), "block ids must be non-negative", i)
-
-
-_DIRECTIONS = frozenset(d.value for d in Direction)
-_MAPPING_KEYS = frozenset(("direction", "src_ids", "dst_ids", "group_sizes", "group_starts"))
-
-
-def _fast_mapping(data: dict[str, Any], ids: Callable[[np.ndarray, str], np.ndarray] | None = None) -> dict[str, Any] | None:
-    """BlockMapping's fields from integer id arrays, a Direction (or its value) and group lists of non-negative
-    integers, checked as the validators check them; None for anything else (pydantic then validates it and
-    names what is wrong)."""
-    if not (data.keys() <= _MAPPING_KEYS and "direction" in data):
-        return None
-    src, dst = data.get("src_ids"), data.get("dst_ids")
-    if not (isinstance(src, np.ndarray) and isinstance(dst, np.ndarray) and src.dtype.kind in "iu"
-            and dst.dtype.kind in "iu"):
-        return None
-    direction = data["direction"]
-    if not isinstance(direction, Direction):
-        if not isinstance(direction, str) or direction not in _DIRECTIONS:
-            return None
-        direction = Direction(direction)
-    groups = []
-    for name in ("group_sizes", "group_starts"):
-        v = data.get(name)
-        if v is not None:
-            if not isinstance(v, (tuple, list)) or not all(
-                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in v):
-                return None
-            v = tuple(int(x) for x in v)
-        groups.append(v)
-    take = ids or _as_ids
-    return {"direction": direction, "src_ids": take(src, "src_ids"), "dst_ids": take(dst, "dst_ids"),
-            "group_sizes": groups[0], "group_starts": groups[1]}
-
-
-def _borrow_ids(arr: np.ndarray, field: str) -> np.ndarray:
-    """An integer id array as int64 without copying it when it is int64 already (values unchecked)."""
-    if arr.ndim != 1:
-        raise MappingError(field, f"shape {arr.shape}", "block ids must be one-dimensional")
-    if arr.dtype != np.int64:
-        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            i = int(np.argmax(arr))
-            raise MappingError(field, int(arr[i]), "block id does not fit int64", i)
-        arr = arr.astype(np.int64)
-    return arr
-
-
-class BorrowedMapping:
-    """BlockMapping's fields over the caller's own id arrays, not copied: what ``plan_transfer`` plans from
-    when handed a dict of integer numpy id arrays (the per-job hot path; the plan keeps no ids).
-
-    Direction, dtype, shape, lengths and group fields are checked here as BlockMapping checks them, naming the
-    field; the ids' values (non-negative) are checked by the planning path on its way, on id runs, before any
-    id is used (``checked`` is False until then). The arrays must not change while the plan is made."""
-
-    __slots__ = ("direction", "src_ids", "dst_ids", "group_sizes", "group_starts")
-    checked = False
-
-    def __init__(self, direction: Direction, src_ids: np.ndarray, dst_ids: np.ndarray,
-                 group_sizes: tuple[int, ...] | None, group_starts: tuple[int, ...] | None):
-        self.direction, self.src_ids, self.dst_ids = direction, src_ids, dst_ids
-        self.group_sizes, self.group_starts = group_sizes, group_starts
-
-    @classmethod
-    def of(cls, data: Any) -> BorrowedMapping | None:
-        """The mapping of ``data`` (a dict with integer numpy id arrays and well-formed other fields), or None
-        for anything else (which BlockMapping then validates, naming what is wrong)."""
-        values = _fast_mapping(data, _borrow_ids) if isinstance(data, dict) else None
-        if values is None:
-            return None
-        mapping = cls(**values)
-        try:
-            _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
-        except MappingError:
-            mapping.check_values()  # a negative id is named first, as BlockMapping names it (rare path)
-            raise
-        return mapping
-
-    def check_values(self) -> None:
-        """Refuse a negative id, naming field, value and index (one pass per list; the plain path does it on
-        id runs instead)."""
-        for field in ("src_ids", "dst_ids"):
-            ids = getattr(self, field)
-            if len(ids) and int(ids.min()) < 0:
-                refuse_negative(ids, field)
-
-    @property
-    def plain(self) -> bool:
-        """As ``BlockMapping.plain``."""
-        return _plain_groups(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))
-
-    def __len__(self) -> int:
-        return len(self.src_ids) if self.group_sizes is None else sum(self.group_sizes)
-
-
-def _plain_groups(sizes: tuple[int, ...] | None, starts: tuple[int, ...] | None, ns: int, nd: int) -> bool:
-    if sizes is None:
-        return True
-    return len(sizes) == 1 and not any(starts or ()) and sizes[0] == ns == nd
-
-
-def _check_lengths(src: np.ndarray, dst: np.ndarray, sizes: tuple[int, ...] | None,
-                   starts: tuple[int, ...] | None) -> None:
-    if starts is not None and sizes is None:
-        raise MappingError("group_starts", starts, "needs group_sizes")
-    if starts is not None and len(starts) != len(sizes or ()):
-        raise MappingError("group_starts", f"length {len(starts)}", f"group_sizes has {len(sizes or ())} groups")
-    if sizes is None and len(src) != len(dst):
-        raise MappingError("dst_ids", f"length {len(dst)}",
-                           f"src_ids has {len(src)} ids; the lists must have equal length")
+_IDS_SCHEMA = WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})
 
 
 class BlockMapping(Spec):
-    """Which blocks move: src_ids[i] -> dst_ids[i] in every region. Ids are read-only int64 arrays."""
+    """Which blocks move: src_ids[i] -> dst_ids[i] in every region. Ids are read-only int64 arrays of the mapping's
+    own (``ids.as_ids``); a refusal names one field, index and value, the ids' first."""
 
     model_config = Spec.model_config | {"arbitrary_types_allowed": True}
     _error: ClassVar = MappingError
     direction: Direction
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
+    src_ids: Annotated[np.ndarray, _IDS_SCHEMA]
+    dst_ids: Annotated[np.ndarray, _IDS_SCHEMA]
     group_sizes: tuple[int, ...] | None = None
     group_starts: tuple[int, ...] | None = None
 
-    @field_validator("group_sizes", "group_starts")
+    if TYPE_CHECKING:  # what callers may pass (lists or arrays of integers); validated as ``Spec.__init__`` does
+        def __init__(self, **data: Any) -> None: ...
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _non_negative(cls, v: tuple[int, ...] | None, info: ValidationInfo) -> tuple[int, ...] | None:
-        for i, x in enumerate(v or ()):
-            if x < 0:
-                raise MappingError(str(info.field_name), x, "must be non-negative", i)
-        return v
-
-    @field_validator("src_ids", "dst_ids", mode="plain")
-    @classmethod
-    def _ids(cls, v: Any, info: ValidationInfo) -> np.ndarray:
-        return _as_ids(v, str(info.field_name))
-
-    def __init__(self, **data: Any) -> None:
-        """Validated as every Spec; integer id arrays with well-formed fields around them (the per-job case)
-        take the same checks without pydantic's machinery (``_as_ids`` and ``_check_lengths`` as below)."""
-        values = _fast_mapping(data)
-        if values is None:
-            super().__init__(**data)
-            return
-        _check_lengths(values["src_ids"], values["dst_ids"], values["group_sizes"], values["group_starts"])
-        set_ = object.__setattr__  # what BaseModel.model_construct sets
-        set_(self, "__dict__", values)
-        set_(self, "__pydantic_fields_set__", set(data))
-        set_(self, "__pydantic_extra__", None)
-        set_(self, "__pydantic_private__", None)
-
-    @model_validator(mode="after")
-    def _lengths(self) -> BlockMapping:
-        _check_lengths(self.src_ids, self.dst_ids, self.group_sizes, self.group_starts)
-        return self
+    def _checked(cls, data: Any, handler: Any) -> BlockMapping:
+        """The id lists converted and checked first (``as_ids``), group fields of plain integers taken as tuples;
+        then pydantic checks the rest (other group values, the direction, unknown and missing keys); then the
+        groups are non-negative and the lengths agree (``check_lengths``)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in ("src_ids", "dst_ids"):
+                if name in data:
+                    data[name] = as_ids(data[name], name)
+            for name in ("group_sizes", "group_starts"):
+                value = data.get(name)
+                ints = None if value is None else plain_ints(value)
+                if ints is not None:
+                    data[name] = ints
+        m: BlockMapping = handler(data)
+        for name in ("group_sizes", "group_starts"):
+            refuse_negative_entry(getattr(m, name) or (), name)
+        check_lengths(m.src_ids, m.dst_ids, m.group_sizes, m.group_starts)
+        return m
 
     def model_dump(self, **kw: Any) -> dict[str, Any]:  # arrays -> lists so JSON round-trips
         """direction, src_ids and dst_ids (and the group fields when set) as JSON-ready values; keyword arguments are ignored."""
@@ -408,10 +246,10 @@ class BlockMapping(Spec):
         return hash((self.direction, self.src_ids.tobytes(), self.dst_ids.tobytes(), self.group_sizes, self.group_starts))
 
     def __len__(self) -> int:
-        return len(self.src_ids) if self.group_sizes is None else sum(self.group_sizes)
+        return count_of(self.group_sizes, self.src_ids)
 
     @property
     def plain(self) -> bool:
         """One group starting at a chunk boundary whose size is the length of both id lists: ids pair up one
         to one (anything else is checked against the layout's groups and chunks)."""
-        return _plain_groups(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))
+        return is_plain(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))

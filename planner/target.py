@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ._model import Spec
 from .errors import TargetError
+from .spec import Location
 
 
 class Platform(StrEnum):
@@ -205,3 +206,30 @@ class PlanOptions(Spec):
         no cap (0 also means none)."""
         cap = target.default_max_descriptors if self.max_descriptors is None else self.max_descriptors
         return cap or None
+
+
+class LocationHint(Spec):
+    """CUmemLocation: where an operand lives (type code DEVICE=1, HOST=2) and the device ordinal."""
+
+    location: Location
+    id: int = Field(default=0, ge=0, lt=2**31)
+
+    @property
+    def code(self) -> int:
+        """The C location type: 1 (device) or 2 (host)."""
+        return 1 if self.location is Location.DEVICE else 2
+
+
+class CopyAttributes(Spec):
+    """One CUmemcpyAttributes / hipMemcpyAttributes record."""
+
+    src_access_order: AccessOrder
+    src_location: LocationHint
+    dst_location: LocationHint
+    flags: int = Field(default=0, ge=0, lt=2**32)  # C unsigned int
+
+    def short(self) -> str:
+        """One line for tables, e.g. ``any host->dev0 flags 0x0``."""
+        def loc(h: LocationHint) -> str:
+            return f"dev{h.id}" if h.location is Location.DEVICE else "host"
+        return f"{self.src_access_order.value} {loc(self.src_location)}->{loc(self.dst_location)} flags {self.flags:#x}"

@@ -22,14 +22,19 @@ import pytest
 
 from kvxfer.executors import NumpyExecutor
 from kvxfer.planner import (
+    COLUMNS,
     BlockMapping,
+    Buffer,
     Case,
     Layout,
     LayoutError,
+    Location,
     MappingError,
+    Placement,
     PlanError,
     PlanFileError,
     PlanOptions,
+    Region,
     Target,
     TargetError,
     TransferPlan,
@@ -174,6 +179,54 @@ def cli(*args: str, files: dict[str, Any] | None = None) -> Callable[[Env], Any]
 
 def broken_golden(d: dict[str, Any]) -> None:
     d["plan"]["ranges"][0][1] = 1.5
+
+
+def built_plan(column: str, value: Any, index: int = 1) -> Callable[[Env], Any]:
+    """Build PLAN again by hand with one value of ``column`` (or ``call_offsets``) changed, and run it."""
+    def act(env: Env) -> None:
+        cols = {c: PLAN.column(c).tolist() for c in COLUMNS}
+        offsets = PLAN.call_offsets.tolist()
+        (offsets if column == "call_offsets" else cols[column])[index] = value
+        env.run(TransferPlan(direction=PLAN.direction, target=PLAN.target, options=PLAN.options, buffers=PLAN.buffers,
+                             regions=PLAN.regions, attrs=PLAN.attrs, requested_copies=PLAN.requested_copies,
+                             call_offsets=offsets, columns=cols))
+    return act
+
+
+def chunked_mapping(s: list[int], d: list[int]) -> Callable[[Env], Any]:
+    """A dict of numpy ids (the hot path) on a layout whose host side holds chunks of 2 blocks, planned and run
+    on sentinel buffers of its own."""
+    def act(env: Env) -> None:
+        layout = presets.chunked_layout(2, 8, 64, blocks_per_chunk=2)
+        bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}
+        mapping = {"direction": "h2d", "src_ids": np.array(s), "dst_ids": np.array(d), "group_sizes": [len(d)]}
+        NumpyExecutor().run(plan_transfer(layout, mapping), bufs)
+    return act
+
+
+def one_buffer_store() -> Callable[[Env], Any]:
+    """A store writing X[48, 144) while one copy reads X[0, 96) and a later-starting one X[10, 20)."""
+    def act(env: Env) -> None:
+        layout = Layout(buffers=[Buffer(name="X", nbytes=500, location=Location.HOST)], regions=[
+            Region(name=f"r{r}", page_bytes=p, device=Placement(buffer="X", byte_offset=a),
+                   host=Placement(buffer="X", byte_offset=b))
+            for r, (p, a, b) in enumerate(((96, 0, 300), (96, 200, 48), (10, 10, 400)))])
+        plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[0]))
+    return act
+
+
+def writes_across_buffers() -> Callable[[Env], Any]:
+    """a writes X[0, 100) and b X[50, 150), with c's write to Y[20, 30) between their offsets."""
+    def act(env: Env) -> None:
+        layout = Layout(buffers=[Buffer(name="X", nbytes=200, location=Location.HOST),
+                                 Buffer(name="Y", nbytes=200, location=Location.HOST),
+                                 *(Buffer(name=f"g{r}", nbytes=1000) for r in range(3))],
+                        regions=[Region(name=name, page_bytes=page, device=Placement(buffer=f"g{r}"),
+                                        host=Placement(buffer=buf, byte_offset=off))
+                                 for r, (name, page, buf, off) in enumerate((("a", 100, "X", 0), ("b", 100, "X", 50),
+                                                                             ("c", 10, "Y", 20)))])
+        plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[0]))
+    return act
 
 
 CASE_JSON = CASE.to_dict()
@@ -339,6 +392,24 @@ CATALOGUE: list[Bad] = [
         "c.json": case_with("target", runtime_version=13)}), CLI_EXIT, "1000*major"),
     # ---- offload: the worker, shared regions, files (rows built in tests/offload_bad_inputs.py) ------------------
     *(Bad(*row) for row in OFFLOAD_ROWS),
+    # ---- the planner's front end and the plan constructor (restructured planner; issue 22, items 6, 7) --------
+    Bad("plan built with a buffer index past int32", built_plan("src_buf", 2**32), PlanError, "src_buf[1] = 4294967296"),
+    Bad("plan built with an attribute index past uint16", built_plan("attr", 65536), PlanError, "attr[1] = 65536"),
+    Bad("plan built with a fractional size", built_plan("nbytes", 1.5), PlanError, "nbytes[1] = 1.5"),
+    Bad("plan built with a negative offset", built_plan("dst_offset", -64), PlanError, "dst_offset[1] = -64"),
+    Bad("plan built with a NaN offset", built_plan("src_offset", float("nan")), PlanError, "src_offset[1] = nan"),
+    Bad("plan built with a bool size", built_plan("nbytes", True), PlanError, "nbytes[1] = True"),
+    Bad("plan built with float call offsets", built_plan("call_offsets", 0.5, index=0), PlanError, "call_offsets[0] = 0.5"),
+    Bad("dict ids: a chunk past its buffer", chunked_mapping([0, 4], [0, 1, 2, 3]), MappingError,
+        "src_ids[1] = 4: block of region 'kv1' (host side) ends at byte 1088, past buffer 'cpu'"),
+    Bad("dict ids: negative id named before the short list", chunked_mapping([0, -1], [0, 1]), MappingError,
+        "src_ids[1] = -1: block ids must be non-negative"),
+    Bad("store over bytes a long earlier read covers", one_buffer_store(), LayoutError, "overlap source bytes"),
+    Bad("writes overlapping across another buffer's range", writes_across_buffers(), LayoutError,
+        "that region 'a' also writes"),
+    Bad("region writer index equal to its writers", lambda env: Region(
+        name="r", page_bytes=8, device={"buffer": "g"}, host={"buffer": "h"}, num_writers=2, writer_index=2),
+        LayoutError, "writer_index = 2: must be below num_writers 2"),
 ]
 
 

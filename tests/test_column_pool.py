@@ -1,4 +1,4 @@
-"""ColumnPool (planner/scratch.py): large offset columns are reused only once nothing refers to them.
+"""ColumnPool (planner/column_pool.py): large offset columns are reused only once nothing refers to them.
 
 Reuse is observed through the pool itself (how many arrays it holds, and whether a returned array is one of
 them), never through addresses alone: the C allocator may hand freed memory back at the same address.
@@ -9,6 +9,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,11 +23,11 @@ from kvxfer.planner import (
     PlanOptions,
     Region,
     TransferPlan,
+    column_pool,
     plan_transfer,
     presets,
-    scratch,
 )
-from kvxfer.planner.scratch import POOL_MIN, ColumnPool
+from kvxfer.planner.column_pool import POOL_MIN, ColumnPool
 
 GIL_CPYTHON = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
 pytestmark = pytest.mark.skipif(not GIL_CPYTHON, reason="pooling is off by design outside CPython with the GIL")
@@ -41,7 +42,7 @@ def pooled(pool: ColumnPool, a: np.ndarray) -> bool:
 
 # ---- reuse and its safety -----------------------------------------------------------------------------------
 def test_pooling_is_on_in_cpython_with_the_gil():
-    assert scratch.FREE > 0
+    assert column_pool.FREE > 0
 
 
 @pytest.mark.parametrize("n", [POOL_MIN, POOL_MIN + 1, 3 * POOL_MIN])
@@ -124,7 +125,7 @@ def test_small_arrays_are_never_pooled():
 
 def test_pooling_is_off_without_trustworthy_reference_counts(monkeypatch):
     """With FREE == 0 (not CPython, or free-threaded) every call returns fresh memory and the pool holds none."""
-    monkeypatch.setattr(scratch, "FREE", 0)
+    monkeypatch.setattr(column_pool, "FREE", 0)
     pool = ColumnPool()
     for n in (POOL_MIN, 2 * POOL_MIN, POOL_MIN):
         a = pool.empty(n)
@@ -182,9 +183,10 @@ def test_a_request_larger_than_the_byte_cap_is_served_unpooled():
 
 
 # ---- threads ------------------------------------------------------------------------------------------------
-def test_threads_never_share_a_live_array():
-    """8 threads take, fill, yield, verify and drop arrays of random sizes from one pool."""
-    pool = ColumnPool()
+def _storm(pool: ColumnPool, steps: int, size: Callable[[random.Random], int],
+           pause: Callable[[int], None]) -> list[str]:
+    """8 threads each take ``steps`` arrays from ``pool``, in turn: check that no live holder shares the memory,
+    fill it, ``pause(step)``, check the contents, drop it. Returns what went wrong."""
     live: dict[int, np.ndarray] = {}  # holder token -> its array, while held
     lock = threading.Lock()
     errors: list[str] = []
@@ -193,9 +195,8 @@ def test_threads_never_share_a_live_array():
     def work(tid: int) -> None:
         rng = random.Random(tid)
         start.wait()
-        for step in range(150):
-            n = rng.randrange(POOL_MIN // 2, 3 * POOL_MIN)
-            a = pool.empty(n)
+        for step in range(steps):
+            a = pool.empty(size(rng))
             token = tid * 1000 + step
             with lock:
                 clash = [t for t, b in live.items() if np.shares_memory(a, b)]
@@ -203,10 +204,7 @@ def test_threads_never_share_a_live_array():
             if clash:
                 errors.append(f"thread {tid} got memory held by {clash}")
             a.fill(token)
-            if step % 3 == 0:
-                time.sleep(0)
-            else:
-                time.sleep(0.0001)
+            pause(step)
             if not bool((a == token).all()):
                 errors.append(f"thread {tid} step {step}: contents changed while held")
             with lock:
@@ -218,9 +216,40 @@ def test_threads_never_share_a_live_array():
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def test_threads_never_share_a_live_array():
+    """8 threads take, fill, yield, verify and drop arrays of random sizes from one pool."""
+    pool = ColumnPool()
+    errors = _storm(pool, 150, lambda rng: rng.randrange(POOL_MIN // 2, 3 * POOL_MIN),
+                    lambda step: time.sleep(0 if step % 3 == 0 else 0.0001))
     assert not errors, errors[:5]
     assert len(pool) <= pool.slots and pool.nbytes <= pool.max_bytes
     assert len(pool) > 0  # the pool was used
+
+
+def test_threads_never_share_an_array_even_when_switched_inside_the_hand_out(monkeypatch):
+    """A thread switch forced between finding a free array and claiming it (inside ``ColumnPool.empty``) must not
+    let another thread claim the same array: 8 threads, a switch interval of a microsecond, and every reference
+    count read followed by a yield."""
+    real = column_pool._count
+
+    def count_then_yield(owners: list[np.ndarray], i: int) -> int:
+        n = real(owners, i)
+        time.sleep(0)  # another thread runs here, between the check and the claim
+        return n
+
+    monkeypatch.setattr(column_pool, "_count", count_then_yield)
+    pool = ColumnPool(slots=4)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        errors = _storm(pool, 60, lambda rng: POOL_MIN, lambda step: time.sleep(0))
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:5]
+    assert 0 < len(pool) <= pool.slots
 
 
 # ---- through the planner --------------------------------------------------------------------------------------
@@ -228,12 +257,12 @@ NREG, NBLOCKS, NPAIRS = 64, 2048, 1024  # 64 x 1024 fragmented pairs: 65,536 ran
 
 
 def _kv_layout() -> Layout:
-    """All regions dense: the fast path's one-part assembly (PlainKit)."""
+    """All regions dense: every region takes the same id runs (one block of rows)."""
     return presets.kv_layout(NREG, NBLOCKS, 256, shared_host=False)
 
 
 def _mixed_layout() -> Layout:
-    """Half the regions dense, half with padded rows: the fast path's mixed assembly (columns.assemble)."""
+    """Half the regions dense, half with padded rows: the regions' ranges assembled part by part."""
     buffers, regions = [], []
     for r in range(NREG):
         stride = 256 if r % 2 else 512
@@ -299,7 +328,7 @@ def test_a_dropped_plans_memory_is_reused_by_a_later_plan(make_layout):
 def test_plans_with_pooling_off_are_the_same(monkeypatch):
     layout = _kv_layout()
     want = plan_transfer(layout, _job(4, "d2h"), options=PlanOptions(coalesce=False)).fingerprint
-    monkeypatch.setattr(scratch, "FREE", 0)
+    monkeypatch.setattr(column_pool, "FREE", 0)
     fresh = _kv_layout()
     plan = plan_transfer(fresh, _job(4, "d2h"), options=PlanOptions(coalesce=False))
     assert plan.fingerprint == want

@@ -1,9 +1,9 @@
-"""The per-job hot path: a dict of numpy id arrays planned without a BlockMapping (BorrowedMapping), the id-run
-helpers it is built on, the layout thresholds that let it skip sorts and merges, the 2-D lowering of plans to
-addresses, and plans made by ``TransferPlan.planned``.
+"""The per-job hot path: a dict of numpy id arrays planned without a BlockMapping (borrowed, not copied), the
+id-run helpers it is built on, the layout thresholds that let it skip sorts and merges, the 2-D lowering of
+plans to addresses, and plans made by ``TransferPlan.planned``.
 
 Every expected result comes from somewhere else than the code under test: BlockMapping plans and errors, the
-general path, the oracle (kvxfer.testing), numpy sorts, or brute force written here.
+oracle (kvxfer.testing), numpy sorts, or brute force written here.
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from kvxfer.planner import (
     presets,
 )
 from kvxfer.planner.columns import id_runs, order_runs, sort_by
-from kvxfer.planner.planning import plan_transfer_general
 from kvxfer.planner.runs import Runs
-from kvxfer.testing import assert_plan_matches
+from kvxfer.testing import assert_plan_matches, expected_copies
 
 from .test_planner_props import general_cases, layouts
 
@@ -62,7 +61,7 @@ def hot(direction, s, d, **groups):
     return {"direction": direction, "src_ids": s, "dst_ids": d, **groups}
 
 
-# ---- 1. equivalence with BlockMapping, the general path and the oracle ---------------------------------------
+# ---- 1. equivalence with BlockMapping and the oracle ------------------------------------------------------------
 @st.composite
 def id_lists(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct destination ids (consecutive or scattered), source ids (a run or random, repeats allowed),
@@ -115,7 +114,9 @@ OPTIONS = [PlanOptions(), PlanOptions(coalesce=False), PlanOptions(max_descripto
 
 @settings(max_examples=150, deadline=None)
 @given(layouts(), st.data())
-def test_hot_path_plans_equal_blockmapping_and_general_path_plans(drawn, data):
+def test_hot_path_plans_and_refuses_as_blockmapping_does(drawn, data):
+    """Any integer array form plans the BlockMapping's plan, or refuses with its message; plans move the
+    oracle's bytes."""
     layout, nb_dev, nb_host = drawn
     direction = data.draw(st.sampled_from(["h2d", "d2h"]))
     n_src, n_dst = (nb_host, nb_dev) if direction == "h2d" else (nb_dev, nb_host)
@@ -126,20 +127,15 @@ def test_hot_path_plans_equal_blockmapping_and_general_path_plans(drawn, data):
     assert np.array_equal(src, s) and np.array_equal(dst, d)
     fast = outcome(plan_transfer, layout, hot(direction, src, dst), options)
     assert fast == bm_outcome(plan_transfer, layout, direction, s, d, options)
-    general = outcome(plan_transfer_general, layout, hot(direction, src, dst), options)
-    assert general == bm_outcome(plan_transfer_general, layout, direction, s, d, options)
     if isinstance(fast, str):
-        assert fast == general
         mapping = BlockMapping(direction=direction, src_ids=s, dst_ids=d)
         assert_plan_matches(plan_transfer(layout, hot(direction, src, dst), options=options), layout, mapping, options)
-    else:  # both refuse, with the same class (the general path words some refusals its own way)
-        assert not isinstance(general, str) and general[0] == fast[0], (fast, general)
 
 
 @settings(max_examples=120, deadline=None)
 @given(general_cases(), st.sampled_from(["int64", "int32", "strided"]))
 def test_hot_path_with_groups_and_chunks_equals_blockmapping(case, form):
-    """k > 1, groups, skips, fragments and writers: the dict goes down the general path and plans the same."""
+    """k > 1, groups, skips, fragments and writers: the dict plans as the BlockMapping does."""
     layout, mapping, options = case
     src, dst = FORMS[form](mapping.src_ids), FORMS[form](mapping.dst_ids)
     groups = {"group_sizes": list(mapping.group_sizes), "group_starts": list(mapping.group_starts)}
@@ -148,20 +144,6 @@ def test_hot_path_with_groups_and_chunks_equals_blockmapping(case, form):
     if isinstance(got, str) and len(mapping) < 12:
         assert_plan_matches(plan_transfer(layout, hot(mapping.direction, src, dst, **groups), options=options),
                             layout, mapping, options)
-
-
-def test_hot_path_takes_the_fast_path_for_plain_dicts(monkeypatch):
-    """The equivalence above compares two different code paths: a plain dict really plans on the fast path."""
-    import kvxfer.planner.planning as planning
-
-    calls = []
-    original = planning.plan_plain
-    monkeypatch.setattr(planning, "plan_plain", lambda *a: calls.append(type(a[1]).__name__) or original(*a))
-    layout = presets.kv_layout(3, 32, 16)
-    s, d = presets.block_pattern("runs8", 8, 32)
-    plan_transfer(layout, hot("h2d", s.astype(np.int64), d.astype(np.int64)))
-    plan_transfer(layout, hot("h2d", s.astype(np.int64), d.astype(np.int64), group_sizes=[8], group_starts=[0]))
-    assert calls == ["BorrowedMapping", "BorrowedMapping"]
 
 
 # ---- 2. refusals on the hot path are BlockMapping's ------------------------------------------------------------
@@ -179,7 +161,7 @@ def _strided_layout(n: int = 16):
 
 
 def _mixed_layout(n: int = 16):
-    """One dense region and one with padded rows: the fast path's mixed assembly."""
+    """One dense region and one with padded rows: id runs on one, one range per page on the other."""
     regions = [Region(name="dense", page_bytes=16, device=Placement(buffer="g0"), host=Placement(buffer="h0")),
                Region(name="padded", page_bytes=16, device=Placement(buffer="g1", stride_bytes=32),
                       host=Placement(buffer="h1"))]
@@ -226,8 +208,6 @@ def test_hot_path_refuses_as_blockmapping_does(name, layout_name, options):
     assert not isinstance(want, str), f"BlockMapping planned {name}"
     assert got == want
     assert want[0] == "MappingError"
-    assert outcome(plan_transfer_general, layout, hot("h2d", s, d), options) == \
-        bm_outcome(plan_transfer_general, layout, "h2d", s, d, options)
 
 
 @pytest.mark.parametrize("field", ["src_ids", "dst_ids"])
@@ -321,7 +301,7 @@ JOBS = {
 def test_callers_arrays_are_not_modified_nor_kept(job, layout_name, options):
     s, d = (np.array(a, dtype=np.int64, copy=True) for a in JOBS[job])  # fresh: the test overwrites them
     groups = {}
-    if layout_name == "chunked":  # the general path: host chunks of 2 pages, one chunk id per 2 device ids
+    if layout_name == "chunked":  # host chunks of 2 pages: one chunk id per 2 device ids
         layout, groups = presets.chunked_layout(3, 64, 16, blocks_per_chunk=2, host_chunks=32), {"group_sizes": [16]}
         s = np.ascontiguousarray(s[::2] // 2)
     else:
@@ -398,11 +378,13 @@ def _extent_end(region: Region, side: str, top: int) -> int:
 @settings(max_examples=300, deadline=None)
 @given(link_layouts(), st.sampled_from(list(Direction)), st.data())
 def test_linked_regions_and_disjointness_match_brute_force(layout, direction, data):
+    """Per direction of the layout's alias-free regions (the ones planning works on)."""
     info = layout.info
+    facts = info.facts(direction)
     S, D = direction.src_side, direction.dst_side
     top_s = data.draw(st.integers(0, int(info.side[S].max_page.max())))
     top_d = data.draw(st.integers(0, int(info.side[D].max_page.max())))
-    regs = layout.regions
+    regs = info.unique.regions
     want = np.zeros(len(regs), dtype=bool)
     for i, a in enumerate(regs):
         for j, b in enumerate(regs):
@@ -412,14 +394,14 @@ def test_linked_regions_and_disjointness_match_brute_force(layout, direction, da
                     and a.placement(D).byte_offset <= _extent_end(b, D, top_d)
                     and b.placement(D).byte_offset <= _extent_end(a, D, top_d)):
                 want[i] = True
-    assert info.linked_regions(direction, top_s, top_d).tolist() == want.tolist()
+    assert facts.linked(len(regs), top_s, top_d).tolist() == want.tolist()
     index = {b.name: i for i, b in enumerate(layout.buffers)}
     key = [(index[r.placement(D).buffer], r.placement(D).byte_offset) for r in regs]
     by_dst = sorted(range(len(regs)), key=lambda i: key[i])
     disjoint = all(key[a][0] != key[b][0] or _extent_end(regs[a], D, top_d) <= key[b][1]
                    for a, b in zip(by_dst, by_dst[1:]))
-    order, got = info.dst_order(direction, top_d)
-    assert got == disjoint
+    assert (top_d <= facts.disjoint_top) == disjoint
+    order = info.strategy(direction, PlanOptions()).order
     assert [key[i] for i in order.tolist()] == sorted(key)
 
 
@@ -566,8 +548,8 @@ def test_lowering_where_the_quick_bound_fails_but_every_range_fits(grid):
     template = plan_transfer(layout, presets.mapping("fragmented", 2, 8, "h2d"))
     size = layout.buffers[0].nbytes
     lengths = [2, 2] if grid else [1, 3]
-    buf = np.repeat([layout.info.buffer_index["gpu.kv0"], layout.info.buffer_index["gpu.kv1"]], lengths).astype(np.int32)
-    src_buf = np.repeat([layout.info.buffer_index["cpu.kv0"], layout.info.buffer_index["cpu.kv1"]], lengths).astype(np.int32)
+    buf = np.repeat([layout.buffer_index("gpu.kv0"), layout.buffer_index("gpu.kv1")], lengths).astype(np.int32)
+    src_buf = np.repeat([layout.buffer_index("cpu.kv0"), layout.buffer_index("cpu.kv1")], lengths).astype(np.int32)
     nb = np.array([64, 8, 64, 8], dtype=np.uint64) if grid else np.array([64, 64, 8, 8], dtype=np.uint64)
     off = np.array([0, size - 8, 0, size - 8], dtype=np.uint64) if grid else np.array([0, 0, 64, size - 8], dtype=np.uint64)
     plan = TransferPlan(direction=template.direction, target=template.target, options=template.options,
@@ -693,7 +675,7 @@ def test_planned_columns_stay_read_only_when_expanded_by_threads():
     import threading
 
     plan = plan_transfer(presets.kv_layout(8, 256, 16), presets.mapping("fragmented", 100, 256))
-    stored = dict(plan._store)
+    stored = plan.stored_nbytes
     got: list[np.ndarray] = []
     threads = [threading.Thread(target=lambda: got.append(plan.column("region"))) for _ in range(4)]
     for t in threads:
@@ -701,7 +683,8 @@ def test_planned_columns_stay_read_only_when_expanded_by_threads():
     for t in threads:
         t.join()
     assert len(got) == 4 and all(np.array_equal(g, got[0]) and not g.flags.writeable for g in got)
-    assert isinstance(stored["region"], Runs) and all(plan._store[k] is v for k, v in stored.items())
+    dense = plan.num_ranges * sum(dtype.itemsize for dtype in COLUMNS.values()) + plan.call_offsets.nbytes
+    assert plan.stored_nbytes == stored < dense  # still run-length encoded as stored
     assert plan.column("region").tolist() == np.repeat(np.arange(8), 100).tolist()
 
 
@@ -787,9 +770,15 @@ def test_negative_ids_are_refused_on_a_layout_without_regions():
     assert got == bm_outcome(plan_transfer, layout, "h2d", m["src_ids"], m["dst_ids"]) and got[0] == "MappingError"
 
 
+def _byte_pairs(buffers, src_buf, src_offset, dst_buf, dst_offset, nbytes) -> list[tuple[str, int, str, int]]:
+    return sorted((buffers[int(sb)], int(so) + i, buffers[int(db)], int(do) + i)
+                  for sb, so, db, do, n in zip(src_buf, src_offset, dst_buf, dst_offset, nbytes) for i in range(int(n)))
+
+
 @pytest.mark.parametrize("s, d", [([0, 5], [5, 0]), ([0, 1, 2], [2, 0, 1]), ([7, 8, 9, 1], [3, 4, 5, 0])])
-def test_ids_above_2_to_62_plan_alike_on_every_path(s, d):
-    """Buffers near 2^63 bytes with 1-byte pages: ids above 2^62 are still put in destination order."""
+def test_ids_above_2_to_62_plan_alike_in_every_form(s, d):
+    """Buffers near 2^63 bytes with 1-byte pages: ids above 2^62 are still put in destination order, and the
+    plan copies exactly the oracle's bytes (compared byte pair by byte pair: such buffers cannot be made)."""
     big = 2**63 - 1
     layout = Layout(buffers=(Buffer(name="dev", nbytes=big, location=Location.DEVICE),
                              Buffer(name="host", nbytes=big, location=Location.HOST)),
@@ -797,7 +786,12 @@ def test_ids_above_2_to_62_plan_alike_on_every_path(s, d):
                                     host=Placement(buffer="host")),))
     top = 2**62
     s, d = np.array(s, np.int64) + top, np.array(d, np.int64) + top
-    want = outcome(plan_transfer_general, layout, BlockMapping(direction="h2d", src_ids=s, dst_ids=d))
-    assert isinstance(want, str)  # a fingerprint: planned
-    assert outcome(plan_transfer, layout, {"direction": "h2d", "src_ids": s, "dst_ids": d}) == want
-    assert outcome(plan_transfer, layout, BlockMapping(direction="h2d", src_ids=s, dst_ids=d)) == want
+    mapping = BlockMapping(direction="h2d", src_ids=s, dst_ids=d)
+    plan = plan_transfer(layout, mapping)
+    assert outcome(plan_transfer, layout, {"direction": "h2d", "src_ids": s, "dst_ids": d}) == plan.fingerprint
+    assert outcome(plan_transfer, layout, mapping.model_dump()) == plan.fingerprint
+    names = [b.name for b in layout.buffers]
+    c = expected_copies(layout, mapping)
+    assert _byte_pairs(names, plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset, plan.nbytes) == \
+        _byte_pairs(names, c.src_buf, c.src_offset, c.dst_buf, c.dst_offset, c.nbytes)
+    assert plan.dst_offset.tolist() == sorted(plan.dst_offset.tolist())

@@ -1,12 +1,30 @@
-"""The planner's modules import in one order: no cycle but the documented lazy edge plan -> render, and no
-module imports another module's private (underscore) name."""
+"""The planner's modules import in the order the README states: every module appears once in the README's
+"Planner modules, in import order" list, and imports only modules listed before it (the one documented lazy
+edge, plan -> render, aside). No module imports another module's private (underscore) name."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PLANNER = Path(__file__).resolve().parents[1] / "planner"
+ROOT = Path(__file__).resolve().parents[1]
+PLANNER = ROOT / "planner"
+README = ROOT / "README.md"
 LAZY = {("plan", "render")}  # TransferPlan.explain / _repr_html_ / __rich__ / stats
+
+
+def modules() -> set[str]:
+    return {f.stem for f in PLANNER.glob("*.py") if f.stem != "__init__"}
+
+
+def readme_order() -> list[str]:
+    """The planner modules in the order the README's list names them: every backticked name of a module, in the
+    section from its heading to the paragraph on the lazy edge."""
+    text = README.read_text()
+    start = text.index("### Planner modules, in import order")
+    section = text[start:text.index("One documented lazy edge", start)]
+    names = modules()
+    return [name for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section) if name in names]
 
 
 def imports() -> dict[str, set[tuple[str, tuple[str, ...]]]]:
@@ -24,25 +42,25 @@ def imports() -> dict[str, set[tuple[str, tuple[str, ...]]]]:
     return out
 
 
-def test_no_cycle_but_the_documented_lazy_edge():
-    edges = {m: {t for t, _ in found if t != m} for m, found in imports().items()}
-    edges = {m: ts - {b for a, b in LAZY if a == m} for m, ts in edges.items()}
-    state: dict[str, int] = {}
+def test_the_readme_lists_every_planner_module_once():
+    order = readme_order()
+    repeated = sorted({m for m in order if order.count(m) > 1})
+    assert not repeated, f"named more than once in the README's list (name each module once): {repeated}"
+    assert set(order) == modules(), f"missing from the README's list: {sorted(modules() - set(order))}"
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for t in sorted(edges.get(m, ())):
-            if state.get(t) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join(path + [m, t])}")
-            if t not in state:
-                visit(t, path + [m])
-        state[m] = 2
 
-    for m in sorted(edges):
-        if m not in state:
-            visit(m, [])
-    assert ("render", ()) not in {(t, ()) for t, _ in imports()["render"]}
-    assert "plan" in {t for t, _ in imports()["render"]}  # the lazy edge really is the only way back
+def test_each_module_imports_only_modules_listed_before_it():
+    order = readme_order()
+    rank = {m: i for i, m in enumerate(order)}
+    late = sorted((m, t) for m, found in imports().items() if m in rank for t, _ in found
+                  if t in rank and rank[t] >= rank[m] and (m, t) not in LAZY)
+    assert not late, f"imports of modules listed at or after the importer (README order): {late}"
+
+
+def test_the_lazy_edge_is_the_only_way_back():
+    assert "plan" in {t for t, _ in imports()["render"]}  # render imports plan at module level
+    order = readme_order()
+    assert order.index("plan") < order.index("render")
 
 
 def test_no_private_names_cross_modules():
@@ -52,5 +70,6 @@ def test_no_private_names_cross_modules():
 
 
 def test_old_module_names_are_gone():
-    names = {f.stem for f in PLANNER.glob("*.py")}
-    assert not names & {"inspect", "coalesce", "layouts", "_views"}  # inspect shadowed the standard library
+    names = modules()
+    assert not names & {"inspect", "coalesce", "layouts", "_views", "plain_path", "general_path", "layout_info",
+                        "scratch"}  # inspect shadowed the standard library; the others were routes and a memo

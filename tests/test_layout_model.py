@@ -21,6 +21,7 @@ from kvxfer.planner import (
     PlanOptions,
     Region,
     plan_transfer,
+    presets,
 )
 from kvxfer.testing import apply_copies, expected_copies, min_ranges, random_buffers
 
@@ -146,7 +147,7 @@ def test_partially_overlapping_regions_stay_errors():
 
 def test_regions_differing_only_in_writers_are_not_aliases():
     layout = alias_layout(num_writers=2, writer_index=1)
-    assert not layout.info.aliases
+    assert plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[], dst_ids=[])).aliases == ()
     with pytest.raises(LayoutError, match=r"also writes"):
         plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[0, 1]))
 
@@ -158,7 +159,6 @@ def test_layout_from_tensors_layers_sharing_one_tensor_become_aliases():
     dev, host = torch.arange(8 * 16, dtype=torch.uint8).reshape(8, 16), torch.zeros(8, 16, dtype=torch.uint8)
     other_dev, other_host = torch.ones(8, 16, dtype=torch.uint8), torch.zeros(8, 16, dtype=torch.uint8)
     layout, bindings = layout_from_tensors({"a": dev, "b": dev, "c": other_dev}, {"a": host, "b": host, "c": other_host})
-    assert layout.info.aliases == (("b", "a"),)
     plan = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[1, 2], dst_ids=[5, 6]))
     NumpyExecutor().run(plan, bindings)
     assert torch.equal(host[5:7], dev[1:3]) and plan.aliases == (("b", "a"),)
@@ -188,6 +188,61 @@ def test_declared_groups_catch_a_wrong_group_sizes_length():
                                                      group_sizes=[2, 1, 1]))
     with pytest.raises(LayoutError, match=r"regions\[1\].group = 2: the layout declares 2 KV-cache groups"):
         groups_layout(2)
+
+
+EMPTY_MAPPINGS = {
+    "no groups": dict(src_ids=[0, 1, 2], dst_ids=[3, 4, 5]),
+    "host chunks of k = 4": dict(src_ids=[0, 1], dst_ids=list(range(8)), group_sizes=[8]),
+    "a group starting inside a chunk": dict(src_ids=[2, 3, 9], dst_ids=list(range(9)), group_sizes=[9], group_starts=[3]),
+    "two groups": dict(src_ids=[5], dst_ids=[0, 1, 2, 3, 4], group_sizes=[4, 1], group_starts=[0, 2]),
+    "nothing": dict(src_ids=[], dst_ids=[]),
+}
+
+
+@pytest.mark.parametrize("form", ["BlockMapping", "dict"])
+@pytest.mark.parametrize("name", sorted(EMPTY_MAPPINGS))
+def test_a_layout_without_regions_plans_any_well_formed_mapping_to_an_empty_plan(name, form):
+    """A tensor-parallel rank whose KV tensors all map nothing has a layout without regions: whatever its chunk
+    size on the host (k > 1 here), a job plans to no ranges and moves no byte."""
+    fields = EMPTY_MAPPINGS[name]
+    groups = len(fields.get("group_sizes", [1]))
+    layout = Layout(buffers=(Buffer(name="host", nbytes=4096, location=Location.HOST),), regions=(),
+                    num_groups=groups if groups > 1 else None)
+    for direction in ("h2d", "d2h"):
+        mapping = (BlockMapping(direction=direction, **fields) if form == "BlockMapping" else
+                   {"direction": direction, **{k: np.array(v, np.int64) if k.endswith("_ids") else v
+                                               for k, v in fields.items()}})
+        plan = plan_transfer(layout, mapping)
+        assert (plan.num_ranges, plan.num_calls, plan.requested_copies, plan.total_bytes) == (0, 0, 0, 0)
+        assert plan.regions == () and plan.call_offsets.tolist() == [0]
+        memory = {"host": np.arange(4096, dtype=np.int64).astype(np.uint8)}
+        before = memory["host"].copy()
+        NumpyExecutor().run(plan, memory)
+        assert np.array_equal(memory["host"], before)
+
+
+def test_a_layout_says_its_group_count_and_whether_it_is_chunked():
+    host = Buffer(name="h", nbytes=4096, location=Location.HOST)
+    assert (Layout(buffers=(host,), regions=()).group_count, Layout(buffers=(host,), regions=()).chunked) == (1, False)
+    assert Layout(buffers=(host,), regions=(), num_groups=3).group_count == 3
+    assert (groups_layout(None).group_count, groups_layout(4).group_count) == (3, 4)
+    chunked = presets.chunked_layout(2, 16, 64, blocks_per_chunk=4)
+    assert chunked.chunked and not presets.kv_layout(2, 16, 64).chunked
+    assert chunked.prepare() is chunked
+    plan = plan_transfer(chunked, BlockMapping(direction="h2d", src_ids=[1], dst_ids=[0, 1, 2, 3], group_sizes=[4]))
+    assert plan.num_ranges == 2  # one per region: the prepared layout plans as before
+
+
+def test_a_layout_without_regions_still_refuses_a_malformed_mapping():
+    layout = Layout(buffers=(Buffer(name="host", nbytes=64, location=Location.HOST),), regions=(), num_groups=2)
+    with pytest.raises(MappingError, match=r"src_ids\[1\] = -1: block ids must be non-negative"):
+        plan_transfer(layout, {"direction": "h2d", "src_ids": np.array([0, -1]), "dst_ids": np.array([0, 1]),
+                               "group_sizes": [1, 1]})
+    with pytest.raises(MappingError, match=r"group_sizes = \[2\]: the layout has 2 KV-cache groups"):
+        plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0], dst_ids=[0, 1], group_sizes=[2]))
+    with pytest.raises(MappingError, match=r"dst_ids = 'length 1': src_ids has 2 ids"):
+        plan_transfer(layout.model_copy(update={"num_groups": None}), {"direction": "h2d", "src_ids": np.array([0, 1]),
+                                                                       "dst_ids": np.array([0])})
 
 
 def test_new_fields_are_in_the_schema_and_round_trip_through_case_files(tmp_path):
@@ -260,14 +315,14 @@ def test_layout_model_equals_per_piece_copies_with_fewest_ranges(case):
     assert plan.requested_copies == len(expected_copies(once, mapping, options))  # aliases' copies are made once
 
 
-# ---- the general path refuses what the fast path refuses --------------------------------------------------
+# ---- refusals of chunked layouts ---------------------------------------------------------------------------
 def chunk_layout(k: int = 2) -> Layout:
     return Layout(buffers=(Buffer(name="g", nbytes=8 * 64), Buffer(name="h", nbytes=8 * 64, location=Location.HOST)),
                   regions=(Region(name="r", page_bytes=8, device=Placement(buffer="g"),
                                   host=Placement(buffer="h", blocks_per_chunk=k)),))
 
 
-def test_general_path_refuses_a_repeated_destination_chunk():
+def test_a_repeated_destination_chunk_of_a_chunked_layout_is_refused():
     m = BlockMapping(direction="d2h", src_ids=[0, 1, 2, 3], dst_ids=[5, 5], group_sizes=[4])
     with pytest.raises(MappingError, match=r"dst_ids\[1\] = 5: destination block is written twice \(also dst_ids\[0\]\)"):
         plan_transfer(chunk_layout(), m)
@@ -275,7 +330,7 @@ def test_general_path_refuses_a_repeated_destination_chunk():
         plan_transfer(chunk_layout(), m, options=PlanOptions(regions_per_call=1, coalesce=False))
 
 
-def test_general_path_refuses_destinations_over_its_own_sources():
+def test_destinations_over_their_own_sources_are_refused():
     layout = Layout(buffers=(Buffer(name="m", nbytes=8 * 64, location=Location.HOST),),
                     regions=(Region(name="r", page_bytes=8, device=Placement(buffer="m"),
                                     host=Placement(buffer="m", byte_offset=8 * 32, blocks_per_chunk=2)),))

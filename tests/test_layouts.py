@@ -77,7 +77,8 @@ def test_chunk_id_past_host_buffer():
         return Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=host_nbytes, location="host")],
                       regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
                                       host=Placement(buffer="h", blocks_per_chunk=4))])
-    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 8: chunk of region 'r' \(host side\) starts past buffer 'h' of 256"):
+    # chunk 8 starts past a 256-byte buffer: its first page (32) ends at byte 264
+    with pytest.raises(MappingError, match=r"dst_ids\[1\] = 8: block of region 'r' \(host side\) ends at byte 264, past buffer 'h' of 256 bytes \(last block that fits: 31\)"):
         plan_transfer(layout(256), BlockMapping(direction="d2h", src_ids=np.arange(8), dst_ids=[0, 8], group_sizes=[8]))
     # chunk 7 starts inside a 250-byte buffer, but its last page (31) ends at byte 256
     with pytest.raises(MappingError, match=r"dst_ids\[1\] = 7: block of region 'r' \(host side\) ends at byte 256, past buffer 'h' of 250"):
@@ -89,12 +90,12 @@ def test_huge_ids_are_rejected_before_any_arithmetic():
     layout = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=256, location="host")],
                     regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
                                     host=Placement(buffer="h", blocks_per_chunk=2))])
-    with pytest.raises(MappingError, match=r"src_ids\[0\] = 4611686018427387904: chunk of region 'r'"):
+    with pytest.raises(MappingError, match=r"src_ids\[0\] = 4611686018427387904: block of region 'r' \(host side\) ends at byte 73786976294838206472, past"):
         plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[2**62], dst_ids=[0, 1], group_sizes=[2]))
     wide = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=2**40, location="host")],
                   regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
                                   host=Placement(buffer="h", stride_bytes=2**36))])
-    with pytest.raises(MappingError, match=r"dst_ids\[0\] = 16: chunk of region 'r' \(host side\) starts past"):
+    with pytest.raises(MappingError, match=r"dst_ids\[0\] = 16: block of region 'r' \(host side\) ends at byte 1099511627784, past"):
         plan_transfer(wide, BlockMapping(direction="d2h", src_ids=[1], dst_ids=[16]), options=PlanOptions(num_writers=2))
     with pytest.raises(LayoutError, match=r"stride_bytes = 18446744073709551616"):
         Placement(buffer="h", stride_bytes=2**64)

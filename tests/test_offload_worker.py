@@ -730,7 +730,7 @@ def test_a_restore_waits_for_an_in_flight_load_that_reads_the_same_chunk():
 
 # ---- submissions -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,field,match", [
-    ((5, [0, 1], [NCH]), "host_ids", "starts past buffer 'host'"),
+    ((5, [0, 1], [NCH]), "host_ids", "ends at byte .*, past buffer 'host'"),
     ((5, [0, NB], [1]), "device_ids", "past buffer"),
     ((5, [0, -1], [1]), "device_ids", "non-negative"),
     ((5, [0, 1], [1], (3,)), "device_ids", "past the end of the list"),

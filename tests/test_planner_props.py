@@ -1,7 +1,7 @@
 """Property tests: merged plans move exactly the requested bytes, with the fewest ranges, deterministically.
 
 Every expected result comes from the test oracle (kvxfer.testing), which expands the layout model's spec per
-piece and never calls the planner. Two strategies: ``cases`` (the fast path: one group, whole pages, k = 1)
+piece and never calls the planner. Two strategies: ``cases`` (plain layouts: one group, whole pages, k = 1)
 and ``general_cases`` (groups, chunks of k pages with skips, padded rows, fragments, writer rotation,
 repeated ids, regions back to back so ranges cross region boundaries, source and destination in one
 buffer). A case whose copies conflict (a byte written twice, or read and written by one transfer) must be
@@ -145,7 +145,7 @@ def mappings(draw, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
 
 @st.composite
 def cases(draw) -> tuple[Layout, BlockMapping]:
-    """Plain cases (the fast path): a plain layout and a mapping in one direction."""
+    """Plain cases: a plain layout and a mapping in one direction."""
     layout, nb_dev, nb_host = draw(layouts())
     direction = draw(pick("h2d", "d2h"))
     n_src, n_dst = (nb_host, nb_dev) if direction == "h2d" else (nb_dev, nb_host)
@@ -153,7 +153,7 @@ def cases(draw) -> tuple[Layout, BlockMapping]:
     return layout, BlockMapping(direction=direction, src_ids=s, dst_ids=d)
 
 
-# ---- the general path: groups, chunks, skips, padded rows, fragments, writers --------------------------------
+# ---- the whole layout model: groups, chunks, skips, padded rows, fragments, writers ----------------------------
 @functools.cache  # one strategy object per argument set
 @st.composite
 def fragment_table(draw, page: int) -> tuple[tuple[Fragment, ...], int]:
@@ -182,7 +182,7 @@ HAS_DECLARED_GROUPS = "num_groups" in Layout.model_fields
 
 @st.composite
 def general_cases(draw) -> tuple[Layout, BlockMapping, PlanOptions]:
-    """Cases for the general path: 1-3 groups of 1-3 regions; k per group and side (device 1-2, host 1-4);
+    """Cases over the whole layout model: 1-3 groups of 1-3 regions; k per group and side (device 1-2, host 1-4);
     padded rows; fragments; regions in separate buffers, back to back (so merged ranges cross region
     boundaries), or both sides in one buffer; group starts that skip into a chunk; repeated ids on either
     side; writer rotation (per region too, once regions carry it); options that cap calls, split ranges,
@@ -330,8 +330,9 @@ def test_unmerged_plan_is_one_range_per_copy(case):
 
 
 @given(general_cases())
-def test_general_path_options(case):
-    """The general path under every option, against the oracle (a second budget beside the headline one)."""
+def test_the_whole_layout_model_plans_under_every_option(case):
+    """Groups, chunks, fragments and writers under every option, against the oracle (a second budget beside the
+    headline one)."""
     check_case(*case)
 
 
@@ -343,7 +344,7 @@ def _chunked(k_host: int = 2) -> Layout:
 
 
 @pytest.mark.parametrize("dst", [[5, 5], [1, 5, 5]])
-def test_general_path_refuses_a_repeated_destination_chunk(dst):
+def test_a_repeated_destination_chunk_is_refused(dst):
     """k > 1: the same host chunk twice would write the same host bytes twice."""
     n = 2 * len(dst)
     m = BlockMapping(direction="d2h", src_ids=np.arange(n), dst_ids=dst, group_sizes=[n])
@@ -352,14 +353,14 @@ def test_general_path_refuses_a_repeated_destination_chunk(dst):
         plan_transfer(_chunked(), m)
 
 
-def test_general_path_allows_a_repeated_chunk_whose_pages_differ():
+def test_a_repeated_chunk_whose_pages_differ_is_planned():
     """Chunk 5 twice with k = 2 and skip 1 names pages 11 and 10: distinct bytes, a valid transfer."""
     m = BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[5, 5], group_sizes=[2], group_starts=[1])
     assert expected_copies(_chunked(), m).dst_offset.tolist() == [11 * 8, 10 * 8]
     check_case(_chunked(), m)
 
 
-def test_general_path_refuses_overlapping_regions_in_one_transfer():
+def test_overlapping_regions_in_one_transfer_are_refused():
     """Two regions whose host pages overlap: the same host bytes written by both."""
     regions = [Region(name=f"r{i}", page_bytes=8, device=Placement(buffer="g", byte_offset=256 * i),
                       host=Placement(buffer="h", byte_offset=4 * i, blocks_per_chunk=2)) for i in range(2)]
@@ -369,7 +370,7 @@ def test_general_path_refuses_overlapping_regions_in_one_transfer():
         plan_transfer(layout, m)
 
 
-def test_general_path_refuses_reading_bytes_it_writes():
+def test_a_transfer_reading_bytes_it_writes_is_refused():
     """Both sides in one buffer: a store whose host pages are the device pages it reads."""
     layout = Layout(buffers=[Buffer(name="m", nbytes=512)],
                     regions=[Region(name="r", page_bytes=8, device=Placement(buffer="m"),
@@ -380,7 +381,7 @@ def test_general_path_refuses_reading_bytes_it_writes():
         plan_transfer(layout, m)
 
 
-def test_general_path_merges_across_region_boundaries():
+def test_ranges_merge_across_region_boundaries():
     """Two regions back to back on both sides, host chunks of 2 pages: one range covers both regions."""
     regions = [Region(name=f"r{i}", page_bytes=8, device=Placement(buffer="d", byte_offset=32 * i),
                       host=Placement(buffer="h", byte_offset=32 * i, blocks_per_chunk=2)) for i in range(2)]

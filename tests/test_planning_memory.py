@@ -11,7 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvxfer.planner import PlanOptions, Target, hip_version, plan_transfer, presets
+from kvxfer.planner import COLUMNS, PlanOptions, Target, hip_version, plan_transfer, presets
 from kvxfer.planner.runs import Runs
 
 BLOCKS = 2048  # 118 regions x 2048 fragmented pairs: 241,664 ranges, a few MiB of plan
@@ -28,8 +28,7 @@ OPTIONS = {
 @pytest.fixture(scope="module")
 def layout():
     layout = presets.kv_layout(118, 2 * BLOCKS, 32 * 1024)
-    _ = layout.info  # derived once per layout, as a serving loop does
-    return layout
+    return layout.prepare()  # derived once per layout, as a serving loop does
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -51,8 +50,8 @@ def test_planning_peak_memory_is_at_most_twice_the_plan(layout, name, direction)
 
 def test_fingerprint_neither_expands_nor_keeps_run_length_columns(layout):
     plan = plan_transfer(layout, presets.mapping("fragmented", BLOCKS, 2 * BLOCKS), options=PlanOptions(regions_per_call=2))
-    runs = {k for k, v in plan._store.items() if isinstance(v, Runs)}
-    assert {"src_buf", "dst_buf", "region", "attr", "nbytes"} <= runs
+    stored = plan.stored_nbytes
+    assert stored < plan.num_ranges * 17  # two dense offset columns (16 B a range); the other five in runs
     gc.collect()
     tracemalloc.start()
     try:
@@ -60,7 +59,7 @@ def test_fingerprint_neither_expands_nor_keeps_run_length_columns(layout):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert {k for k, v in plan._store.items() if isinstance(v, Runs)} == runs  # nothing cached expanded
+    assert plan.stored_nbytes == stored  # nothing expanded to be kept
     one_column = plan.num_ranges * 8
     assert peak < one_column, f"hashing took {peak} B; one expanded column is {one_column} B"
     assert fingerprint == plan_transfer(layout, presets.mapping("fragmented", BLOCKS, 2 * BLOCKS),
@@ -72,7 +71,7 @@ def test_fingerprint_is_the_same_for_run_length_and_expanded_columns(layout):
     plan = plan_transfer(layout, presets.mapping("runs8", 300, 2 * BLOCKS))
     from kvxfer.planner import TransferPlan
     again = TransferPlan.from_dict(plan.to_dict())  # every column dense
-    assert not any(isinstance(v, Runs) for v in again._store.values())
+    assert again.stored_nbytes == plan.num_ranges * sum(d.itemsize for d in COLUMNS.values()) + again.call_offsets.nbytes
     assert again.fingerprint == plan.fingerprint
 
 
@@ -80,7 +79,7 @@ def test_fingerprint_is_the_same_for_run_length_and_expanded_columns(layout):
                                     "call_offsets"])
 def test_changing_any_one_column_changes_the_fingerprint(column):
     """Each column, run-length or dense, feeds the hash: one changed entry gives another fingerprint."""
-    from kvxfer.planner import COLUMNS, Buffer, CopyAttributes, TransferPlan
+    from kvxfer.planner import Buffer, CopyAttributes, TransferPlan
     from kvxfer.planner.plan import LocationHint
 
     buffers = (Buffer(name="a", nbytes=1 << 20), Buffer(name="b", nbytes=1 << 20))

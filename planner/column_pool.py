@@ -21,7 +21,9 @@ import threading
 
 import numpy as np
 
-POOL_MIN = 1 << 15  # elements (256 KiB of int64): smaller arrays come from the allocator's own free lists
+from .frozen import freeze
+
+POOL_MIN = 1 << 13  # elements (64 KiB of int64): smaller columns are copied when frozen, not pooled
 POOL_SLOTS = 8  # arrays kept per layout (two per plan: source and destination offsets)
 POOL_BYTES = 128 << 20  # at most this much memory kept per layout (four C32-sized plans)
 
@@ -48,38 +50,58 @@ FREE = _unreferenced_count()  # the count of a pooled array nothing else refers 
 
 
 class ColumnPool:
-    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe."""
+    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` and ``empty``
+    may be called from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
+
+    Each pooled array has a frozen twin over the same memory (``kvxfer.planner.frozen``), made once: the
+    planner writes through the array ``take`` hands out, and a plan keeps the view of the twin handed out with
+    it, which no holder can make writeable again. An array is free when neither it nor its twin is referenced
+    from outside the pool (the twin holds the array itself: one reference more)."""
 
     def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES):
         self.slots, self.max_bytes = slots, max_bytes
         self._owners: list[np.ndarray] = []
+        self._twins: list[np.ndarray] = []  # the frozen twin of each owner, same index
         self._lock = threading.Lock()
+
+    def _free(self, i: int) -> bool:
+        return _count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
+        return self.take(n)[0]
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """An uninitialised int64 array of ``n`` elements to write, and, when it comes from the pool, the frozen
+        view of the same memory to hand over once it is written (None: freeze the array itself). The array is
+        reused only once neither view of it is referenced."""
         if n < POOL_MIN or not FREE:
-            return np.empty(n, dtype=np.int64)
+            return np.empty(n, dtype=np.int64), None
         with self._lock:  # find and claim (take a view) under one lock: two threads never share an array
             owners = self._owners
             best = -1
             for i in range(len(owners)):
                 size = len(owners[i])
-                if size >= n and _count(owners, i) == FREE and (best < 0 or size < len(owners[best])):
+                if size >= n and self._free(i) and (best < 0 or size < len(owners[best])):
                     best = i
             if best >= 0:
-                return owners[best][:n]
+                return owners[best][:n], self._twins[best][:n]
             size = 1 << (n - 1).bit_length()  # next power of two: jobs of varying size reuse one array
             size = size - (size >> 2) if n <= size - (size >> 2) else size  # or 3/4 of it: at most 33% spare
             fresh = np.empty(size, dtype=np.int64)
             if len(owners) >= self.slots or self.nbytes + fresh.nbytes > self.max_bytes:
-                free = [i for i in range(len(owners)) if _count(owners, i) == FREE]
+                free = [i for i in range(len(owners)) if self._free(i)]
                 if not free:
-                    return fresh[:n]  # every slot is in use: not pooled
-                owners.pop(min(free, key=lambda i: len(owners[i])))
+                    return fresh[:n], None  # every slot is in use: not pooled
+                gone = min(free, key=lambda i: len(owners[i]))
+                owners.pop(gone)
+                self._twins.pop(gone)
                 if self.nbytes + fresh.nbytes > self.max_bytes:
-                    return fresh[:n]
+                    return fresh[:n], None
+            twin = freeze(fresh)
             owners.append(fresh)
-            return fresh[:n]
+            self._twins.append(twin)
+            return fresh[:n], twin[:n]
 
     @property
     def nbytes(self) -> int:
