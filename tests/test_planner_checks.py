@@ -190,8 +190,9 @@ def test_a_writer_index_equal_to_the_writer_count_is_refused(writers):
 @given(st.integers(1, 64), st.data())
 def test_packed_sort_keys_stay_exact_between_the_limit_and_four_times_it(n, data):
     limit = packed_limit(n)
-    d = np.array(data.draw(st.lists(st.integers(limit // 2, 4 * limit), min_size=n, max_size=n)), dtype=np.int64)
-    d[data.draw(st.integers(0, n - 1))] = data.draw(st.sampled_from([limit - 1, limit, 4 * limit - 1]))
+    top = min(4 * limit, 2**63 - 1)  # ids are int64: a limit near 2^63 leaves less than 4x above it
+    d = np.array(data.draw(st.lists(st.integers(limit // 2, top), min_size=n, max_size=n)), dtype=np.int64)
+    d[data.draw(st.integers(0, n - 1))] = data.draw(st.sampled_from([limit - 1, min(limit, top), top - 1]))
     s = np.arange(n, dtype=np.int64) * 3 + 1
     o = np.argsort(d, kind="stable")
     got_d, got_s = sort_by(d, s)
