@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from kvxfer.planner import Case, PlanError, PlanFileError, TransferPlan, files, golden
+from kvxfer.planner import Case, PlanError, PlanFileError, TransferPlan, golden, read_bytes, read_json
 
 
 def read_input(path: str | Path) -> tuple[Case | None, TransferPlan | None]:
@@ -18,8 +18,8 @@ def read_input(path: str | Path) -> tuple[Case | None, TransferPlan | None]:
     the file when it is none of these."""
     path = Path(path)
     if path.suffix == ".npz":
-        return None, TransferPlan.from_npz_bytes(files.read_bytes(path, "plan file"), str(path))
-    d = files.read_json(path)
+        return None, TransferPlan.from_npz_bytes(read_bytes(path, "plan file"), str(path))
+    d = read_json(path)
     if "kvxfer_golden" in d:
         g = golden.from_dict(d, str(path))
         return g.case, g.plan

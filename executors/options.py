@@ -8,8 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvxfer.planner import PlanError
-from kvxfer.planner.files import shorten, suggest
+from kvxfer.planner import PlanError, shorten, suggest
 
 
 class ConfigError(PlanError):

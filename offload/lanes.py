@@ -19,8 +19,23 @@ from typing import Any
 from kvxfer.executors import BoundMemory, Transfer
 from kvxfer.planner import TransferPlan
 
-from ._compat import Run, runner
 from .jobs import Job
+
+
+def run(executor: Any, plan: TransferPlan, bound: BoundMemory, stream: Any, after: Sequence[Transfer]) -> Transfer:
+    """``executor.run`` of ``plan`` after ``stream``'s work so far and after every transfer of ``after`` (the one
+    ordering mechanism: the executor honours ``after`` on the device where it can, else on the host)."""
+    transfer: Transfer = executor.run(plan, bound, stream=stream, after=list(after) or None)
+    return transfer
+
+
+def wait_quietly(transfers: Sequence[Transfer]) -> None:
+    """Block until every transfer has finished, successfully or not: an error belongs to the job that ran it."""
+    for t in transfers:
+        try:
+            t.wait()
+        except Exception:  # reported by that job
+            pass
 
 
 class IssueLane:
@@ -32,7 +47,6 @@ class IssueLane:
 
     def __init__(self, name: str, executor: Any, bound: BoundMemory, barrier: TransferPlan):
         self.name, self.executor, self.bound, self.barrier = name, executor, bound, barrier
-        self.run: Run = runner(executor)
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Job] = deque()
         self.mark: Transfer | None = None
@@ -92,9 +106,8 @@ class ExecutorLane(ThreadLane):
 
     def __init__(self, name: str, executor: Any, bound: BoundMemory):
         self.executor, self.bound = executor, bound
-        self.run: Run = runner(executor)
         super().__init__(name)
 
     def execute(self, job: Job, after: Sequence[Transfer]) -> float:
         """Run the job's plan on the executor (which waits for ``after`` on the host); its measured seconds."""
-        return self.run(job.plan, self.bound, job.stream, after).wait().elapsed_s or 0.0
+        return run(self.executor, job.plan, self.bound, job.stream, after).wait().elapsed_s or 0.0

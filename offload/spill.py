@@ -40,10 +40,9 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
-from ._compat import wait_quietly
 from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
 from .jobs import Job, SubmissionError
-from .lanes import ThreadLane
+from .lanes import ThreadLane, wait_quietly
 from .tier import HOST_BUFFER, Geometry
 
 FILE_BUFFER = "file"

@@ -18,8 +18,8 @@ from pydantic import Field, field_validator, model_validator
 from kvxfer.planner import Buffer, Fragment, Layout, LayoutError, Location, Placement, Region
 
 # the planner's frozen model base, whose validation errors are the project's own (PlanError subclasses naming the
-# field); imported from its module until the planner exports it as kvxfer.planner.Spec
-from kvxfer.planner._model import Spec as _PlannerSpec
+# field)
+from kvxfer.planner import Spec as _PlannerSpec
 
 HOST_BUFFER = "host"  # the one host buffer every region's host placement points into
 _REGION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")

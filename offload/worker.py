@@ -29,10 +29,9 @@ from typing import Any, TypeAlias
 import numpy as np
 from pydantic import BaseModel
 
-from kvxfer.executors import BoundMemory, Executor
+from kvxfer.executors import BoundMemory, Executor, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
-from ._compat import chunked, group_count, stream_handle, synchronous
 from .jobs import (
     LOAD,
     STORE,
@@ -46,7 +45,7 @@ from .jobs import (
     overlap,
     touched,
 )
-from .lanes import ExecutorLane, IssueLane, ThreadLane
+from .lanes import ExecutorLane, IssueLane, ThreadLane, run
 from .spill import FileLane
 from .tier import TPRank
 
@@ -108,7 +107,7 @@ class OffloadWorker:
         base = PlanOptions(max_descriptors=max_descriptors)
         self._options = {STORE: base, LOAD: base.model_copy(update={"regions_per_call": regions_per_layer})}
         self._on_close = list(on_close)
-        self._chunked, self._groups = chunked(layout), group_count(layout)
+        self._chunked, self._groups = layout.chunked, layout.group_count
         self._device = next((b.device for b in layout.buffers if b.location is Location.DEVICE), 0)
         self._lock = threading.Lock()
         self._pending: dict[int, Job] = {}  # accepted and not yet reported, in submission order
@@ -129,7 +128,7 @@ class OffloadWorker:
     def _lane(self, d: Direction, bindings: Mapping[str, Any]) -> Lane:
         ex = self._executors[d]
         bound = self._bound[d] = ex.bind(self.layout, bindings)
-        if synchronous(ex):
+        if ex.synchronous:
             lane = ExecutorLane(d.value, ex, bound)
             lane.step = self._step
             return lane
@@ -327,11 +326,11 @@ class OffloadWorker:
         else:
             after = [d.mark for d in job.after if d.lane.issues and d.mark is not None]
             try:
-                job.transfer = job.mark = lane.run(job.plan, lane.bound, job.stream, after)
+                job.transfer = job.mark = run(lane.executor, job.plan, lane.bound, job.stream, after)
             except BaseException as e:  # nothing or part of the plan was issued: successors order after an empty run
                 job.error, interrupt = e, (None if isinstance(e, Exception) else e)
                 try:
-                    job.transfer = job.mark = lane.run(lane.barrier, lane.bound, job.stream, ())
+                    job.transfer = job.mark = run(lane.executor, lane.barrier, lane.bound, job.stream, ())
                 except Exception:
                     job.mark = lane.mark
         lane.mark = job.mark

@@ -204,3 +204,29 @@ def test_the_oracle_imports_no_planning_code():
             if src.startswith("kvxfer.planner") and ({name, src.rsplit(".", 1)[-1]} & ORACLE_FORBIDDEN):
                 bad.append(f"{m}: from {src} import {name}")
     assert not bad, "\n".join(bad)
+
+
+def _public_api(pkg: str) -> set[str] | None:
+    import importlib
+    names = getattr(importlib.import_module(pkg), "__all__", None)
+    return None if names is None else set(names)
+
+
+def test_layers_cross_only_through_the_public_api():
+    """An import from one kvxfer package into another names only what the target package's ``__init__``
+    exports (its ``__all__``, public submodules included): internals stay free to change."""
+    packages = sorted({m for m, (_, is_pkg) in MODULES.items() if is_pkg and m.count(".") == 1})
+    api = {p: _public_api(p) for p in packages}
+    bad = []
+    for m, imp in IMPORTS.items():
+        own = ".".join(m.split(".")[:2])
+        for src, name in imp.names:
+            target = ".".join(src.split(".")[:2])
+            if target == own or target not in api:
+                continue
+            # `from kvxfer.planner import Layout` / `from kvxfer.planner.presets import x` (presets is public)
+            pub = api[target]
+            public = pub is not None and (name in pub if src == target else src.split(".")[2] in pub)
+            if not public:
+                bad.append(f"{m}: from {src} import {name}")
+    assert not bad, "cross-layer imports outside the target's __all__:\n" + "\n".join(bad)
