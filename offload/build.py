@@ -6,16 +6,16 @@ executor); a file tier would place its regions in file buffers and hand the work
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, LayoutError, Location
+from kvxfer.planner import Buffer, Layout, LayoutError, Location
 
 from .shared import SharedRegion
-from .tier import Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
+from .tier import HOST_BUFFER, Geometry, HostTier, KVTensor, Sharing, TPRank, build_layout, make_geometry
 from .worker import ExecutorSpec, OffloadWorker
 
 
@@ -170,10 +170,27 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
     OffloadWorker. The worker's ``host`` attribute is the host rows; ``shutdown`` releases them last."""
     tp = tp or TPRank()
     geometry, memory, region = host_memory(device, tier, tp)
-    closers: list[Any] = []
     try:
         layout = build_layout(device.buffers, device.tensors, geometry, tp)
-        pin = tier.pin if tier.pin is not None else _on_gpu(executor)
+    except BaseException:
+        if region is not None:
+            region.close()
+        raise
+    pin = tier.pin if tier.pin is not None else _on_gpu(executor)
+    return assemble_worker(layout, device, (geometry, memory, region), executor, tp=tp, pin=pin,
+                           registrar=registrar, strict_pin=bool(tier.pin), **kw)
+
+
+def assemble_worker(layout: Layout, device: DeviceKV, host: tuple[Geometry, np.ndarray, SharedRegion | None],
+                    executor: ExecutorSpec, *, tp: TPRank, pin: bool, registrar: Any = None, strict_pin: bool = True,
+                    on_unpinned: Callable[[str], None] | None = None, **kw: Any) -> OffloadWorker:
+    """The OffloadWorker over ``layout``, ``device``'s bindings and ``host`` (what ``host_memory`` returned):
+    pins the host rows when ``pin`` (a failure raises when ``strict_pin``, else goes to ``on_unpinned`` with the
+    reason), and hands the worker what releases them. Everything acquired, the shared region included, is
+    released if a step fails."""
+    geometry, memory, region = host
+    closers: list[Any] = []
+    try:
         if pin:
             if region is not None:
                 pinned = region.pin(registrar)
@@ -181,11 +198,14 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
                 from kvxfer.executors import pin_host_memory
                 pinned = pin_host_memory(memory, geometry.row_stride_bytes, registrar)
                 closers.append(pinned.close)
-            if not pinned.pinned and tier.pin:
-                raise RuntimeError(f"pinning the host tier failed: {pinned.reason}")
+            if not pinned.pinned:
+                if strict_pin:
+                    raise RuntimeError(f"pinning the host tier failed: {pinned.reason}")
+                if on_unpinned is not None:
+                    on_unpinned(str(pinned.reason))
         if region is not None:
             closers.append(region.close)
-        worker = OffloadWorker(layout, {**device.bindings, "host": memory}, executor, tp=tp, on_close=closers,
+        worker = OffloadWorker(layout, {**device.bindings, HOST_BUFFER: memory}, executor, tp=tp, on_close=closers,
                                **{"device_blocks": device.num_blocks, **kw})
     except BaseException:
         for c in closers:

@@ -48,6 +48,7 @@ from kvxfer.executors import (
     BindingError,
     BoundMemory,
     ExecutorError,
+    Stream,
     Transfer,
     nixl_files,  # FileBinding and the trust helpers (CONTRACT: FileBinding stays in executors)
 )
@@ -75,7 +76,7 @@ class StorageExecutor(Protocol):
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
         """Resolve and check every buffer's memory once (registering local memory)."""
 
-    def run(self, plan: TransferPlan, memory: BoundMemory, stream: Any = None) -> Transfer:
+    def run(self, plan: TransferPlan, memory: BoundMemory, stream: Stream = None) -> Transfer:
         """Post ``plan`` on ``memory``; the Transfer's ``wait`` raises ExecutorError when it failed."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.executors import Stream
 from kvxfer.planner import Direction, TransferPlan
 
 STORE, LOAD = Direction.D2H, Direction.H2D
@@ -92,7 +93,7 @@ class Job:
     plan: TransferPlan
     reads: Ids
     writes: Ids
-    stream: Any = None  # the caller's stream, resolved on the submitting thread
+    stream: Stream = None  # the caller's stream, resolved on the submitting thread
     layer_calls: np.ndarray | None = None  # loads: per call, the layer of its first range
     seq: int = -1
     lane: Any = None

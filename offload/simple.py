@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.executors import Transfer
+from kvxfer.executors import Stream, Transfer
 from kvxfer.planner import BlockMapping, Direction, Layout, PlanOptions, plan_transfer
 
 
@@ -59,7 +59,7 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
 
 
 def copy_blocks(src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray, params: CopyParams,
-                stream: Any = None) -> Transfer:
+                stream: Stream = None) -> Transfer:
     """Copy ``src_ids[i] -> dst_ids[i]`` in every layer; returns the executor's Transfer (asynchronous on a
     GPU: ``stream`` is the compute stream the copy orders after). Raises MappingError naming a bad id."""
     m = BlockMapping(direction=params.direction, src_ids=src_ids, dst_ids=dst_ids)

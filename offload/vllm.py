@@ -35,7 +35,7 @@ import logging
 import mmap
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,9 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Layout, LayoutError, Location
 
-from .build import DeviceKV, device_from_tensors, host_memory
+from .build import DeviceKV, assemble_worker, device_from_tensors, host_memory
 from .tier import HOST_BUFFER, HostLayout, HostTier, KVTensor, SharedSpec, Sharing, TPRank, host_region
-from .worker import JobResult, OffloadWorker
+from .worker import ExecutorSpec, JobResult, OffloadWorker
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor releases whose offloading interface this module was written against
 INSTALL_HINT = ("kvxfer.offload.vllm needs vLLM {supported}: `pip install vllm` (CUDA/ROCm builds) or "
@@ -294,7 +294,7 @@ class WorkerCore:
             self.stats.host_s += time.perf_counter() - t0
         return out
 
-    def wait(self, job_ids: Any) -> None:
+    def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the named jobs have finished (unknown or reported ids return at once)."""
         self.worker.wait(job_ids)
 
@@ -316,7 +316,7 @@ def _stats_path(extra: Mapping[str, Any], rank: int, world_size: int) -> Path | 
     return p.with_suffix(f".rank{rank}{p.suffix}") if world_size > 1 else p
 
 
-def build_worker(caches: CacheMap, tier: HostTier, executor: Any, *, pin: bool, barrier: Callable[[], None] | None,
+def build_worker(caches: CacheMap, tier: HostTier, executor: ExecutorSpec, *, pin: bool, barrier: Callable[[], None] | None,
                  creator: bool) -> OffloadWorker:
     """An OffloadWorker over ``caches``: the host cells (a private tier, or the shared region that ``creator``
     makes and the other ranks attach after ``barrier``), committed (every page touched) by the rank that made
@@ -332,33 +332,20 @@ def build_worker(caches: CacheMap, tier: HostTier, executor: Any, *, pin: bool, 
     finally:
         if tier.shared is not None and creator and barrier is not None:
             barrier()  # made (or failed: the others then find no region and say so)
-    closers: list[Any] = []
     try:
         regions = tuple(host_region(t, geometry, caches.tp).model_copy(update={"name": name}) for name, t in caches.refs)
         host = Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST)
         layout = Layout(buffers=(*caches.device.buffers, host), regions=regions, num_groups=caches.num_groups)
-        if pin:
-            if region is not None:
-                pinned = region.pin()
-            else:
-                from kvxfer.executors import pin_host_memory
-                pinned = pin_host_memory(memory, geometry.row_stride_bytes)
-                closers.append(pinned.close)
-            if not pinned.pinned:
-                _log.warning("kvxfer: pinning the host tier failed (%s); it stays pageable", pinned.reason)
-        if region is not None:
-            closers.append(region.close)
-        worker = OffloadWorker(layout, {**caches.device.bindings, HOST_BUFFER: memory}, executor, tp=caches.tp,
-                               on_close=closers, device_blocks=caches.device.num_blocks)
     except BaseException:
-        for c in closers:
-            c()
-        if region is not None and region.close not in closers:
+        if region is not None:
             region.close()
         raise
-    worker.host = memory
-    worker.geometry = geometry
-    return worker
+    return assemble_worker(layout, caches.device, (geometry, memory, region), executor, tp=caches.tp, pin=pin,
+                           strict_pin=False, on_unpinned=_warn_unpinned)
+
+
+def _warn_unpinned(reason: str) -> None:
+    _log.warning("kvxfer: pinning the host tier failed (%s); it stays pageable", reason)
 
 
 def _region_name(engine_id: str) -> str:

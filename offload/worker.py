@@ -29,7 +29,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from pydantic import BaseModel
 
-from kvxfer.executors import BoundMemory, Executor, stream_handle
+from kvxfer.executors import BoundMemory, Executor, Stream, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
 from .jobs import (
@@ -150,7 +150,7 @@ class OffloadWorker:
 
     # ---- submitting -----------------------------------------------------------------------------------------
     def submit_store(self, job_id: int, device_ids: Ids, host_ids: Ids, group_sizes: Sequence[int] | None = None,
-                     group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
+                     group_starts: Sequence[int] | None = None, *, stream: Stream = None) -> bool:
         """Copy device blocks ``device_ids`` into host chunks ``host_ids`` (per group: ``group_sizes`` blocks
         from logical block ``group_starts``). Returns True once accepted; raises SubmissionError (nothing queued)
         or WorkerClosedError. ``stream``: the compute stream the copy waits for (None: the submitting thread's
@@ -158,7 +158,7 @@ class OffloadWorker:
         return self._submit(STORE, job_id, device_ids, host_ids, group_sizes, group_starts, stream)
 
     def submit_load(self, job_id: int, host_ids: Ids, device_ids: Ids, group_sizes: Sequence[int] | None = None,
-                    group_starts: Sequence[int] | None = None, *, stream: Any = None) -> bool:
+                    group_starts: Sequence[int] | None = None, *, stream: Stream = None) -> bool:
         """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
         return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
 
@@ -212,7 +212,7 @@ class OffloadWorker:
                                   "yet returned by get_finished)")
 
     def _submit(self, direction: Direction, job_id: Any, src: Ids, dst: Ids, sizes: Sequence[int] | None,
-                starts: Sequence[int] | None, stream: Any) -> bool:
+                starts: Sequence[int] | None, stream: Stream) -> bool:
         job_id = self._check_id(job_id)
         plan = self._plan(direction, job_id, src, dst, sizes, starts)
         dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
@@ -486,7 +486,7 @@ class OffloadWorker:
         else:
             hit[0].wait_call(hit[1])
 
-    def stream_wait_for_layer(self, job_id: int, layer: int, stream: Any) -> None:
+    def stream_wait_for_layer(self, job_id: int, layer: int, stream: Stream) -> None:
         """Make ``stream`` wait, on the device, until layer ``layer`` of load ``job_id`` has arrived (a job not yet
         issued is waited for on the host until it is; on a host lane the host waits for the whole job instead).
         KeyError when the job is not pending."""

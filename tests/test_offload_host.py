@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer.executors import BindingError
 from kvxfer.executors.pinning import Registrar
 from kvxfer.offload import (
     HostLayout,
@@ -221,6 +222,30 @@ def test_worker_pins_its_host_tier_and_unpins_at_shutdown(shm):
         create_worker(dev, t, {"kind": "numpy"}, registrar=refused.registrar())
     assert not list(Path(shm).glob("kvxfer-pinfail"))  # no attachers expected: the name went at creation
 
+
+
+def test_a_worker_that_may_stay_pageable_says_why_and_still_runs():
+    """The vLLM backend's choice: a failed pin is reported (to ``on_unpinned``), the worker still runs on
+    pageable memory; a failure after pinning releases what was pinned."""
+    from kvxfer.offload.build import assemble_worker, host_memory
+    from kvxfer.offload.tier import build_layout
+
+    dev = oc.rank_device(["rep", "priv"], 1, 0, "data")
+    tier = HostTier(num_chunks=6)
+    geometry, memory, region = host_memory(dev, tier, TPRank())
+    layout = build_layout(dev.buffers, dev.tensors, geometry, TPRank())
+    said: list[str] = []
+    w = assemble_worker(layout, dev, (geometry, memory, region), {"kind": "numpy"}, tp=TPRank(), pin=True,
+                        registrar=FakeRegistrar(fail_at=0).registrar(), strict_pin=False, on_unpinned=said.append)
+    assert len(said) == 1 and said[0].startswith("fakeHostRegister failed on chunk 0")
+    assert w.submit_store(1, [0, 1], [2, 3]) and w.wait([1]) is None
+    assert [r.success for r in w.get_finished()] == [True]
+    w.shutdown()
+    fake = FakeRegistrar()
+    with pytest.raises(BindingError, match="bindings\\['host'\\]"):  # refused after the pin: the pin is released
+        assemble_worker(layout, dev, (geometry, memory[:-1], None), {"kind": "numpy"}, tp=TPRank(), pin=True,
+                        registrar=fake.registrar())
+    assert fake.calls and not fake.live
 
 # ---- shared regions trust nothing on disk -----------------------------------------------------------------------
 def _geometry():
