@@ -11,7 +11,9 @@ then fixed where torch allows it) and refuses a run whose bound object no longer
 Each column of the plan is read once: sizes, buffer runs, attribute runs and call offsets are copied, and the
 offsets are read only by the addition that writes the addresses into arrays the executor owns. The bounds are
 then checked on those arrays, so the values checked are the values the executor uses, even if a caller
-changes a plan's columns meanwhile.
+changes a plan's columns meanwhile. Offsets handed on as offsets (``offsets``, ``check``) are the plan's
+own columns where they are frozen (``kvxfer.planner.is_frozen``: no holder can write them), as a plan's
+columns are, and a copy otherwise.
 
 Per run the cost is a few passes over the plan's columns: buffer and size columns are read as runs (one
 comparison per run, not per range); per side, one addition writes the addresses (one 2-D broadcast when every
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Layout, Location, PlanError, TransferPlan
+from kvxfer.planner import Buffer, Layout, Location, PlanError, TransferPlan, is_frozen
 
 U64 = 1 << 64
 MAX_OFFSET = 1 << 63  # buffers and ranges above this could wrap uint64 sums; none is that large
@@ -285,6 +287,9 @@ class Lowered:
         return np.repeat(values, lengths)
 
 
+ADDRESSES, OFFSETS, CHECK = "addresses", "offsets", "check"  # what BoundMemory._lower keeps
+
+
 def lowering_strategy(lengths: np.ndarray, n: int) -> str:
     """How bases are added to ``n`` offsets that come in runs of ``lengths`` (one buffer per run): ``"grid"``
     when every run has one length (rows of a 2-D view: one broadcast addition), ``"long runs"`` when runs are
@@ -424,23 +429,25 @@ class BoundMemory:
         read-only, or whose bound owner no longer points at the bound memory (BindingError naming the buffer).
         Writes the addresses into ``out`` (two uint64 arrays of at least ``plan.num_ranges``) when given.
         """
-        return self._lower(plan, out, True)
+        return self._lower(plan, out, ADDRESSES)
 
     def offsets(self, plan: TransferPlan) -> Lowered:
         """Every check of ``descriptors``, keeping offsets within the buffers instead of addresses: for executors
-        that copy through views."""
-        return self._lower(plan, None, False)
+        that copy through views. The plan's own (frozen, so unchanging) columns are handed on where they serve
+        as they are: no copy of the offsets, and sizes of one value as a read-only broadcast."""
+        return self._lower(plan, None, OFFSETS)
 
     def lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``descriptors(plan, out)``'s (src, dst) addresses (uint64 arrays; views of ``out`` when given)."""
-        low = self._lower(plan, out, True)
+        low = self._lower(plan, out, ADDRESSES)
         return low.src, low.dst
 
     def check(self, plan: TransferPlan) -> None:
         """Every check of ``descriptors``, keeping nothing."""
-        self._lower(plan, None, False)
+        self._lower(plan, None, CHECK)
 
-    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, addresses: bool) -> Lowered:
+    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, mode: str) -> Lowered:
+        addresses = mode == ADDRESSES
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
         self.check_table(plan)
@@ -458,7 +465,7 @@ class BoundMemory:
                 if bad:  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
                     j = int(np.argmax(nb_values == 0 if reason == "empty range" else nb_values >= MAX_OFFSET))
                     raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
-        sizes = np.full(n, nb_values[0], np.uint64) if len(nb_values) == 1 else np.repeat(nb_values, nb_lengths)
+        sizes = _sizes(plan, nb_values, nb_lengths, n, mode)
         last, fits, all_fit = self._last_starts(nb_max, addresses)
         sides = []
         seen = np.zeros(len(self.buffers), dtype=bool) if self._any_probed else None
@@ -478,9 +485,16 @@ class BoundMemory:
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
             if seen is not None:
                 self._check_owners(values, seen)
-            addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
+            offs = plan.column(f"{side}_offset")
+            if len(offs) != n:
+                raise PlanError(f"{side}_offset", len(offs), f"column length differs from nbytes ({n})")
+            if not addresses and offs.dtype == np.uint64 and is_frozen(offs):
+                addr = offs  # immutable: the values checked are the values used, with no copy
+            else:
+                addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                self._place(plan, side, values, lengths, sizes, last, None if all_fit else fits, addr, addresses)
+                self._place(offs, side, values, lengths, nb_values, nb_lengths, last, None if all_fit else fits, addr,
+                            addresses)
             sides.append((addr, (values, lengths)))
         (src, src_runs), (dst, dst_runs) = sides
         return Lowered(src, dst, sizes, src_runs, dst_runs, attr_runs, co)
@@ -503,26 +517,26 @@ class BoundMemory:
         self._last = entry  # one tuple: threads that race here each see a consistent entry
         return entry[1], entry[2], entry[3]
 
-    def _place(self, plan: TransferPlan, side: str, values: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
-               last: np.ndarray, fits: np.ndarray | None, addr: np.ndarray, addresses: bool) -> None:
-        """addr = base + offset (offset alone unless ``addresses``), reading each offset once; then refuse a
-        range of ``addr`` that is not inside its buffer's declared size (a wrapped sum included).
+    def _place(self, offs: np.ndarray, side: str, values: np.ndarray, lengths: np.ndarray, nb_values: np.ndarray,
+               nb_lengths: np.ndarray, last: np.ndarray, fits: np.ndarray | None, addr: np.ndarray,
+               addresses: bool) -> None:
+        """addr = base + offset (offset alone unless ``addresses``; ``addr`` may be ``offs`` itself, a frozen
+        column), reading each offset once; then refuse a range of ``addr`` that is not inside its buffer's
+        declared size (a wrapped sum included). Sizes come as their runs (``nb_values``, ``nb_lengths``).
 
         Buffers come in runs (a region's ranges share one buffer): per run, the largest address at most ``last``
         (the last start at which the plan's largest range fits in the buffer) proves every range of the run
         inside (one reduction per run, in one call), and with bases added the smallest address at least the
         base proves no sum wrapped; only when that bound fails somewhere is the exact end of every range
         compared."""
-        offs = plan.column(f"{side}_offset")
         n = len(addr)
-        if len(offs) != n:
-            raise PlanError(f"{side}_offset", len(offs), f"column length differs from nbytes ({n})")
         rows = len(values)
         strategy = lowering_strategy(lengths, n)
         bases = self.base[values] if addresses else None
         starts = None if strategy == "grid" else np.cumsum(lengths) - lengths
         if bases is None:
-            np.copyto(addr, offs)
+            if addr is not offs:
+                np.copyto(addr, offs)
         elif strategy == "grid":
             np.add(bases[:, None], offs.reshape(rows, -1), out=addr.reshape(rows, -1))  # scalar-per-row operand first
         elif strategy == "long runs":
@@ -541,6 +555,7 @@ class BoundMemory:
         base_of = np.repeat(bases if bases is not None else np.zeros(rows, np.uint64), lengths)
         rel = addr - base_of  # the offset used, modulo 2^64
         lim = np.repeat(self.size[values], lengths)
+        sizes = np.repeat(nb_values, nb_lengths)
         bad = (rel > lim) | (sizes > lim - rel)  # the second term is only read where the first is False
         if bad.any():
             i = int(np.argmax(bad))
@@ -561,6 +576,21 @@ def hold_for_stream(bound: BoundMemory, stream: int) -> None:
         if isinstance(owner, torch.Tensor) and owner.device.type == "cuda" and owner.numel():
             alias = torch.empty(0, dtype=torch.uint8, device=owner.device).set_(owner.untyped_storage())
             alias.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
+
+
+def _sizes(plan: TransferPlan, values: np.ndarray, lengths: np.ndarray, n: int, mode: str) -> np.ndarray:
+    """The size of every range, from the runs read once: a fresh uint64 array for ``descriptors`` (drivers read
+    it as memory); for ``offsets`` the plan's own frozen column, or a read-only broadcast of a single size; for
+    ``check`` an empty array (nothing is kept)."""
+    if mode == CHECK:
+        return np.empty(0, np.uint64)
+    if mode == OFFSETS:
+        if len(values) == 1:
+            return np.broadcast_to(np.frombuffer(values[:1].astype(np.uint64).tobytes(), np.uint64), (n,))
+        col = plan.column("nbytes")
+        if col.dtype == np.uint64 and len(col) == n and is_frozen(col):
+            return col
+    return np.full(n, values[0], np.uint64) if len(values) == 1 else np.repeat(values, lengths)
 
 
 def _runs(plan: TransferPlan, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from .case import Case
 from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .files import PlanFileError, read_bytes, read_json, shorten, suggest
+from .frozen import is_frozen
 from .layout import Layout
 from .plan import COLUMNS, SCHEMA_VERSION, TransferPlan, format_bytes
 from .planning import plan_transfer
@@ -43,7 +44,7 @@ __all__ = [
     "Layout", "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanFileError",
     "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target", "TargetError", "TransferPlan",
     "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent", "format_bytes", "golden", "hip_version",
-    "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten", "suggest", "viz",
+    "is_frozen", "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten", "suggest", "viz",
 ]
 
 

@@ -99,6 +99,12 @@ def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name):
     assert out[0][n:].tolist() == [7, 7, 7] and np.shares_memory(low.src, out[0])
     offsets = bound.offsets(plan)  # the check-only lowering keeps offsets
     assert offsets.src.tolist() == plan.src_offset.tolist() and offsets.dst.tolist() == plan.dst_offset.tolist()
+    assert offsets.nbytes.tolist() == plan.nbytes.tolist() and len(offsets.nbytes) == n
+    # a plan's columns are frozen, so offsets are handed on without a copy, and stay read-only for whoever holds them
+    assert np.shares_memory(offsets.src, plan.column("src_offset"))
+    for col in (offsets.src, offsets.dst, offsets.nbytes):
+        with pytest.raises(ValueError):
+            col.flags.writeable = True
 
 
 def _positions(lengths: list[int]) -> list[tuple[int, int]]:
