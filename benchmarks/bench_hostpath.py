@@ -226,11 +226,11 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
     bound = executor.bind(layout, bindings)
     if isinstance(executor, NumpyExecutor):
         return "bind() once, then bound.check(plan) per job (views: no addresses)", bound.check
-    out: list[tuple[np.ndarray, np.ndarray]] = []
+    out: list[tuple[np.ndarray, ...]] = []
 
-    def reserve(n: int) -> tuple[np.ndarray, np.ndarray]:  # reused address arrays, as the DMA executors keep
+    def reserve(n: int) -> tuple[np.ndarray, ...]:  # reused address and size arrays, as the DMA executors keep
         if not out or len(out[0][0]) < n:
-            out[:] = [(np.empty(n, np.uint64), np.empty(n, np.uint64))]
+            out[:] = [tuple(np.empty(n, np.uint64) for _ in range(3))]
         return out[0]
 
     return "bind() once, then bound.lower(plan, out) per job", lambda plan: bound.lower(plan, reserve(plan.num_ranges))

@@ -288,6 +288,9 @@ class Lowered:
 
 
 ADDRESSES, OFFSETS, CHECK = "addresses", "offsets", "check"  # what BoundMemory._lower keeps
+FILL_RUNS = 256  # sizes in at most this many runs are written run by run into a reused array
+FRESH_RANGES = 16384  # below this many ranges, sizes go into a fresh array (no page faults at that size)
+OWNER_SETS = 64  # buffer sets whose owner probes a BoundMemory keeps
 
 
 def lowering_strategy(lengths: np.ndarray, n: int) -> str:
@@ -334,7 +337,8 @@ class BoundMemory:
                     self._moved(i)
         self.probed = np.array([p is not None for p in self._probes], dtype=bool)
         self._any_probed = bool(self.probed.any())
-        self._last: tuple[tuple[int, bool], np.ndarray, np.ndarray, bool] | None = None
+        self._last: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] | None = None
+        self._owner_checks: dict[tuple[bytes, bytes], tuple[list[int], list[Callable[[], int]], list[int]]] = {}
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.memory)
@@ -390,19 +394,26 @@ class BoundMemory:
         raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound} (set_, .data = or a "
                            "reallocation since bind); bind it again")
 
-    def _check_owners(self, values: np.ndarray, seen: np.ndarray) -> None:
-        """Refuse a run whose plan touches (``values``: buffer indices) a bound owner that moved; ``seen`` marks the
-        buffers already checked for this run."""
-        todo = np.zeros(len(self.buffers), dtype=bool)
-        todo[values] = True
-        todo &= self.probed
-        todo &= ~seen
-        seen |= todo
-        probes = self._probes
-        for i in np.flatnonzero(todo).tolist():
-            probe, value = probes[i]  # type: ignore[misc]
-            if probe() != value:
-                self._moved(i)
+    def _check_owners(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Refuse a run that touches (``src``, ``dst``: the buffer indices of its runs) a bound owner that moved.
+        The probes a set of buffers needs are found once per set (a serving loop's plans touch few sets)."""
+        key = (src.tobytes(), dst.tobytes())
+        checks = self._owner_checks.get(key)
+        if checks is None:
+            todo = np.zeros(len(self.buffers), dtype=bool)
+            todo[src] = True
+            todo[dst] = True
+            todo &= self.probed
+            index = np.flatnonzero(todo).tolist()
+            probes = [self._probes[i] for i in index]
+            checks = (index, [p[0] for p in probes if p is not None], [p[1] for p in probes if p is not None])
+            if len(self._owner_checks) < OWNER_SETS:
+                self._owner_checks[key] = checks  # one assignment: threads that race here store equal entries
+        index, calls, want = checks
+        if [probe() for probe in calls] != want:
+            for i, probe, value in zip(index, calls, want):
+                if probe() != value:
+                    self._moved(i)
 
     def check_table(self, plan: TransferPlan) -> None:
         """Refuse a plan whose buffer table differs from the bound one, naming the first buffer that differs."""
@@ -418,7 +429,7 @@ class BoundMemory:
                                    f"the bound buffer table has {have!r} there; bind the plan's layout")
         self._tables.append(table)
 
-    def descriptors(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> Lowered:
+    def descriptors(self, plan: TransferPlan, out: Sequence[np.ndarray] | None = None) -> Lowered:
         """Check every range of ``plan`` and return it lowered: absolute uint64 addresses, sizes, buffer and
         attribute runs and call offsets, each read from the plan once (see ``Lowered``).
 
@@ -427,7 +438,8 @@ class BoundMemory:
         (PlanError naming column and range); a range that leaves its buffer's declared size, wrapping uint64
         included (PlanError naming side, range and buffer); a buffer read but not bound, written but
         read-only, or whose bound owner no longer points at the bound memory (BindingError naming the buffer).
-        Writes the addresses into ``out`` (two uint64 arrays of at least ``plan.num_ranges``) when given.
+        Writes the addresses into ``out`` (two uint64 arrays of at least ``plan.num_ranges``; a third, when there
+        is one, takes the sizes) when given.
         """
         return self._lower(plan, out, ADDRESSES)
 
@@ -437,7 +449,7 @@ class BoundMemory:
         as they are: no copy of the offsets, and sizes of one value as a read-only broadcast."""
         return self._lower(plan, None, OFFSETS)
 
-    def lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def lower(self, plan: TransferPlan, out: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``descriptors(plan, out)``'s (src, dst) addresses (uint64 arrays; views of ``out`` when given)."""
         low = self._lower(plan, out, ADDRESSES)
         return low.src, low.dst
@@ -446,7 +458,7 @@ class BoundMemory:
         """Every check of ``descriptors``, keeping nothing."""
         self._lower(plan, None, CHECK)
 
-    def _lower(self, plan: TransferPlan, out: tuple[np.ndarray, np.ndarray] | None, mode: str) -> Lowered:
+    def _lower(self, plan: TransferPlan, out: Sequence[np.ndarray] | None, mode: str) -> Lowered:
         addresses = mode == ADDRESSES
         if self.closed:
             raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
@@ -465,11 +477,10 @@ class BoundMemory:
                 if bad:  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
                     j = int(np.argmax(nb_values == 0 if reason == "empty range" else nb_values >= MAX_OFFSET))
                     raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
-        sizes = _sizes(plan, nb_values, nb_lengths, n, mode)
-        last, fits, all_fit = self._last_starts(nb_max, addresses)
-        sides = []
-        seen = np.zeros(len(self.buffers), dtype=bool) if self._any_probed else None
-        for k, side in enumerate(("src", "dst")):
+        sizes = _sizes(plan, nb_values, nb_lengths, n, mode, out[2] if out is not None and len(out) > 2 else None)
+        last_off, last_addr, fits, all_fit = self._last_starts(nb_max)
+        runs = []
+        for side in ("src", "dst"):
             values, lengths = _runs(plan, f"{side}_buf", n)
             if len(values) and (int(values.min()) < 0 or int(values.max()) >= len(self.buffers)):
                 i = int(np.argmax((values < 0) | (values >= len(self.buffers))))
@@ -483,46 +494,54 @@ class BoundMemory:
                 if m is None:
                     raise BindingError(self.buffers[b].name, "missing", "not bound, but the plan reads or writes it")
                 raise BindingError(self.buffers[b].name, describe(m.owner), "read-only, but the plan writes to it")
-            if seen is not None:
-                self._check_owners(values, seen)
+            runs.append((values, lengths))
+        if self._any_probed:
+            self._check_owners(runs[0][0], runs[1][0])
+        sides = []
+        for k, (side, (values, lengths)) in enumerate(zip(("src", "dst"), runs)):
             offs = plan.column(f"{side}_offset")
             if len(offs) != n:
                 raise PlanError(f"{side}_offset", len(offs), f"column length differs from nbytes ({n})")
-            if not addresses and offs.dtype == np.uint64 and is_frozen(offs):
-                addr = offs  # immutable: the values checked are the values used, with no copy
+            # a frozen column cannot change: its values are checked where they are, before or without a copy
+            frozen = offs.dtype == np.uint64 and is_frozen(offs)
+            if frozen and not addresses:
+                addr = offs  # the values checked are the values used, with no copy
             else:
                 addr = out[k][:n] if out is not None else np.empty(n, dtype=np.uint64)
             if n:
-                self._place(offs, side, values, lengths, nb_values, nb_lengths, last, None if all_fit else fits, addr,
-                            addresses)
+                self._place(offs, frozen, side, values, lengths, nb_values, nb_lengths, last_off, last_addr,
+                            None if all_fit else fits, addr, addresses)
             sides.append((addr, (values, lengths)))
         (src, src_runs), (dst, dst_runs) = sides
         return Lowered(src, dst, sizes, src_runs, dst_runs, attr_runs, co)
 
-    def _last_starts(self, nb_max: np.uint64, addresses: bool) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Per buffer: the last start offset at which a range of ``nb_max`` bytes still fits (as an address when
-        ``addresses``), whether it fits at all, and whether it fits in every buffer. A run whose ranges all start at
-        or before it is inside, with no range checked alone. Kept for the last size asked (plans of one layout share
+    def _last_starts(self, nb_max: np.uint64) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Per buffer: the last start offset at which a range of ``nb_max`` bytes still fits, the same as an
+        address, whether it fits at all, and whether it fits in every buffer. A run whose ranges all start at or
+        before it is inside, with no range checked alone. Kept for the last size asked (plans of one layout share
         their largest range)."""
-        key = (int(nb_max), addresses)
+        key = int(nb_max)
         cached = self._last
         if cached is not None and cached[0] == key:
-            return cached[1], cached[2], cached[3]
+            return cached[1]
         fits = self.size >= nb_max
-        last = np.where(fits, self.size - np.where(fits, nb_max, 0), 0).astype(np.uint64)
-        if addresses:
-            last += self.base
-        last.flags.writeable = fits.flags.writeable = False
-        entry = (key, last, fits, bool(fits.all()))
+        last_off = np.where(fits, self.size - np.where(fits, nb_max, 0), 0).astype(np.uint64)
+        last_addr = last_off + self.base  # no wrap: a bound memory ends at or below 2^64
+        for a in (last_off, last_addr, fits):
+            a.flags.writeable = False
+        entry = (key, (last_off, last_addr, fits, bool(fits.all())))
         self._last = entry  # one tuple: threads that race here each see a consistent entry
-        return entry[1], entry[2], entry[3]
+        return entry[1]
 
-    def _place(self, offs: np.ndarray, side: str, values: np.ndarray, lengths: np.ndarray, nb_values: np.ndarray,
-               nb_lengths: np.ndarray, last: np.ndarray, fits: np.ndarray | None, addr: np.ndarray,
-               addresses: bool) -> None:
+    def _place(self, offs: np.ndarray, frozen: bool, side: str, values: np.ndarray, lengths: np.ndarray,
+               nb_values: np.ndarray, nb_lengths: np.ndarray, last_off: np.ndarray, last_addr: np.ndarray,
+               fits: np.ndarray | None, addr: np.ndarray, addresses: bool) -> None:
         """addr = base + offset (offset alone unless ``addresses``; ``addr`` may be ``offs`` itself, a frozen
         column), reading each offset once; then refuse a range of ``addr`` that is not inside its buffer's
         declared size (a wrapped sum included). Sizes come as their runs (``nb_values``, ``nb_lengths``).
+        A ``frozen`` column cannot change between reads, so its offsets are bounded as they are (no sum can wrap
+        once an offset is at most its buffer's size: bound memory ends at or below 2^64); any other column's
+        values are bounded only as they were added, in ``addr``.
 
         Buffers come in runs (a region's ranges share one buffer): per run, the largest address at most ``last``
         (the last start at which the plan's largest range fits in the buffer) proves every range of the run
@@ -534,6 +553,8 @@ class BoundMemory:
         strategy = lowering_strategy(lengths, n)
         bases = self.base[values] if addresses else None
         starts = None if strategy == "grid" else np.cumsum(lengths) - lengths
+        on_offsets = frozen or bases is None  # bound the offsets (no base added), else the sums in ``addr``
+        checked = offs if frozen else addr
         if bases is None:
             if addr is not offs:
                 np.copyto(addr, offs)
@@ -544,11 +565,11 @@ class BoundMemory:
                 np.add(offs[lo:lo + m], np.uint64(b), out=addr[lo:lo + m])
         else:
             np.add(offs, np.repeat(bases, lengths), out=addr)
-        # from here on only ``addr`` is read: the values checked are the values the executor uses
+        # from here on only ``addr`` (or the frozen column) is read: the values checked are the values used
         if starts is None:
             starts = np.arange(0, n, n // rows)
-        ok = np.maximum.reduceat(addr, starts) <= last[values]
-        if bases is not None:
+        ok = np.maximum.reduceat(checked, starts) <= (last_off if on_offsets else last_addr)[values]
+        if not on_offsets:
             ok &= np.minimum.reduceat(addr, starts) >= bases  # an offset that wrapped the sum lands below its base
         if ok.all() and (fits is None or fits[values].all()):  # None: the largest range fits in every buffer
             return
@@ -578,10 +599,11 @@ def hold_for_stream(bound: BoundMemory, stream: int) -> None:
             alias.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
 
 
-def _sizes(plan: TransferPlan, values: np.ndarray, lengths: np.ndarray, n: int, mode: str) -> np.ndarray:
-    """The size of every range, from the runs read once: a fresh uint64 array for ``descriptors`` (drivers read
-    it as memory); for ``offsets`` the plan's own frozen column, or a read-only broadcast of a single size; for
-    ``check`` an empty array (nothing is kept)."""
+def _sizes(plan: TransferPlan, values: np.ndarray, lengths: np.ndarray, n: int, mode: str,
+           out: np.ndarray | None) -> np.ndarray:
+    """The size of every range, from the runs read once: for ``descriptors`` a uint64 array (drivers read it as
+    memory), written into ``out`` when given; for ``offsets`` the plan's own frozen column, or a read-only
+    broadcast of a single size; for ``check`` an empty array (nothing is kept)."""
     if mode == CHECK:
         return np.empty(0, np.uint64)
     if mode == OFFSETS:
@@ -590,7 +612,19 @@ def _sizes(plan: TransferPlan, values: np.ndarray, lengths: np.ndarray, n: int, 
         col = plan.column("nbytes")
         if col.dtype == np.uint64 and len(col) == n and is_frozen(col):
             return col
-    return np.full(n, values[0], np.uint64) if len(values) == 1 else np.repeat(values, lengths)
+    if out is None or n < FRESH_RANGES:  # small: a fresh array comes from the allocator's free lists
+        return np.full(n, values[0], np.uint64) if len(values) == 1 else np.repeat(values, lengths)
+    sizes = out[:n]  # large: reused memory, never page-faulting afresh
+    if len(values) == n:
+        np.copyto(sizes, values)
+    elif len(values) <= FILL_RUNS:
+        at = 0
+        for v, m in zip(values.tolist(), lengths.tolist()):
+            sizes[at:at + m] = v
+            at += m
+    else:
+        np.copyto(sizes, np.repeat(values, lengths))
+    return sizes
 
 
 def _runs(plan: TransferPlan, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:

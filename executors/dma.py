@@ -155,18 +155,19 @@ def driver_result(result: Any, call: str, error_name: Any) -> Any:
 
 
 class DescriptorBuffers:
-    """Reused address arrays (uint64) for the descriptors of one plan; they grow, never shrink."""
+    """Reused address and size arrays (uint64) for the descriptors of one plan; they grow, never shrink."""
 
     def __init__(self) -> None:
         self.src = np.zeros(0, dtype=np.uint64)
         self.dst = np.zeros(0, dtype=np.uint64)
+        self.sizes = np.zeros(0, dtype=np.uint64)
 
-    def reserve(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``(src, dst)`` address arrays, each at least ``n`` long (reallocated, not copied, when too short)."""
+    def reserve(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``(src, dst, sizes)`` arrays, each at least ``n`` long (reallocated, not copied, when too short)."""
         if len(self.src) < n:
             size = max(n, 2 * len(self.src), 1024)
-            self.src, self.dst = np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64)
-        return self.src, self.dst
+            self.src, self.dst, self.sizes = (np.empty(size, dtype=np.uint64) for _ in range(3))
+        return self.src, self.dst, self.sizes
 
 
 @dataclass(eq=False, kw_only=True)

@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind
+from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, binding
 from kvxfer.executors.binding import LONG_RUN, lowering_strategy
 from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import COLUMNS, Location, PlanError, Target, TransferPlan, cuda_version, plan_transfer, presets
@@ -84,7 +84,7 @@ def test_the_cases_cover_every_lowering_strategy():
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name):
+def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name, monkeypatch):
     plan, strategy = _case(name)
     for side in ("src", "dst"):
         assert lowering_strategy(plan.column_runs(f"{side}_buf")[1], plan.num_ranges) == strategy
@@ -97,6 +97,15 @@ def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name):
     assert low.dst.tolist() == expected_addresses(plan, BASES, "dst")
     assert low.nbytes.tolist() == plan.nbytes.tolist()
     assert out[0][n:].tolist() == [7, 7, 7] and np.shares_memory(low.src, out[0])
+    sizes = np.full(n + 3, 7, np.uint64)  # a third array takes the sizes (the DMA executors reuse all three)
+    monkeypatch.setattr(binding, "FRESH_RANGES", 0)  # as large plans do (small ones take a fresh array)
+    low3 = bound.descriptors(plan, (*out, sizes))
+    assert low3.nbytes.tolist() == plan.nbytes.tolist() and sizes[n:].tolist() == [7, 7, 7]
+    assert np.shares_memory(low3.nbytes, sizes)
+    assert low3.src.tolist() == low.src.tolist() and low3.dst.tolist() == low.dst.tolist()
+    mixed = with_column(with_column(plan, "nbytes", 0, PAGE // 2), "nbytes", n - 1, PAGE // 4)  # sizes in 3 runs
+    for lowered in (bound.descriptors(mixed, (*out, sizes)), bound.descriptors(mixed), bound.offsets(mixed)):
+        assert lowered.nbytes.tolist() == mixed.nbytes.tolist()
     offsets = bound.offsets(plan)  # the check-only lowering keeps offsets
     assert offsets.src.tolist() == plan.src_offset.tolist() and offsets.dst.tolist() == plan.dst_offset.tolist()
     assert offsets.nbytes.tolist() == plan.nbytes.tolist() and len(offsets.nbytes) == n
