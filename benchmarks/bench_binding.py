@@ -67,11 +67,12 @@ def main() -> None:
         mapping = presets.mapping(pattern, args.blocks, 2 * args.blocks, "h2d", seed=1)
         plan = plan_transfer(layout, mapping, target)
         out = (np.empty(plan.num_ranges, np.uint64), np.empty(plan.num_ranges, np.uint64))  # as DMA runs reuse theirs
-        touched = np.concatenate([plan.column_runs("src_buf")[0], plan.column_runs("dst_buf")[0]]).astype(np.int64)
+        src_bufs, dst_bufs = (plan.column_runs(f"{side}_buf")[0].astype(np.int64) for side in ("src", "dst"))
+        touched = np.concatenate([src_bufs, dst_bufs])
         fns: dict[str, Callable[[], Any]] = {
             "new": lambda: bound_raw.lower(plan, out),
             "new+owners": lambda: bound_torch.lower(plan, out),
-            "owners": lambda: bound_torch._check_owners(touched, np.zeros(len(layout.buffers), dtype=bool)),
+            "owners": lambda: bound_torch._check_owners(src_bufs, dst_bufs),
         }
         if bound_old is not None:
             fns["old"] = lambda: bound_old.lower(plan, out)
