@@ -18,8 +18,9 @@ as they are. Worker side: ``KvxferOffloadingWorker``, which turns vLLM's load/st
 - ``kvxfer_shared_region``: map one host region shared by every rank of the engine (default: when there is
   more than one rank) instead of a private tier per rank; required by vLLM's ``canonical_layout`` and by the
   replicated single-copy layout (pure MLA at TP), which vLLM only enables on a shared region;
-- ``kvxfer_stats_path``: where each rank writes kvxfer's counters as JSON when the worker shuts down (with
-  ``.rank<r>`` before the suffix when there is more than one rank).
+- ``kvxfer_stats_path``: where each rank writes kvxfer's counters as JSON (with ``.rank<r>`` before the suffix
+  when there is more than one rank): replaced whole after each engine step that finished jobs, and at shutdown,
+  so the file holds the counters even when vLLM kills a worker process that is slow to stop.
 
 What vLLM hands over and what is refused at start-up (``UnsupportedFeatureError``, naming the feature) is in
 ``read_caches``. A job that fails is never reported as success: ``get_finished`` raises ``JobFailedError``
@@ -33,6 +34,7 @@ import functools
 import json
 import logging
 import mmap
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -292,6 +294,8 @@ class WorkerCore:
         finally:
             self.stats.steps += 1
             self.stats.host_s += time.perf_counter() - t0
+        if out:
+            self._write_stats()
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -304,8 +308,16 @@ class WorkerCore:
         try:
             self.worker.shutdown()
         finally:
-            if self._stats_path is not None:
-                Path(self._stats_path).write_text(json.dumps(vars(self.stats), indent=1))
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        """Replace the counters file (``stats_path``) whole: a reader never sees half of one."""
+        if self._stats_path is None:
+            return
+        path = Path(self._stats_path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(vars(self.stats), indent=1))
+        os.replace(tmp, path)
 
 
 def _stats_path(extra: Mapping[str, Any], rank: int, world_size: int) -> Path | None:

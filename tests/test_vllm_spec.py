@@ -200,6 +200,25 @@ def test_shutdown_drains_and_writes_the_counters(tmp_path: Any) -> None:
     assert json.loads((tmp_path / "stats.json").read_text())["steps"] == 0
 
 
+def test_the_counters_file_is_current_after_each_step_that_finished_jobs(tmp_path: Any) -> None:
+    """vLLM kills an engine process that takes over 5 s to stop, before the connector shuts down: the counters
+    are on disk from the step that reported the job, whole (a reader never sees half a file)."""
+    tensors = _layers(1)
+    cmap = read_caches(_caches(tensors, [[0]]))
+    worker = build_worker(cmap, HostTier(num_chunks=4), NumpyExecutor(), pin=False, barrier=None, creator=True)
+    path = tmp_path / "stats.json"
+    core = WorkerCore(worker, V.Result, stats_path=path)
+    assert core.get_finished() == [] and not path.exists()  # nothing finished: nothing written
+    core.submit_store(1, V.GPU([3], [1], [0]), V.CPU([2]))
+    core.wait([1])
+    assert [r.job_id for r in core.get_finished()] == [1]
+    written = json.loads(path.read_text())
+    assert (written["stores"], written["blocks_stored"], written["bytes_stored"]) == (1, 1, PAGE)
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary left beside it
+    core.shutdown()
+    assert json.loads(path.read_text())["steps"] == 2
+
+
 def _run(local: int, canonical: int, size: int, count: int, local_stride: int, canonical_stride: int) -> Any:
     return V.Run(local, canonical, size, count, local_stride, canonical_stride)
 

@@ -88,7 +88,9 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         out["metrics"] = _metrics(llm)
     except Exception as e:
         out["metrics_error"] = repr(e)
-    llm.llm_engine.engine_core.shutdown()  # workers shut their connectors down, which writes kvxfer's stats
+    # workers shut their connectors down, which writes kvxfer's stats; a grace period longer than vLLM's 5 s
+    # default, after which it kills the engine process (a loaded 2-core machine can take longer to tear down)
+    llm.llm_engine.engine_core.shutdown(timeout=60)
     ranks = int(kw.get("tensor_parallel_size", 1))
     deadline = time.monotonic() + 30
     while case.get("offload") is not None and len(list(stats_dir.glob("*.json"))) < ranks and time.monotonic() < deadline:
