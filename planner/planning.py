@@ -7,6 +7,7 @@ columns. Aliased regions (the same bytes under two names) are planned once.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,9 @@ from .spec import BlockMapping
 from .target import PlanOptions, Target
 
 
-def plan_transfer(layout: Layout | dict[str, Any] | Any, mapping: BlockMapping | dict[str, Any] | Any,
-                  target: Target | dict[str, Any] | None = None,
-                  options: PlanOptions | dict[str, Any] | None = None) -> TransferPlan:
+def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMapping | dict[str, Any] | str | Path,
+                  target: Target | dict[str, Any] | str | Path | None = None,
+                  options: PlanOptions | dict[str, Any] | str | Path | None = None) -> TransferPlan:
     """Plan the copies of ``mapping`` over every region of ``layout``.
 
     Returns a TransferPlan whose ranges cover exactly the requested bytes with the fewest ranges possible
