@@ -46,7 +46,7 @@ class HasCudaStream(Protocol):
         ...
 
 
-Stream: TypeAlias = "SupportsInt | HasCudaStream | None"  # an int handle, a CUstream, a torch stream, or None
+Stream: TypeAlias = SupportsInt | HasCudaStream | None  # an int handle, a CUstream, a torch stream, or None
 
 
 class RunArgumentError(ValueError):
@@ -182,7 +182,7 @@ def synchronize_stream(stream: Stream, device: int = 0) -> None:
     torch.cuda.ExternalStream(handle, device=device).synchronize()
 
 
-After: TypeAlias = "Transfer | Iterable[Transfer] | None"
+After: TypeAlias = Transfer | Iterable[Transfer] | None
 
 
 def transfers_after(after: After) -> tuple[Transfer, ...]:
