@@ -445,8 +445,8 @@ class BoundMemory:
 
     def offsets(self, plan: TransferPlan) -> Lowered:
         """Every check of ``descriptors``, keeping offsets within the buffers instead of addresses: for executors
-        that copy through views. The plan's own (frozen, so unchanging) columns are handed on where they serve
-        as they are: no copy of the offsets, and sizes of one value as a read-only broadcast."""
+        that copy through views. The plan's own (frozen, so unchanging) offset columns are handed on as they are,
+        with no copy, and sizes of one value as a read-only broadcast."""
         return self._lower(plan, None, OFFSETS)
 
     def lower(self, plan: TransferPlan, out: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -477,7 +477,7 @@ class BoundMemory:
                 if bad:  # no range is empty, and offset + nbytes cannot wrap once offsets are bounded
                     j = int(np.argmax(nb_values == 0 if reason == "empty range" else nb_values >= MAX_OFFSET))
                     raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
-        sizes = _sizes(plan, nb_values, nb_lengths, n, mode, out[2] if out is not None and len(out) > 2 else None)
+        sizes = _sizes(nb_values, nb_lengths, n, mode, out[2] if out is not None and len(out) > 2 else None)
         last_off, last_addr, fits, all_fit = self._last_starts(nb_max)
         runs = []
         for side in ("src", "dst"):
@@ -599,19 +599,14 @@ def hold_for_stream(bound: BoundMemory, stream: int) -> None:
             alias.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
 
 
-def _sizes(plan: TransferPlan, values: np.ndarray, lengths: np.ndarray, n: int, mode: str,
-           out: np.ndarray | None) -> np.ndarray:
-    """The size of every range, from the runs read once: for ``descriptors`` a uint64 array (drivers read it as
-    memory), written into ``out`` when given; for ``offsets`` the plan's own frozen column, or a read-only
-    broadcast of a single size; for ``check`` an empty array (nothing is kept)."""
+def _sizes(values: np.ndarray, lengths: np.ndarray, n: int, mode: str, out: np.ndarray | None) -> np.ndarray:
+    """The size of every range, from the runs checked (``values``, ``lengths``): a uint64 array (drivers read it as
+    memory), written into ``out`` when given; for ``offsets`` a single size as a read-only broadcast; for
+    ``check`` an empty array (nothing is kept)."""
     if mode == CHECK:
         return np.empty(0, np.uint64)
-    if mode == OFFSETS:
-        if len(values) == 1:
-            return np.broadcast_to(np.frombuffer(values[:1].astype(np.uint64).tobytes(), np.uint64), (n,))
-        col = plan.column("nbytes")
-        if col.dtype == np.uint64 and len(col) == n and is_frozen(col):
-            return col
+    if mode == OFFSETS and len(values) == 1:
+        return np.broadcast_to(np.frombuffer(values[:1].astype(np.uint64).tobytes(), np.uint64), (n,))
     if out is None or n < FRESH_RANGES:  # small: a fresh array comes from the allocator's free lists
         return np.full(n, values[0], np.uint64) if len(values) == 1 else np.repeat(values, lengths)
     sizes = out[:n]  # large: reused memory, never page-faulting afresh

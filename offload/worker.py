@@ -234,19 +234,13 @@ class OffloadWorker:
         """Refuse host chunk ids past the host tier's chunks: in tensor-major rows they would land in the next tensor's
         cells (or in padding), inside the host buffer, where the planner cannot tell."""
         n = self.geometry.num_chunks if self.geometry is not None else None
-        if n is not None and len(unique) and int(unique[-1]) >= n:
-            ids = np.asarray(given, dtype=np.int64)
-            i = int(np.argmax(ids >= n))
-            raise SubmissionError(job_id, field, int(ids[i]), f"past the host tier's {n} chunks", i)
+        _refuse_past(job_id, field, given, unique, n, f"past the host tier's {n} chunks")
 
     def _check_blocks(self, job_id: int, given: Ids, unique: np.ndarray) -> None:
         """Refuse device block ids past ``device_blocks``: KV tensors that are views of one storage sit in one buffer,
         so a block past one tensor's end is the next tensor's block, inside the buffer, where the planner cannot tell."""
         n = self.device_blocks
-        if n is not None and len(unique) and int(unique[-1]) >= n:
-            ids = np.asarray(given, dtype=np.int64)
-            i = int(np.argmax(ids >= n))
-            raise SubmissionError(job_id, "device_ids", int(ids[i]), f"past the {n} blocks of the device KV tensors", i)
+        _refuse_past(job_id, "device_ids", given, unique, n, f"past the {n} blocks of the device KV tensors")
 
     def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
               starts: Sequence[int] | None) -> TransferPlan:
@@ -548,3 +542,11 @@ class OffloadWorker:
 def _inherited(source: Job) -> DependencyError:
     """The failure of a job that read what ``source`` (a failed job) was to write."""
     return DependencyError(source.job_id, source.op, source.error or RuntimeError("failed"))
+
+
+def _refuse_past(job_id: int, field: str, given: Ids, unique: np.ndarray, limit: int | None, reason: str) -> None:
+    """SubmissionError naming the first id of ``given`` at or past ``limit`` (``unique``: its sorted ids)."""
+    if limit is not None and len(unique) and int(unique[-1]) >= limit:
+        ids = np.asarray(given, dtype=np.int64)
+        i = int(np.argmax(ids >= limit))
+        raise SubmissionError(job_id, field, int(ids[i]), reason, i)
