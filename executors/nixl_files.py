@@ -26,7 +26,7 @@ from typing import Any
 
 from kvxfer.planner import Buffer, Location
 
-from .binding import BindingError
+from .memory import BindingError
 from .nixl_memory import Registration, RemoteBuffer, Segment
 
 

@@ -41,7 +41,9 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BindingError, BoundMemory, Lowered, Memory
+from .binding import BoundMemory
+from .lowering import Lowered
+from .memory import BindingError, Memory
 from .nixl_files import FileBinding, register_files
 from .nixl_memory import PeerInfo, PeerInfoError, Registration, RemoteBuffer, Segment, register, segment_of
 from .nixl_transfer import Inflight, poll_until, reason
