@@ -11,18 +11,35 @@ the same, keeping nothing).
 """
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Layout, TransferPlan
+from kvxfer.planner import Buffer, ColumnPool, Layout, TransferPlan, freeze
 
-from .lowering import ADDRESSES, CHECK, OFFSETS, Lowered, lower
+from .lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lower
 from .memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
 
-OWNER_SETS = 64  # buffer sets whose owner probes a BoundMemory keeps
+OWNER_SETS = 64  # sets of buffer runs whose bases and owner probes a BoundMemory keeps
+_VALUE = operator.attrgetter("value")
+
+
+@dataclass(frozen=True, eq=False)
+class BufferRuns:
+    """What runs over one set of buffer runs share (``BoundMemory.buffer_runs``): the base address of each run's
+    buffer on each side, and the owner probes of those buffers (indices, numpy data-pointer fields, probe calls,
+    and the values bound: fields' then calls')."""
+
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+    index: list[int]
+    fields: list[Any]
+    calls: list[Callable[[], int]]
+    want: list[int]
 
 
 class BoundMemory:
@@ -65,9 +82,9 @@ class BoundMemory:
                 if value != m.address:
                     self._moved(i)
         self.probed = np.array([p is not None for p in self._probes], dtype=bool)
-        self._any_probed = bool(self.probed.any())
         self._last: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] | None = None  # see last_starts
-        self._owner_checks: dict[tuple[bytes, bytes], tuple[list[int], list[Callable[[], int]], list[int]]] = {}
+        self._buffer_runs: dict[tuple[str, bytes, bytes], BufferRuns] = {}  # see buffer_runs
+        self._pool = ColumnPool()  # memory for offsets read once (see private)
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.memory)
@@ -123,28 +140,53 @@ class BoundMemory:
         raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound} (set_, .data =, "
                            "__setstate__ or a reallocation since bind); bind it again")
 
-    def check_owners(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Refuse a run that touches (``src``, ``dst``: the buffer indices of its runs) a bound owner that moved.
-        The probes a set of buffers needs are found once per set (a serving loop's plans touch few sets)."""
-        if not self._any_probed:
-            return
-        key = (src.tobytes(), dst.tobytes())
-        checks = self._owner_checks.get(key)
-        if checks is None:
-            todo = np.zeros(len(self.buffers), dtype=bool)
-            todo[src] = True
-            todo[dst] = True
-            todo &= self.probed
-            index = np.flatnonzero(todo).tolist()
-            probes = [self._probes[i] for i in index]
-            checks = (index, [p[0] for p in probes if p is not None], [p[1] for p in probes if p is not None])
-            if len(self._owner_checks) < OWNER_SETS:
-                self._owner_checks[key] = checks  # one assignment: threads that race here store equal entries
-        index, calls, want = checks
-        if [probe() for probe in calls] != want:
-            for i, probe, value in zip(index, calls, want):
+    def buffer_runs(self, src: np.ndarray, dst: np.ndarray, check: Callable[[], None]) -> BufferRuns:
+        """What a run needs of the buffers its ranges touch (``src``, ``dst``: the buffer index of each run of ranges
+        on each side, as lowering read them), after asking each bound owner among them where its memory is now
+        (BindingError naming a buffer whose owner moved). The first time a set is seen, ``check`` (lowering's
+        bounds on those indices) runs before anything is looked up; the set's bases and probes are then kept for
+        the next runs (a serving loop's plans touch few sets), found again by the indices' bytes."""
+        key = (src.dtype.str, src.tobytes(), dst.tobytes())
+        entry = self._buffer_runs.get(key)
+        if entry is None:
+            check()
+            entry = BufferRuns(self.base[src], self.base[dst], *self._probes_for(src, dst))
+            for a in (entry.src_bases, entry.dst_bases):
+                a.flags.writeable = False
+            if len(self._buffer_runs) < OWNER_SETS:
+                self._buffer_runs[key] = entry  # one assignment: threads that race here store equal entries
+        if entry.want and list(map(_VALUE, entry.fields)) + list(map(operator.call, entry.calls)) != entry.want:
+            for i in entry.index:
+                probe, value = self._probes[i]  # type: ignore[misc]
                 if probe() != value:
                     self._moved(i)
+        return entry
+
+    def _probes_for(self, src: np.ndarray, dst: np.ndarray) -> tuple[list[int], list[Any], list[Callable[[], int]], list[int]]:
+        """(buffer indices, ctypes fields, probe calls, values bound: fields' then calls') for the owners of
+        buffers ``src`` and ``dst`` that have a probe."""
+        todo = np.zeros(len(self.buffers), dtype=bool)
+        todo[src] = True
+        todo[dst] = True
+        todo &= self.probed
+        index = np.flatnonzero(todo).tolist()
+        memory = [self.memory[i] for i in index]
+        by_field = [(i, m) for i, m in zip(index, memory) if m is not None and m.probe_field is not None]
+        by_call = [(i, m) for i, m in zip(index, memory) if m is not None and m.probe_field is None]
+        want = [self._probes[i][1] for i, _ in by_field + by_call]  # type: ignore[index]
+        return index, [m.probe_field for _, m in by_field], [m.probe for _, m in by_call], want  # type: ignore[misc]
+
+    def private(self, n: int) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+        """(a uint64 array of ``n`` elements to write, a call returning it frozen once written): memory for
+        offsets lowering reads once (``offsets``). Large arrays come from a pool (``kvxfer.planner.ColumnPool``:
+        reused once nothing refers to them, so they never page-fault afresh) with a frozen twin; small ones are
+        fresh, and frozen by a copy into ``bytes``."""
+        arr, twin = self._pool.take(n)
+        out = arr.view(np.uint64)
+        if twin is None:
+            return out, lambda: freeze(out)
+        frozen = twin.view(np.uint64)
+        return out, lambda: frozen
 
     def refuse_access(self, buffer: int, write: bool) -> None:
         """Raise BindingError for buffer index ``buffer``: not bound (the plan reads or writes it), or read-only
@@ -189,7 +231,7 @@ class BoundMemory:
                                    f"the bound buffer table has {have!r} there; bind the plan's layout")
         self._tables.append(table)
 
-    def descriptors(self, plan: TransferPlan, out: Sequence[np.ndarray] | None = None) -> Lowered:
+    def descriptors(self, plan: TransferPlan, out: DescriptorArrays | Sequence[np.ndarray] | None = None) -> Lowered:
         """Check ``plan`` (``TransferPlan.check``, once per plan) and return it lowered: absolute uint64 addresses,
         sizes, buffer and attribute runs and call offsets, each read from the plan once and bounded as read
         (see ``Lowered`` and ``kvxfer.executors.lowering``).
@@ -209,7 +251,8 @@ class BoundMemory:
         read-only broadcast."""
         return lower(plan, self, OFFSETS)
 
-    def lower(self, plan: TransferPlan, out: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def lower(self, plan: TransferPlan,
+              out: DescriptorArrays | Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``descriptors(plan, out)``'s (src, dst) addresses (uint64 arrays; views of ``out`` when given)."""
         low = lower(plan, self, ADDRESSES, out)
         return low.src, low.dst

@@ -38,7 +38,7 @@ from .base import (
     wait_on_host,
 )
 from .binding import BoundMemory, hold_for_stream
-from .lowering import Lowered
+from .lowering import DescriptorArrays, Lowered
 from .memory import Memory
 
 __all__ = ["ATTR_DTYPE", "DmaExecutor", "DmaTransfer", "MemcpyAttributes", "MemLocation", "Runtime", "attribute_records",
@@ -156,22 +156,6 @@ def driver_result(result: Any, call: str, error_name: Any) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest) or None
 
 
-class DescriptorBuffers:
-    """Reused address and size arrays (uint64) for the descriptors of one plan; they grow, never shrink."""
-
-    def __init__(self) -> None:
-        self.src = np.zeros(0, dtype=np.uint64)
-        self.dst = np.zeros(0, dtype=np.uint64)
-        self.sizes = np.zeros(0, dtype=np.uint64)
-
-    def reserve(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ``(src, dst, sizes)`` arrays, each at least ``n`` long (reallocated, not copied, when too short)."""
-        if len(self.src) < n:
-            size = max(n, 2 * len(self.src), 1024)
-            self.src, self.dst, self.sizes = (np.empty(size, dtype=np.uint64) for _ in range(3))
-        return self.src, self.dst, self.sizes
-
-
 @dataclass(eq=False, kw_only=True)
 class DmaTransfer(Transfer):
     """A plan issued on a copy stream. ``marks[i]`` completes with call i (the last is ``end``); ``keep``
@@ -229,7 +213,7 @@ class DmaExecutor(Executor):
         self.runtime = runtime
         self.max_descriptors = max_descriptors or None
         self._own_runtime = own_runtime  # a runtime made by the executor is closed with it
-        self._buffers = DescriptorBuffers()
+        self._buffers = DescriptorArrays()
         self._fail_idx = ctypes.c_size_t(SIZE_MAX)
         self._lock = threading.Lock()
         self._last: DmaTransfer | None = None

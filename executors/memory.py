@@ -73,6 +73,7 @@ class Memory:
     file_offsets: bool = False  # ``address`` is an offset in a file (0 is valid), not a pointer
     hold: Callable[[], Any] | None = field(repr=False, default=None, compare=False)
     probe: Callable[[], int] | None = field(repr=False, default=None, compare=False)
+    probe_field: Any = field(repr=False, default=None, compare=False)  # a ctypes value ``probe`` reads (numpy)
 
 
 def _read_memory(address: int, nbytes: int) -> bytes | None:
@@ -162,15 +163,15 @@ def _numpy_hold(obj: np.ndarray, arr: np.ndarray) -> Callable[[], Any]:
     return hold
 
 
-def _data_pointer(arr: np.ndarray) -> Callable[[], int]:
-    """A call returning ``arr``'s data pointer now, cheaply: the array object's ``data`` field (numpy's
-    ``PyArrayObject_fields`` starts with the object header, then ``char *data``), read through a ctypes view
-    of the object, which ``bind`` keeps alive. Where that field does not hold the pointer numpy reports (another
-    object layout), the slower ``__array_interface__`` read."""
+def _data_pointer(arr: np.ndarray) -> tuple[Callable[[], int], Any]:
+    """(a call returning ``arr``'s data pointer now, the ctypes value it reads or None). Cheaply: the array
+    object's ``data`` field (numpy's ``PyArrayObject_fields`` starts with the object header, then
+    ``char *data``), read through a ctypes view of the object, which ``bind`` keeps alive. Where that field does
+    not hold the pointer numpy reports (another object layout), the slower ``__array_interface__`` read."""
     where = ctypes.c_uint64.from_address(id(arr) + object.__basicsize__)
     if where.value == arr.__array_interface__["data"][0]:
-        return lambda: where.value
-    return lambda: int(arr.__array_interface__["data"][0])
+        return (lambda: where.value), where
+    return (lambda: int(arr.__array_interface__["data"][0])), None
 
 
 def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
@@ -183,8 +184,9 @@ def _numpy_memory(obj: np.ndarray, name: str) -> Memory:
     address = int(arr.__array_interface__["data"][0])
     # an array moves its memory on resize (refcheck=False, which the weak reference held blocks) and on
     # __setstate__ (which nothing blocks): each run compares the data pointer, never the size
+    probe, probe_field = _data_pointer(obj)
     return Memory(address, int(arr.nbytes), Location.HOST, None, None, bool(arr.flags.writeable), obj, lambda: view,
-                  hold=_numpy_hold(obj, arr), probe=_data_pointer(obj))
+                  hold=_numpy_hold(obj, arr), probe=probe, probe_field=probe_field)
 
 
 def resolve(obj: Any, name: str) -> Memory:

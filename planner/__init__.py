@@ -17,6 +17,7 @@ from . import diff, render
 from ._model import Spec
 from .alignment import check_alignment
 from .case import Case
+from .column_pool import ColumnPool
 from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .files import PlanFileError, read_bytes, read_json, shorten, suggest
@@ -40,12 +41,12 @@ from .target import (
 _LAZY = ("golden", "presets", "viz")  # public submodules imported on first use
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "CopyApi", "CopyAttributes", "Direction", "Fragment",
-    "Layout", "LayoutError", "Location", "LocationHint", "MAX_RANGE_BYTES", "MappingError", "Placement", "PlanError",
-    "PlanFileError", "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target", "TargetError",
-    "TransferPlan", "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent", "format_bytes", "freeze",
-    "golden", "hip_version", "is_frozen", "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten",
-    "suggest", "viz",
+    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "ColumnPool", "CopyApi", "CopyAttributes", "Direction",
+    "Fragment", "Layout", "LayoutError", "Location", "LocationHint", "MAX_RANGE_BYTES", "MappingError", "Placement",
+    "PlanError", "PlanFileError", "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target",
+    "TargetError", "TransferPlan", "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent",
+    "format_bytes", "freeze", "golden", "hip_version", "is_frozen", "plan_transfer", "presets", "read_bytes",
+    "read_json", "render", "shorten", "suggest", "viz",
 ]
 
 

@@ -69,7 +69,7 @@ CASES = {  # name -> (run lengths, scale): the strategy each must take is assert
     "unequal runs, long": (RUNS["4, 2, 2, 8"], LONG_RUN, "long runs"),
     "other unequal runs": (RUNS["1, 8, 6, 1"], 1, "repeat"),
     "equal runs": (RUNS["4, 4, 4, 4"], 1, "grid"),
-    "equal runs, long": (RUNS["4, 4, 4, 4"], LONG_RUN, "grid"),
+    "equal runs, long": (RUNS["4, 4, 4, 4"], LONG_RUN, "long runs"),
 }
 
 

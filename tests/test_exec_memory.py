@@ -456,6 +456,24 @@ def test_each_plan_is_bounded_with_its_own_largest_range_size():
         bound.descriptors(big)
 
 
+@pytest.mark.parametrize("mode", ["descriptors", "offsets", "check"])
+def test_a_range_written_past_its_buffer_in_a_late_block_of_a_large_plan_is_refused_at_its_index(mode, monkeypatch):
+    """Large plans are lowered in blocks of whole buffer runs: a range in the last block, written (after the check)
+    to run past its buffer, is refused and named by its index in the plan, not in its block."""
+    from kvxfer.executors import RawMemory, lowering
+
+    monkeypatch.setattr(lowering, "BLOCK", 64)  # blocks of a few runs, on a plan small enough for a test
+    layout = presets.kv_layout(8, 256, 64, shared_host=False)
+    bound = bind(layout, {b.name: RawMemory((1 << 40) + (k << 32), b.nbytes) for k, b in enumerate(layout.buffers)})
+    plan = plan_transfer(layout, presets.mapping("fragmented", 64, 256))
+    assert plan.num_ranges == 8 * 64
+    i = plan.num_ranges - 5
+    buf = plan.buffers[int(plan.dst_buf[i])]
+    _writable_view(plan.column("dst_offset"))[i] = buf.nbytes - 32
+    with pytest.raises(PlanError, match=rf"^dst_offset\[{i}\] = {buf.nbytes - 32}: range of 64 bytes runs past"):
+        getattr(bound, mode)(plan)
+
+
 @pytest.mark.parametrize("mode", ["descriptors", "offsets"])
 def test_an_offset_that_wraps_its_base_is_refused(mode):
     """base + offset past 2^64 wraps to an address below the base: refused (an offset written after the check)."""
