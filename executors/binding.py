@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from .lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lowe
 from .memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
 
 OWNER_SETS = 64  # sets of buffer runs whose bases and owner probes a BoundMemory keeps
+REPEAT_RANGES = 1 << 18  # bases repeated per range are kept up to this many ranges per side
 _VALUE = operator.attrgetter("value")
 
 
@@ -32,7 +33,8 @@ _VALUE = operator.attrgetter("value")
 class BufferRuns:
     """What runs over one set of buffer runs share (``BoundMemory.buffer_runs``): the base address of each run's
     buffer on each side, and the owner probes of those buffers (indices, numpy data-pointer fields, probe calls,
-    and the values bound: fields' then calls')."""
+    and the values bound: fields' then calls'). ``repeated`` keeps, per side, the bases repeated for the last
+    run length asked (a grid of equal runs adds them in one contiguous addition, faster than a broadcast)."""
 
     src_bases: np.ndarray
     dst_bases: np.ndarray
@@ -40,6 +42,19 @@ class BufferRuns:
     fields: list[Any]
     calls: list[Callable[[], int]]
     want: list[int]
+    _repeats: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
+
+    def repeated(self, side: str, length: int) -> np.ndarray:
+        """``side``'s bases ("src" or "dst"), each repeated ``length`` times (read-only; kept for the last length
+        of each side while it fits REPEAT_RANGES)."""
+        held = self._repeats.get(side)
+        if held is not None and held[0] == length:
+            return held[1]
+        out = np.repeat(self.src_bases if side == "src" else self.dst_bases, length)
+        out.flags.writeable = False
+        if len(out) <= REPEAT_RANGES:
+            self._repeats[side] = (length, out)  # one assignment: a racing reader sees the old entry or this one
+        return out
 
 
 class BoundMemory:

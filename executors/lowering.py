@@ -178,8 +178,9 @@ class Bounds(Protocol):
         ...
 
     def buffer_runs(self, src: np.ndarray, dst: np.ndarray, check: Callable[[], None]) -> Any:
-        """For buffer runs ``src``/``dst``: an object with ``src_bases``/``dst_bases`` (each run's base), after
-        the owner probes (BindingError when one moved); ``check`` runs first the first time a set is seen."""
+        """For buffer runs ``src``/``dst``: an object with ``src_bases``/``dst_bases`` (each run's base) and
+        ``repeated(side, length)`` (a side's bases, each repeated ``length`` times), after the owner probes
+        (BindingError when one moved); ``check`` runs first the first time a set is seen."""
         ...
 
 
@@ -218,9 +219,9 @@ def lower(plan: TransferPlan, bound: Bounds, mode: str, out: DescriptorArrays | 
     sizes = _sizes(*(one if nb_min == nb_max else (nb_values, nb_lengths)), n, mode, sizes_out)
     last = bound.last_starts(nb_max)
     sides = []
-    for k, (side, runs, bases) in enumerate((("src", src_runs, found.src_bases), ("dst", dst_runs, found.dst_bases))):
+    for k, (side, runs) in enumerate((("src", src_runs), ("dst", dst_runs))):
         target = out[k][:n] if out is not None and mode == ADDRESSES else None
-        sides.append(_place(plan, bound, side, n, runs, bases, (nb_values, nb_lengths), last, mode, target))
+        sides.append(_place(plan, bound, side, n, runs, found, (nb_values, nb_lengths), last, mode, target))
     for a in (co, *src_runs, *dst_runs, *attr_runs, *sides, sizes):
         if a.flags.writeable:
             a.flags.writeable = False
@@ -334,12 +335,12 @@ def _fill(sizes: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> None:
 Runs = tuple[np.ndarray, np.ndarray]  # (values, int64 lengths) of a column's runs, as read
 
 
-def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, bases: np.ndarray, sizes: Runs,
+def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, found: Any, sizes: Runs,
            last: tuple[np.ndarray, np.ndarray, np.ndarray, bool], mode: str, out: np.ndarray | None) -> np.ndarray:
     """One side's ``n`` offsets, read once: as addresses (ADDRESSES, into ``out`` when given), as a private copy
     of the offsets (OFFSETS), or bounded where they are and dropped (CHECK: nothing is used afterwards); then
     the values kept are bounded. ``buffers``/``sizes``: the side's buffer runs and the size runs, as read;
-    ``bases``: each buffer run's base address. Large plans go in blocks of whole buffer runs of about BLOCK
+    ``found``: ``Bounds.buffer_runs``' answer (each buffer run's base address). Large plans go in blocks of whole buffer runs of about BLOCK
     ranges, each bounded while it is in cache, so the offsets and the addresses cross memory once."""
     offs = plan.column(f"{side}_offset")
     if offs.dtype != np.uint64 or len(offs) != n:
@@ -354,10 +355,13 @@ def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, 
         used = offs
     per_range = _PerRange(sizes)
     values, lengths = buffers
+    bases = found.src_bases if side == "src" else found.dst_bases
     for (r0, r1), (lo, hi) in _blocks(lengths, n):
         runs = (values[r0:r1], lengths[r0:r1])
         strategy = lowering_strategy(runs[1], hi - lo)
-        if mode == ADDRESSES:
+        if mode == ADDRESSES and strategy == "grid" and (lo, hi) == (0, n):  # one contiguous addition
+            np.add(offs, found.repeated(side, int(lengths[0])), out=used)
+        elif mode == ADDRESSES:
             _add_bases(offs[lo:hi], bases[r0:r1], runs[1], used[lo:hi], strategy)
         elif mode == OFFSETS:
             np.copyto(used[lo:hi], offs[lo:hi])
