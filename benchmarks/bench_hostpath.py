@@ -478,9 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         c32 = c32_rows(run, args.c32_blocks) if args.c32_blocks else []
         for _, ex in run.execs:
             ex.close()
+    source = f"vLLM {__import__('vllm').__version__} compute_sub_block_ptrs" if fill else "vllm_style_descriptors"
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, numpy {np.__version__}, "
           f"page_bytes {args.page_bytes}, {'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f} s, "
-          f"baseline: {'vLLM ' + __import__('vllm').__version__ + ' compute_sub_block_ptrs' if fill else 'vllm_style_descriptors'}")
+          f"baseline: {source}")
     print(format_tables(rows, c32, [n for n, _ in run.execs], run.how))
     return 0
 

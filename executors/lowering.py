@@ -340,8 +340,9 @@ def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, 
     """One side's ``n`` offsets, read once: as addresses (ADDRESSES, into ``out`` when given), as a private copy
     of the offsets (OFFSETS), or bounded where they are and dropped (CHECK: nothing is used afterwards); then
     the values kept are bounded. ``buffers``/``sizes``: the side's buffer runs and the size runs, as read;
-    ``found``: ``Bounds.buffer_runs``' answer (each buffer run's base address). Large plans go in blocks of whole buffer runs of about BLOCK
-    ranges, each bounded while it is in cache, so the offsets and the addresses cross memory once."""
+    ``found``: ``Bounds.buffer_runs``' answer (each buffer run's base address). Large plans go in blocks of
+    whole buffer runs of about BLOCK ranges, each bounded while it is in cache, so the offsets and the addresses
+    cross memory once."""
     offs = plan.column(f"{side}_offset")
     if offs.dtype != np.uint64 or len(offs) != n:
         raise _tampered(f"{side}_offset", f"{offs.dtype} column of {len(offs)}")
