@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.executors import BindingError, NumpyExecutor
-from kvxfer.executors.nixl_files import FileBinding
+from kvxfer.executors.nixl_memory import FileBinding
 from kvxfer.offload import (
     DeviceKV,
     FileTier,

@@ -393,18 +393,21 @@ def test_attach_waits_a_bounded_time_for_a_lock_holder(shm):
     r.close()
 
 
-def test_two_names_for_one_region_never_admit_more_attachers_than_expected(shm):
+def test_two_names_for_one_region_are_refused_and_even_when_allowed_never_admit_more_attachers(shm):
     import os
     import threading
 
     creator = SharedRegion.create("twice", _geometry(), attachers=2, directory=shm)
     os.link(Path(shm) / "kvxfer-twice", Path(shm) / "kvxfer-alias")  # a second name for the same file
+    for name in ("twice", "alias"):  # a file with two names is not trusted unless the caller vouches for it
+        with pytest.raises(SharedRegionError, match="a file with 2 names"):
+            SharedRegion.attach(name, shm)
     start, got, refused = threading.Barrier(6), [], []
 
     def attach(name):
         start.wait()
         try:
-            got.append(SharedRegion.attach(name, shm))
+            got.append(SharedRegion.attach(name, shm, allow_foreign=True))
         except SharedRegionError as e:
             refused.append(str(e))
     threads = [threading.Thread(target=attach, args=(n,), daemon=True) for n in ("twice", "alias") * 3]
