@@ -50,10 +50,12 @@ from kvxfer.executors import (
     ExecutorError,
     Stream,
     Transfer,
+    nixl_memory,  # FileBinding (CONTRACT: FileBinding stays in executors)
 )
 from kvxfer.executors import file_trust as nixl_files  # the trust helpers, under the name this module's code uses
-from kvxfer.executors.nixl_memory import FileBinding  # CONTRACT: FileBinding stays in executors
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
+
+FileBinding = nixl_memory.FileBinding
 
 MAGIC = b"KVXSUM02"
 OLD_MAGICS = (b"KVXSUM01",)
