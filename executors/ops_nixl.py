@@ -13,7 +13,11 @@ other side can tell which plan and call have landed (``wait_notifs``).
 
 NIXL posts from the host and has no device events: ``run`` waits on the host for its ``after`` transfers and,
 when the plan's local memory is on a GPU, for the work queued on the caller's ``stream``; a NixlTransfer's
-``stream_wait`` waits on the host.
+``stream_wait`` waits on the host. A NixlTransfer holds its calls' handles in an ``Inflight``, which polls them
+with a deadline, drains the others when one fails, and never releases memory a call may still touch.
+
+The memory side (segments, remote buffers, peer descriptions, registrations, files) is ``nixl_memory``; the
+bootstrap of a second agent (metadata exchange, a peer process) is ``nixl_peer``.
 """
 from __future__ import annotations
 

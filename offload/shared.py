@@ -102,7 +102,6 @@ def _open(name: str, path: Path, flags: int) -> int:
         raise SharedRegionError(name, f"{path} {why}") from None
 
 
-
 def _trusted(name: str, path: Path, fd: int, allow_foreign: bool, lock_timeout_s: float) -> os.stat_result:
     """Take the attach lock on region file ``fd`` (at most ``lock_timeout_s``), then its status once trusted
     (``file_trust.untrusted``): checked under the lock, since a creator holds it while its file has two names.
@@ -152,6 +151,7 @@ def _holder(path: Path) -> str:
     if live:
         return f"another live region, of processes {live[:8]}"
     return "a stale region whose processes are all gone: remove_stale() removes it"
+
 
 @dataclass(frozen=True)
 class _Header:
