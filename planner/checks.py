@@ -341,14 +341,27 @@ def _refuse_past(ids: Ids, t: RegionTable, side: Location, regs: np.ndarray, val
     transfer uses (values are pages, or with ``k`` > 1 chunk ids whose first one skips ``skip`` pages)."""
     i = int(np.argmax(values > limits.min()))
     r = int(regs[np.argmax(limits < values[i])])
-    col = t.side[side]
-    buf = t.buffers[int(col.buf[r])]
     at = positions + i if isinstance(positions, int) else int(positions[i])
     page = int(values[i]) * k + (skip if i == 0 else 0)
     id_list = ids.src if field == "src_ids" else ids.dst
-    ids.refuse(MappingError(field, int(id_list[at]), f"block of region {t.regions[r].name!r} ({side} side) ends at byte "
-                            f"{col.page_end(r, page)}, past buffer {buf.name!r} of {buf.nbytes} bytes "
-                            f"(last block that fits: {int(col.max_page[r])})", at))
+    ids.refuse(MappingError(field, int(id_list[at]), _past(t, side, r, page), at))
+
+
+def _past(t: RegionTable, side: Location, r: int, page: int) -> str:
+    """Why page ``page`` of region ``r`` is refused: past the blocks its placement states (when it states them:
+    they fit its buffer, so theirs is the bound), else past its buffer."""
+    col = t.side[side]
+    name, buf = t.regions[r].name, t.buffers[int(col.buf[r])]
+    n, k = int(col.count[r]), int(col.k[r])
+    where = f"of region {name!r} ({side} side, buffer {buf.name!r})"
+    if n < 0:
+        return (f"block of region {name!r} ({side} side) ends at byte {col.page_end(r, page)}, past buffer "
+                f"{buf.name!r} of {buf.nbytes} bytes (last block that fits: {int(col.max_page[r])})")
+    if k == 1:
+        return f"past the {n} blocks {where}"
+    if n % k == 0:
+        return f"past the {n // k} chunks of {k} blocks {where}"
+    return f"its block {page} is past the {n} blocks ({k} per chunk) {where}"
 
 
 def _refuse_repeated(ids: Ids, pages: np.ndarray, positions: np.ndarray | None) -> NoReturn:

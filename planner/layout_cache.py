@@ -47,10 +47,11 @@ class SideColumns:
     page: np.ndarray  # page bytes on this side
     k: np.ndarray  # blocks per chunk
     cap: np.ndarray  # the buffer's size
-    max_page: np.ndarray  # last page id whose bytes end inside the buffer (-1: none)
+    count: np.ndarray  # the blocks the placement states it holds (-1: not stated, the buffer bounds them)
+    max_page: np.ndarray  # last page id inside the placement: its bytes end inside the buffer, below count (-1: none)
     dense: np.ndarray  # stride == k * page: consecutive pages are consecutive bytes
     linear_stride: np.ndarray  # bytes between consecutive page ids where offsets are linear in the page id
-    chunk_limit: np.ndarray  # last chunk whose first page ends inside the buffer (-1: none)
+    chunk_limit: np.ndarray  # last chunk whose first page is inside the placement (-1: none)
 
     @classmethod
     def of(cls, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], index: dict[str, int],
@@ -67,9 +68,13 @@ class SideColumns:
         last_chunk = (cap - base - page) // stride  # the last chunk whose first page fits
         last_in_chunk = np.minimum(k - 1, (cap - base - np.maximum(last_chunk, 0) * stride - page) // page)
         max_page = np.where(last_chunk < 0, -1, last_chunk * k + last_in_chunk)
+        count = np.array([-1 if p.num_blocks is None else p.num_blocks for p in places], dtype=np.int64)
+        stated = count > 0  # the layout checked that they fit the buffer: the count is the tighter bound
+        max_page = np.where(stated, count - 1, max_page)
+        last_chunk = np.where(stated, (count - 1) // k, last_chunk)
         dense = stride == page * k
-        cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, max_page=max_page, dense=dense,
-                   linear_stride=np.where(k == 1, stride, page), chunk_limit=last_chunk)
+        cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, count=count, max_page=max_page,
+                   dense=dense, linear_stride=np.where(k == 1, stride, page), chunk_limit=last_chunk)
         for a in vars(cols).values():
             a.flags.writeable = False
         return cols
@@ -317,7 +322,7 @@ class LayoutCache(RegionTable):
         self.aliases = tuple((regions[i].name, regions[a].name) for i, a in enumerate(self.alias_of.tolist()) if a != i)
         keep = np.flatnonzero(self.alias_of == np.arange(self.nregions))
         self.unique: RegionTable = self if not self.aliases else RegionTable(
-            buffers, tuple(regions[i] for i in keep.tolist()), self.num_groups, keep)
+            buffers, _bounded(regions, self.alias_of, keep), self.num_groups, keep)
         self.groups = _groups(self.unique)
         self.chunked = any(bool((c.k > 1).any()) for c in self.side.values())
         self.page_bytes = IntTuple(int(r.page_bytes) for r in regions)  # plans take it without converting it
@@ -391,6 +396,23 @@ class LayoutCache(RegionTable):
         """Make both directions' facts and their default strategies now."""
         for direction in Direction:
             self.strategy(direction, PlanOptions())
+
+
+def _bounded(regions: tuple[Region, ...], alias_of: np.ndarray, keep: np.ndarray) -> tuple[Region, ...]:
+    """The first region of each set of aliases, holding on each side the fewest blocks any of them states (a
+    plan copies the set once, so its ids must fit every one)."""
+    out = []
+    for i in keep.tolist():
+        region = regions[i]
+        for side in (Location.DEVICE, Location.HOST):
+            counts = [n for a in np.flatnonzero(alias_of == i).tolist()
+                      if (n := regions[a].placement(side).num_blocks) is not None]
+            fewest = min(counts, default=None)
+            if fewest != region.placement(side).num_blocks:
+                place = region.placement(side).model_copy(update={"num_blocks": fewest})
+                region = region.model_copy(update={str(side): place})
+        out.append(region)
+    return tuple(out)
 
 
 def _direction_facts(t: RegionTable, direction: Direction) -> DirectionFacts:

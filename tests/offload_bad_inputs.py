@@ -169,7 +169,7 @@ ROWS: list[tuple[str, Act, type[BaseException], str]] = [
     ("device block past the device buffer", worker(lambda w: w.submit_store(1, [0, 8], [0])), SubmissionError,
      "device_ids"),
     ("host chunk past the host rows", worker(lambda w: w.submit_store(1, [0, 1], [4])), SubmissionError,
-     "host_ids[0] = 4: past the host tier's 4 chunks"),
+     "host_ids[0] = 4: past the 4 chunks of 2 blocks of region 'L0' (host side, buffer 'host')"),
     ("negative device block", worker(lambda w: w.submit_load(1, [0], [-1, 1])), SubmissionError, "non-negative"),
     ("group sizes for two groups of one", worker(lambda w: w.submit_store(1, [0, 1], [0], (1, 1))), SubmissionError,
      "1 KV-cache groups"),
