@@ -2,8 +2,10 @@
 both input forms a serving loop uses: the dict of the scheduler's numpy id arrays (``bench_hostpath.py``'s hot
 path) and a ``BlockMapping`` built per job; contiguous k = 1 shapes also against its run-based coalescing build.
 
-    python benchmarks/compare_hotpath.py OLD_ROOT [ROUNDS]
+    python benchmarks/compare_hotpath.py OLD_ROOT [ROUNDS] [--stated]
 
+``--stated``: the new planner plans on layouts whose placements state their block counts (as the offload
+worker's do), the old one on the same layouts without them (it knows no counts); the plans are the same.
 OLD_ROOT is a checkout of the baseline (``/work/mkold.sh planner`` makes one of 7a517d5), imported as
 ``kvxfer_old.planner`` (see ``compare_planner.py``). Rounds alternate old and new of both forms (and the
 run-based build); each is timed over at least 50 ms of process CPU time; the minimum over rounds is
@@ -23,9 +25,11 @@ import bench_hostpath as bh
 from compare_planner import load_old, loop_time
 
 
-def worker_layout(mod: Any, tensors: int, gpu_blocks: int, cpu_chunks: int, page: int, k: int) -> Any:
-    """``bench_hostpath.worker_layout`` built from ``mod``'s values (old or new planner)."""
-    new = bh.worker_layout(tensors, gpu_blocks, cpu_chunks, page, k)
+def worker_layout(mod: Any, tensors: int, gpu_blocks: int, cpu_chunks: int, page: int, k: int,
+                  stated: bool = False) -> Any:
+    """``bench_hostpath.worker_layout`` built from ``mod``'s values (old or new planner); ``stated``: with the
+    block counts the offload worker's layouts state (a planner that knows them)."""
+    new = bh.worker_layout(tensors, gpu_blocks, cpu_chunks, page, k, stated)
     return mod.Layout.model_validate(new.model_dump())
 
 
@@ -46,6 +50,7 @@ def main() -> None:
     import kvxfer.planner as new
 
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 9
+    stated = "--stated" in sys.argv[3:]  # the new planner on layouts stating their block counts
     shapes = [("contiguous", bh.C32_BLOCKS, 1, "h2d")] + [
         (p, n, k, dr) for p in ("contiguous", "runs8", "fragmented") for n in (256, 2048) for k in (1, 4)
         for dr in ("h2d", "d2h")]
@@ -56,7 +61,7 @@ def main() -> None:
         for pattern, n, k, dr in shapes:
             job, g, c = bh.make_job(pattern, n, k, dr, seed=32 if n == bh.C32_BLOCKS else 0)
             layouts = {"old": worker_layout(old, bh.NUM_TENSORS, g, c, 256, k),
-                       "new": worker_layout(new, bh.NUM_TENSORS, g, c, 256, k)}
+                       "new": worker_layout(new, bh.NUM_TENSORS, g, c, 256, k, stated)}
             fns = {f"{form} {side}": planner(mod, layouts[side], job, form) for form in ("dict", "bm")
                    for side, mod in (("old", old), ("new", new))}
             prints = {f().fingerprint for f in fns.values()}

@@ -1,4 +1,4 @@
-"""The builder: checked page pairs (``checks.Request``) become a transfer's ranges and call offsets.
+"""The builder: checked page pairs (``request.Request``) become a transfer's ranges and call offsets.
 
 How the work stays proportional to block pairs and output ranges:
 1. Runs are found once in page-id space (pages advancing together on both sides), independent of regions.
@@ -13,8 +13,10 @@ How the work stays proportional to block pairs and output ranges:
    cross-region overlap is possible, so no global sort or overlap check is needed.
 
 The strategy (``layout_cache.Strategy``) is a property of the layout and the plan setting; the builder reads
-it and never refuses a transfer of its own: the front end (``checks``) has checked the pages, and the one
-check that needs byte ranges (overlaps) is the front end's, called on what is built here.
+it and never refuses a transfer: the front end (``checks``) has checked the pages, and runs the one check that
+needs byte ranges (overlaps) on what is built here, where the request says regions could touch. Every kind of
+region's ranges is a part (``Part``: page runs in some regions, pages x pieces of one region, or the rows of a
+paged layout), and one assembler (``assemble``) writes the parts into the plan's columns.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from typing import Protocol
 
 import numpy as np
 
-from .checks import Request, check_overlaps
 from .column_pool import ColumnPool
 from .columns import (
     PageRuns,
@@ -36,6 +37,7 @@ from .columns import (
     split_large,
 )
 from .layout_cache import LayoutCache, Rows, SideColumns, Strategy
+from .request import Request
 from .runs import Ranges, Runs
 from .target import PlanOptions
 
@@ -43,11 +45,14 @@ from .target import PlanOptions
 class Part(Protocol):
     """Ranges of some regions, written straight into the plan's columns when they are assembled."""
 
-    def counts(self, regs: np.ndarray) -> np.ndarray | list[int]:
-        """Ranges per region of ``regs``."""
+    def counts(self, regs: np.ndarray) -> np.ndarray:
+        """Ranges per region of ``regs`` (int64)."""
 
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | list[int] | None:
+    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
         """Per region of ``regs``: the one size all its ranges have; None when some region's sizes vary."""
+
+    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source buffer, destination buffer) of each region of ``regs`` (int32)."""
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the ranges of ``regs`` (region-major) into ``so``, ``do`` and, unless None, ``nb``."""
@@ -72,6 +77,10 @@ class RunsPart:
         out: np.ndarray = self.page[regs] * (int(runs.rl[0]) if len(runs.rl) else 0)
         return out
 
+    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each region's buffers, from the layout's columns."""
+        return self.S.buf[regs], self.D.buf[regs]
+
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
         runs = self.runs
@@ -83,6 +92,50 @@ class RunsPart:
             affine_rows(np.zeros(len(regs), np.int64), self.page[regs], runs.rl, nb.reshape(shape))
 
 
+class RowsPart:
+    """Page runs applied to every region of a paged layout, whose columns are gathered once per layout
+    (``Rows``, in the strategy's order; ``regs`` is ``rows.regs``): offsets by one broadcast addition per
+    side, and the run-length columns are the layout's own frozen arrays where the runs leave them unchanged."""
+
+    def __init__(self, rows: Rows, runs: PageRuns):
+        self.rows, self.runs = rows, runs
+
+    def counts(self, regs: np.ndarray) -> np.ndarray:
+        """The number of runs per region (the layout's frozen column of ones for a one-run job)."""
+        m = len(self.runs.rs)
+        return self.rows.single if m == 1 else filled(m, len(regs))
+
+    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
+        """Page bytes times the run length, per region, when every run has one length (else None)."""
+        runs = self.runs
+        if not runs.uniform:
+            return None
+        out: np.ndarray = self.rows.page * int(runs.rl[0])
+        return out
+
+    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' buffers, gathered (and frozen) once per layout."""
+        return self.rows.src_buf, self.rows.dst_buf
+
+    def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
+        """Write every row's runs: one product over the ids and one broadcast sum per side where all rows share
+        one stride, else per stride (``affine_rows``)."""
+        rows, runs = self.rows, self.runs
+        (sbase, sstride, sone), (dbase, dstride, done) = rows.src, rows.dst
+        if len(runs.rs) == 1:  # one run (a contiguous job): one range per region, of one size
+            np.add(sbase, int(runs.rs[0]) * (sstride if sone is None else sone), out=so)
+            np.add(dbase, int(runs.rd[0]) * (dstride if done is None else done), out=do)
+            return
+        shape = (len(rows.regs), len(runs.rs))
+        for base, stride, one, ids, out in ((sbase, sstride, sone, runs.rs, so), (dbase, dstride, done, runs.rd, do)):
+            if one is not None:
+                np.add(base[:, None], ids * one, out=out.reshape(shape))
+            else:
+                affine_rows(base, stride, ids, out.reshape(shape))
+        if nb is not None:
+            affine_rows(np.zeros(shape[0], np.int64), rows.page, runs.rl, nb.reshape(shape))
+
+
 class Pieces:
     """Pages x pieces of one region (a fragment table, or pages whose offsets are not linear in the id).
 
@@ -90,18 +143,23 @@ class Pieces:
 
     def __init__(self, src: SideColumns, dst: SideColumns, r: int, sp: np.ndarray, dp: np.ndarray,
                  table: tuple[np.ndarray, np.ndarray, np.ndarray]):
+        self.S, self.D = src, dst
         self.so, self.do = src.offsets(r, sp), dst.offsets(r, dp)
         self.table = table
         self.count = len(sp) * len(table[2])
         self.size = int(table[2][0]) if len(table[2]) == 1 else None
 
-    def counts(self, regs: np.ndarray) -> list[int]:
+    def counts(self, regs: np.ndarray) -> np.ndarray:
         """Ranges per region: pages times pieces, the same for every region of ``regs``."""
-        return [self.count] * len(regs)
+        return np.full(len(regs), self.count, dtype=np.int64)
 
-    def uniform_nbytes(self, regs: np.ndarray) -> list[int] | None:
+    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
         """The piece size per region of ``regs`` when the table has one piece per page, else None."""
-        return None if self.size is None else [self.size] * len(regs)
+        return None if self.size is None else np.full(len(regs), self.size, dtype=np.int64)
+
+    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The region's buffers, from the layout's columns."""
+        return self.S.buf[regs], self.D.buf[regs]
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write every page's pieces (offsets, and sizes unless ``nb`` is None) into the output columns, page-major."""
@@ -117,22 +175,22 @@ def build(cache: LayoutCache, request: Request, strategy: Strategy, options: Pla
           cap: int | None) -> tuple[Ranges, np.ndarray]:
     """The ranges of ``request`` (canonical order within each call, merged maximally unless ``options.coalesce``
     is off, split at ``options.max_range_bytes``) and the call offsets (calls of at most ``cap`` ranges, cut at
-    call groups). Raises LayoutError only for overlapping copies (``checks.check_overlaps``)."""
+    call groups). Never raises for a checked request: overlaps are the front end's (``request.touch``)."""
     t = cache.unique
     facts = cache.facts(request.direction)
     coalesce = options.coalesce
-    chained = strategy.chained  # regions whose ranges go through the general merge
     sets = request.sets
     if strategy.rows is not None and len(sets) == 1:  # a paged layout: every region takes the same runs
-        r = _assemble_rows(strategy.rows, sets[0].runs(strategy.joined), cache.pool)
+        parts: list[tuple[np.ndarray, Part]] = [(strategy.rows.regs, RowsPart(strategy.rows, sets[0].runs(strategy.joined)))]
+        chained = strategy.chained  # regions whose ranges go through the general merge
     else:
-        r, chained = _assemble_parts(cache, facts.src, facts.dst, request, strategy, coalesce)
+        parts, chained = _parts(cache, facts.src, facts.dst, request, strategy, coalesce)
+    r = assemble(parts, cache.pool)
     cg = strategy.call_group
     # Regions in (call group, destination) order, each in destination order: canonical already when the
     # transfer keeps regions' destinations apart and no buffer is both read and written.
-    if request.top_dst > facts.disjoint_top or facts.shared:
+    if request.touch:
         r = sort_canonical(r, cg)
-        check_overlaps(t, request.direction, facts.shared, r, cg)
     if coalesce and (strategy.any_chained or chained is not strategy.chained or len(facts.links.a)) and len(r["nbytes"]):
         mergeable = chained | facts.linked(t.nregions, request.top_src, request.top_dst)
         if mergeable.any():
@@ -143,10 +201,10 @@ def build(cache: LayoutCache, request: Request, strategy: Strategy, options: Pla
     return r, calls_by_group(r["region"], cg, cap)
 
 
-def _assemble_parts(cache: LayoutCache, S: SideColumns, D: SideColumns, request: Request, strategy: Strategy,
-                    coalesce: bool) -> tuple[Ranges, np.ndarray]:
-    """The ranges of every page set, each region's from its part (page runs or pieces), region-major in the
-    strategy's order; and the regions to merge (the strategy's, plus pieces that chain in this transfer)."""
+def _parts(cache: LayoutCache, S: SideColumns, D: SideColumns, request: Request, strategy: Strategy,
+           coalesce: bool) -> tuple[list[tuple[np.ndarray, Part]], np.ndarray]:
+    """The parts of every page set (page runs or pieces), as (regions, part) region-major in the strategy's
+    order; and the regions to merge (the strategy's, plus pieces that chain in this transfer)."""
     t = cache.unique
     parts: list[Part] = []  # each region's ranges: parts[part_of[r]] (-1: none)
     part_of = np.full(t.nregions, -1, dtype=np.int64)
@@ -168,7 +226,7 @@ def _assemble_parts(cache: LayoutCache, S: SideColumns, D: SideColumns, request:
             if len(ws.repeats) and bool(((dp_o[1:] == dp_o[:-1] + 1) & (sp_o[1:] == sp_o[:-1])).any()):
                 chained = chained.copy() if chained is strategy.chained else chained
                 chained[ws.repeats] = True  # neighbouring destination pages read one source page: pieces chain
-    return assemble(S, D, _consecutive(strategy.order, part_of, parts), cache.pool), chained
+    return _consecutive(strategy.order, part_of, parts), chained
 
 
 def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> list[tuple[np.ndarray, Part]]:
@@ -181,53 +239,38 @@ def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> l
     return [(regs[a:b], parts[int(ids[a])]) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
 
 
-def assemble(src: SideColumns, dst: SideColumns, parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Ranges:
-    """One set of columns from parts (regions, their ranges), region-major in the given order. Offsets are
-    written once, in place (pooled ones are then handed on frozen: nothing writes them afterwards); buffer and
-    region columns (and ``nbytes`` when each region's ranges share one size) stay run-length encoded."""
+def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Ranges:
+    """One set of columns from parts (regions as int32 indices, their ranges), region-major in the given
+    order: the one assembler. Offsets are written once, in place (pooled ones are then handed on frozen: nothing writes them
+    afterwards); buffer and region columns (and ``nbytes`` when each region's ranges share one size) stay run-
+    length encoded."""
     if not parts:
         return empty_ranges()
-    regs = np.concatenate([g for g, _ in parts]).astype(np.int32)
-    counts = [p.counts(g) for g, p in parts]
-    lengths = np.concatenate(counts).astype(np.int64, copy=False)
-    sizes = [p.uniform_nbytes(g) for g, p in parts]
-    total = int(lengths.sum())
+    if len(parts) == 1:  # one block of regions (a paged layout's rows): its columns as the part gives them
+        regions, p = parts[0]
+        lengths, sizes, (sb, db) = p.counts(regions), p.uniform_nbytes(regions), p.buffers(regions)
+        total = len(regions) * int(lengths[0])  # a part gives each of its regions as many ranges
+    else:
+        lengths = np.concatenate([p.counts(g) for g, p in parts])
+        each = [p.uniform_nbytes(g) for g, p in parts]
+        sizes = None if any(s is None for s in each) else np.concatenate(each)  # type: ignore[arg-type]
+        bufs = [p.buffers(g) for g, p in parts]
+        sb, db = np.concatenate([b[0] for b in bufs]), np.concatenate([b[1] for b in bufs])
+        total = int(lengths.sum())
+        regions = np.concatenate([g for g, _ in parts])
     (so, so_frozen), (do, do_frozen) = pool.take(total), pool.take(total)  # reused once no plan views them
-    nb = None if all(s is not None for s in sizes) else np.empty(total, dtype=np.int64)
-    ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
+    nb = None if sizes is not None else np.empty(total, dtype=np.int64)
+    ends = [total] if len(parts) == 1 else np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     at = 0
     for (g, p), end in zip(parts, ends):
         p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
         at = end
-    nbytes: np.ndarray | Runs = nb if nb is not None else Runs(np.concatenate(sizes), lengths)  # type: ignore[arg-type]
-    return {"src_buf": Runs(src.buf[regs], lengths), "src_offset": so if so_frozen is None else so_frozen,
-            "dst_buf": Runs(dst.buf[regs], lengths), "dst_offset": do if do_frozen is None else do_frozen,
-            "nbytes": nbytes, "region": Runs(regs, lengths)}
+    return {"src_buf": Runs.of(sb, lengths, total), "src_offset": so if so_frozen is None else so_frozen,
+            "dst_buf": Runs.of(db, lengths, total), "dst_offset": do if do_frozen is None else do_frozen,
+            "nbytes": nb if sizes is None else Runs.of(sizes, lengths, total), "region": Runs.of(regions, lengths, total)}
 
 
-def _assemble_rows(rows: Rows, runs: PageRuns, pool: ColumnPool) -> Ranges:
-    """The ranges of ``runs`` in every region of ``rows`` (all regions alike), region-major: offsets by one
-    broadcast addition per side, other columns run-length encoded."""
-    m, n_rows = len(runs.rs), len(rows.regs)
-    out = []
-    for (base, stride, one), ids in zip((rows.src, rows.dst), (runs.rs, runs.rd)):
-        if m == 1:  # one run (a contiguous job): one range per region
-            out.append(base + int(ids[0]) * (stride if one is None else one))
-            continue
-        col, frozen = pool.take(n_rows * m)
-        if one is not None:  # one stride for all regions: one product over the ids, one broadcast sum
-            np.add(base[:, None], ids * one, out=col.reshape(n_rows, m))
-        else:
-            affine_rows(base, stride, ids, col.reshape(n_rows, m))
-        out.append(col if frozen is None else frozen)
-    lengths = rows.single if m == 1 else np.full(n_rows, m, dtype=np.int64)
-    n = n_rows * m
-    if runs.uniform:
-        nbytes: np.ndarray | Runs = Runs.of(rows.page * int(runs.rl[0]), lengths, n)
-    else:
-        sizes, frozen = pool.take(n)
-        affine_rows(np.zeros(n_rows, np.int64), rows.page, runs.rl, sizes.reshape(n_rows, m))
-        nbytes = sizes if frozen is None else frozen
-    return {"src_buf": Runs.of(rows.src_buf, lengths, n), "src_offset": out[0],
-            "dst_buf": Runs.of(rows.dst_buf, lengths, n), "dst_offset": out[1], "nbytes": nbytes,
-            "region": Runs.of(rows.regs, lengths, n)}
+def filled(value: int, n: int) -> np.ndarray:
+    """A frozen int64 array of ``n`` copies of ``value``, made straight into immutable memory (no copy to freeze)."""
+    return np.frombuffer(int(value).to_bytes(8, "little", signed=True) * n, dtype=np.int64)
+

@@ -21,6 +21,7 @@ import numpy as np
 from ._model import IntTuple
 from .column_pool import ColumnPool
 from .columns import merge
+from .frozen import freeze
 from .spec import Buffer, Direction, Location, Region
 from .target import AccessOrder, CopyApi, CopyAttributes, LocationHint, PlanOptions, Target
 
@@ -209,7 +210,8 @@ class WriterSet(NamedTuple):
 @dataclass(frozen=True)
 class Rows:
     """All regions in one order as rows of id runs (paged layouts): the regions' columns gathered once, so a
-    plan's offsets are one broadcast addition per side."""
+    plan's offsets are one broadcast addition per side. Frozen arrays (``kvxfer.planner.frozen``): plans keep
+    ``regs``, the buffers and ``single`` as their run-length columns."""
 
     regs: np.ndarray  # int32 region indices, in order
     src_buf: np.ndarray
@@ -245,7 +247,7 @@ class Strategy:
     advance together, else one run per page), every region as one block of rows.
     """
 
-    order: np.ndarray  # regions by (call group, destination buffer, base)
+    order: np.ndarray  # regions by (call group, destination buffer, base), int32
     call_group: np.ndarray
     kinds: np.ndarray
     tables: list[Table]
@@ -273,7 +275,8 @@ class Links:
 @dataclass(frozen=True)
 class Prepared:
     """What one (direction, target, options) implies for a plan: the strategy, the attribute table and each
-    region's entry in it, the target's API, the regions' writers for the plan header and the call size cap."""
+    region's entry in it, the target's API, the regions' writers for the plan header, the call size cap and,
+    for a paged layout, each row's attribute (the run-length column its plans keep)."""
 
     strategy: Strategy
     attrs: tuple[CopyAttributes, ...]
@@ -282,6 +285,7 @@ class Prepared:
     passes_attrs: bool
     region_writers: tuple[tuple[int, int], ...]
     cap: int | None
+    rows_attr: np.ndarray | None  # paged layouts without aliases: the attribute of each row (frozen), else None
 
 
 @dataclass
@@ -353,8 +357,11 @@ class LayoutCache(RegionTable):
         recent = facts.recent
         if recent is not None and recent[0] is target and recent[1] is options:
             return recent[2]
-        made = Prepared(self.strategy(direction, options), *self.attributes(direction, target, options),
-                        *self.api(target), self.region_writers(direction, options), options.descriptor_cap(target))
+        strategy = self.strategy(direction, options)
+        attrs, region_attr = self.attributes(direction, target, options)
+        rows_attr = None if strategy.rows is None or self.unique is not self else freeze(region_attr[strategy.rows.regs])
+        made = Prepared(strategy, attrs, region_attr, *self.api(target), self.region_writers(direction, options),
+                        options.descriptor_cap(target), rows_attr)
         facts.recent = (target, options, made)
         return made
 
@@ -462,7 +469,7 @@ def _strategy(cache: LayoutCache, facts: DirectionFacts, direction: Direction, k
         key.coalesce, _classify(t, direction, key.coalesce))
     call_group = t.call_group(key.regions_per_call)
     d = facts.dst
-    order = np.lexsort((d.base, d.buf, call_group))
+    order = np.lexsort((d.base, d.buf, call_group)).astype(np.int32)  # int32: the plans' region column's type
     split = [_writer_sets(t, facts, g.regions, direction, key, kinds) for g in cache.groups]
     sets = tuple(() if isinstance(x, Refusal) else x for x in split)
     refusals = tuple(x if isinstance(x, Refusal) else None for x in split)
@@ -480,15 +487,15 @@ def _strategy(cache: LayoutCache, facts: DirectionFacts, direction: Direction, k
 
 
 def _rows(t: RegionTable, facts: DirectionFacts, o: np.ndarray) -> Rows:
+    """The rows of a paged layout in order ``o``: every array frozen, since plans keep the run-length ones."""
     S, D = facts.src, facts.dst
-    single = np.ones(len(o), dtype=np.int64)
-    single.flags.writeable = False
 
     def side(c: SideColumns) -> tuple[np.ndarray, np.ndarray, int | None]:
         stride = c.linear_stride[o]
-        return c.base[o], stride, int(stride[0]) if len(stride) and bool((stride == stride[0]).all()) else None
+        return freeze(c.base[o]), freeze(stride), int(stride[0]) if len(stride) and bool((stride == stride[0]).all()) else None
 
-    return Rows(o.astype(np.int32), S.buf[o], D.buf[o], t.page[o], side(S), side(D), single)
+    return Rows(freeze(o.astype(np.int32)), freeze(S.buf[o]), freeze(D.buf[o]), freeze(t.page[o]), side(S), side(D),
+                freeze(np.ones(len(o), dtype=np.int64)))
 
 
 def _fragment_table(t: RegionTable, r: int, direction: Direction) -> Table:

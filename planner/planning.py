@@ -7,6 +7,7 @@ columns. Aliased regions (the same bytes under two names) are planned once.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ import numpy as np
 
 from .alignment import check_alignment
 from .build import build
-from .checks import Ids, check, read_settings
+from .checks import Ids, check, read_settings, refuse_overlaps
+from .frozen import freeze
 from .layout import Layout
-from .plan import TransferPlan
+from .layout_cache import Prepared
+from .plan import COLUMNS, TransferPlan
 from .runs import Column, Runs
 from .spec import BlockMapping
 from .target import PlanOptions, Target
@@ -46,18 +49,47 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
     prepared = cache.prepared(direction, target, options)
     request = check(cache, ids, prepared.strategy, options.coalesce)
     ranges, call_offsets = build(cache, request, prepared.strategy, options, prepared.cap)
-    columns = dict(ranges)
-    if cache.unique is not cache:  # region indices of the alias-free view -> the layout's own
-        columns["region"] = _map(columns["region"], cache.unique.origin)
-    reg = columns["region"]
-    region_attr = prepared.region_attr
-    columns["attr"] = Runs.of(region_attr[reg.values], reg.lengths, len(reg)) if isinstance(reg, Runs) else region_attr[reg]
+    if request.touch:
+        refuse_overlaps(cache, request, ranges, prepared.strategy.call_group)
+    columns = _columns(ranges, cache.unique.origin if cache.unique is not cache else None, prepared)
     plan = TransferPlan.planned(
         direction=direction, target=target, options=options, buffers=layout.buffers, regions=cache.names,
         attrs=prepared.attrs, region_page_bytes=cache.page_bytes, aliases=cache.aliases,
         region_writers=prepared.region_writers, requested_copies=request.requested, call_offsets=call_offsets,
         columns=columns, api=prepared.api, passes_attrs=prepared.passes_attrs)
     return check_alignment(plan, cache.align_bytes) if cache.aligned else plan
+
+
+def _columns(ranges: Mapping[str, Column], origin: np.ndarray | None, prepared: Prepared) -> dict[str, Column]:
+    """The plan's columns from the builder's ranges: region indices of the alias-free view mapped to the
+    layout's own (``origin``; None: no aliases), the attribute column added, and every run-length column frozen
+    in the plan's dtype, as the plan freezes its dense ones (arrays in immutable memory already, such as a
+    paged layout's rows, are kept)."""
+    columns = dict(ranges)
+    if origin is not None:
+        columns["region"] = _map(columns["region"], origin)
+    reg = columns["region"]
+    if not isinstance(reg, Runs):
+        columns["attr"] = prepared.region_attr[reg]
+        return columns
+    rows = prepared.strategy.rows
+    attr = prepared.rows_attr if rows is not None and reg.values is rows.regs else prepared.region_attr[reg.values]
+    columns["attr"] = Runs.of(attr, reg.lengths, len(reg))  # type: ignore[arg-type]  # rows_attr is set with rows
+    lengths = reg.lengths  # the columns share one lengths array, unless a step made its own
+    held = lengths if type(lengths.base) is bytes else freeze(lengths)
+    for name in _RUN_LENGTH:
+        col = columns[name]
+        if type(col) is Runs:
+            v, n, dtype = col.values, col.lengths, COLUMNS[name]
+            if type(v.base) is not bytes or v.dtype != dtype:
+                v = freeze(v, dtype) if v.dtype.itemsize == dtype.itemsize else freeze(v.astype(dtype))
+            n = held if n is lengths else n if type(n.base) is bytes else freeze(n)
+            if v is not col.values or n is not col.lengths:
+                columns[name] = Runs.of(v, n, len(col))
+    return columns
+
+
+_RUN_LENGTH = ("src_buf", "dst_buf", "nbytes", "region", "attr")  # the columns the builder may keep run-length
 
 
 def _map(col: Column, table: np.ndarray) -> Column:

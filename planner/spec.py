@@ -93,6 +93,14 @@ class Placement(Spec):
     blocks_per_chunk: int = Field(default=1, ge=1)
     num_blocks: int | None = Field(default=None, ge=1, le=MAX_NBYTES)
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """An unstated block count is left out, so layouts without one dump as before (and older readers read them)."""
+        d: dict[str, Any] = handler(self)
+        if self.num_blocks is None:
+            d.pop("num_blocks", None)
+        return d
+
 
 class Fragment(Spec):
     """A run of ``count`` pieces of ``fragment_bytes``: piece i sits at ``local_offset + i*local_stride`` in the
