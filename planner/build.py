@@ -36,23 +36,23 @@ from .columns import (
     sort_canonical,
     split_large,
 )
+from .frozen import freeze
 from .layout_cache import LayoutCache, Rows, SideColumns, Strategy
 from .request import Request
 from .runs import Ranges, Runs
 from .target import PlanOptions
 
 
+PerRegion = tuple[np.ndarray, "np.ndarray | None", np.ndarray, np.ndarray]  # see Part.per_region
+
+
 class Part(Protocol):
-    """Ranges of some regions, written straight into the plan's columns when they are assembled."""
+    """Ranges of some regions, written straight into the plan's columns when they are assembled. Every region
+    of a part has as many ranges."""
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        """Ranges per region of ``regs`` (int64)."""
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        """Per region of ``regs``: the one size all its ranges have; None when some region's sizes vary."""
-
-    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source buffer, destination buffer) of each region of ``regs`` (int32)."""
+    def per_region(self, regs: np.ndarray) -> PerRegion:
+        """The run-length columns of ``regs``, one entry per region: (ranges, int64; the one size all its ranges
+        have, int64, or None when some region's sizes vary; source buffer, int32; destination buffer, int32)."""
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the ranges of ``regs`` (region-major) into ``so``, ``do`` and, unless None, ``nb``."""
@@ -65,21 +65,11 @@ class RunsPart:
     def __init__(self, runs: PageRuns, src: SideColumns, dst: SideColumns, page: np.ndarray):
         self.runs, self.S, self.D, self.page = runs, src, dst, page
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        """Ranges per region: the number of runs, the same for every region of ``regs``."""
-        return np.full(len(regs), len(self.runs.rs), dtype=np.int64)
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        """Per region of ``regs``: page bytes times the run length when every run has one length, else None."""
+    def per_region(self, regs: np.ndarray) -> PerRegion:
+        """One range per run in every region; page bytes times the run length when every run has one length."""
         runs = self.runs
-        if not runs.uniform:
-            return None
-        out: np.ndarray = self.page[regs] * (int(runs.rl[0]) if len(runs.rl) else 0)
-        return out
-
-    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each region's buffers, from the layout's columns."""
-        return self.S.buf[regs], self.D.buf[regs]
+        sizes = self.page[regs] * (int(runs.rl[0]) if len(runs.rl) else 0) if runs.uniform else None
+        return np.full(len(regs), len(runs.rs), dtype=np.int64), sizes, self.S.buf[regs], self.D.buf[regs]
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
@@ -95,27 +85,21 @@ class RunsPart:
 class RowsPart:
     """Page runs applied to every region of a paged layout, whose columns are gathered once per layout
     (``Rows``, in the strategy's order; ``regs`` is ``rows.regs``): offsets by one broadcast addition per
-    side, and the run-length columns are the layout's own frozen arrays where the runs leave them unchanged."""
+    side, and the run-length columns are frozen arrays (the layout's own where the runs leave them unchanged)."""
 
     def __init__(self, rows: Rows, runs: PageRuns):
         self.rows, self.runs = rows, runs
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        """The number of runs per region (the layout's frozen column of ones for a one-run job)."""
-        m = len(self.runs.rs)
-        return self.rows.single if m == 1 else filled(m, len(regs))
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        """Page bytes times the run length, per region, when every run has one length (else None)."""
-        runs = self.runs
-        if not runs.uniform:
-            return None
-        out: np.ndarray = self.rows.page * int(runs.rl[0])
-        return out
-
-    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' buffers, gathered (and frozen) once per layout."""
-        return self.rows.src_buf, self.rows.dst_buf
+    def per_region(self, regs: np.ndarray) -> PerRegion:
+        """One range per run in every row (the layout's column of ones for a one-run job); page bytes times the
+        run length when every run has one length; the rows' buffers."""
+        rows, runs = self.rows, self.runs
+        m = len(runs.rs)
+        sizes = None
+        if runs.uniform:
+            size = int(runs.rl[0])
+            sizes = filled(rows.one_page * size, len(regs)) if rows.one_page is not None else freeze(rows.page * size)
+        return rows.single if m == 1 else filled(m, len(regs)), sizes, rows.src_buf, rows.dst_buf
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write every row's runs: one product over the ids and one broadcast sum per side where all rows share
@@ -149,17 +133,11 @@ class Pieces:
         self.count = len(sp) * len(table[2])
         self.size = int(table[2][0]) if len(table[2]) == 1 else None
 
-    def counts(self, regs: np.ndarray) -> np.ndarray:
-        """Ranges per region: pages times pieces, the same for every region of ``regs``."""
-        return np.full(len(regs), self.count, dtype=np.int64)
-
-    def uniform_nbytes(self, regs: np.ndarray) -> np.ndarray | None:
-        """The piece size per region of ``regs`` when the table has one piece per page, else None."""
-        return None if self.size is None else np.full(len(regs), self.size, dtype=np.int64)
-
-    def buffers(self, regs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The region's buffers, from the layout's columns."""
-        return self.S.buf[regs], self.D.buf[regs]
+    def per_region(self, regs: np.ndarray) -> PerRegion:
+        """Pages times pieces in every region of ``regs``; the piece size when the table has one piece per page."""
+        n = len(regs)
+        sizes = None if self.size is None else np.full(n, self.size, dtype=np.int64)
+        return np.full(n, self.count, dtype=np.int64), sizes, self.S.buf[regs], self.D.buf[regs]
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write every page's pieces (offsets, and sizes unless ``nb`` is None) into the output columns, page-major."""
@@ -175,7 +153,8 @@ def build(cache: LayoutCache, request: Request, strategy: Strategy, options: Pla
           cap: int | None) -> tuple[Ranges, np.ndarray]:
     """The ranges of ``request`` (canonical order within each call, merged maximally unless ``options.coalesce``
     is off, split at ``options.max_range_bytes``) and the call offsets (calls of at most ``cap`` ranges, cut at
-    call groups). Never raises for a checked request: overlaps are the front end's (``request.touch``)."""
+    call groups); run-length columns in frozen arrays. Never raises for a checked request: overlaps are the front
+    end's (``request.touch``)."""
     t = cache.unique
     facts = cache.facts(request.direction)
     coalesce = options.coalesce
@@ -195,7 +174,8 @@ def build(cache: LayoutCache, request: Request, strategy: Strategy, options: Pla
         mergeable = chained | facts.linked(t.nregions, request.top_src, request.top_dst)
         if mergeable.any():
             r = sort_canonical(merge_where(r, mergeable, cg), cg)
-    r = split_large(r, options.max_range_bytes)
+    split = split_large(r, options.max_range_bytes)
+    r = r if split is r else _frozen_runs(split)  # splitting gives run-length columns new lengths
     if not options.regions_per_call:
         return r, chunk_calls(len(r["nbytes"]), cap)
     return r, calls_by_group(r["region"], cg, cap)
@@ -241,26 +221,30 @@ def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> l
 
 def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Ranges:
     """One set of columns from parts (regions as int32 indices, their ranges), region-major in the given
-    order: the one assembler. Offsets are written once, in place (pooled ones are then handed on frozen: nothing writes them
-    afterwards); buffer and region columns (and ``nbytes`` when each region's ranges share one size) stay run-
-    length encoded."""
+    order: the one assembler. Offsets are written once, in place (pooled ones are then handed on frozen:
+    nothing writes them afterwards); buffer and region columns (and ``nbytes`` when each region's ranges share
+    one size) stay run-length encoded, in frozen arrays (``kvxfer.planner.frozen``): a plan keeps them."""
     if not parts:
         return empty_ranges()
     if len(parts) == 1:  # one block of regions (a paged layout's rows): its columns as the part gives them
         regions, p = parts[0]
-        lengths, sizes, (sb, db) = p.counts(regions), p.uniform_nbytes(regions), p.buffers(regions)
-        total = len(regions) * int(lengths[0])  # a part gives each of its regions as many ranges
+        lengths, sizes, sb, db = p.per_region(regions)
+        total = len(regions) * int(lengths[0])
+        if type(lengths.base) is not bytes:  # a part of the general path: its columns are fresh
+            lengths, sb, db, regions = freeze(lengths), freeze(sb), freeze(db), freeze(regions)
+            sizes = None if sizes is None else freeze(sizes)
+        ends = [total]
     else:
-        lengths = np.concatenate([p.counts(g) for g, p in parts])
-        each = [p.uniform_nbytes(g) for g, p in parts]
-        sizes = None if any(s is None for s in each) else np.concatenate(each)  # type: ignore[arg-type]
-        bufs = [p.buffers(g) for g, p in parts]
-        sb, db = np.concatenate([b[0] for b in bufs]), np.concatenate([b[1] for b in bufs])
+        columns = [p.per_region(g) for g, p in parts]
+        lengths = freeze(np.concatenate([c[0] for c in columns]))
+        each = [c[1] for c in columns]
+        sizes = None if any(s is None for s in each) else freeze(np.concatenate(each))  # type: ignore[arg-type]
+        sb, db = freeze(np.concatenate([c[2] for c in columns])), freeze(np.concatenate([c[3] for c in columns]))
+        regions = freeze(np.concatenate([g for g, _ in parts]))
         total = int(lengths.sum())
-        regions = np.concatenate([g for g, _ in parts])
+        ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     (so, so_frozen), (do, do_frozen) = pool.take(total), pool.take(total)  # reused once no plan views them
     nb = None if sizes is not None else np.empty(total, dtype=np.int64)
-    ends = [total] if len(parts) == 1 else np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     at = 0
     for (g, p), end in zip(parts, ends):
         p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
@@ -268,6 +252,22 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
     return {"src_buf": Runs.of(sb, lengths, total), "src_offset": so if so_frozen is None else so_frozen,
             "dst_buf": Runs.of(db, lengths, total), "dst_offset": do if do_frozen is None else do_frozen,
             "nbytes": nb if sizes is None else Runs.of(sizes, lengths, total), "region": Runs.of(regions, lengths, total)}
+
+
+def _frozen_runs(r: Ranges) -> Ranges:
+    """``r`` with every run-length column's arrays frozen (each array once: columns share their lengths)."""
+    seen: dict[int, np.ndarray] = {}
+
+    def held(a: np.ndarray) -> np.ndarray:
+        if type(a.base) is bytes:  # over an immutable bytes object: numpy cannot make it writeable
+            return a
+        made = seen.get(id(a))
+        if made is None:
+            made = seen[id(a)] = freeze(a)
+        return made
+
+    return {name: Runs.of(held(col.values), held(col.lengths), len(col)) if isinstance(col, Runs) else col
+            for name, col in r.items()}
 
 
 def filled(value: int, n: int) -> np.ndarray:

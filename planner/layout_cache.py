@@ -219,7 +219,8 @@ class Rows:
     page: np.ndarray
     src: tuple[np.ndarray, np.ndarray, int | None]  # (base, stride, the one stride of all rows or None)
     dst: tuple[np.ndarray, np.ndarray, int | None]
-    single: np.ndarray  # run lengths of a one-run job: one range per region (read-only)
+    single: np.ndarray  # run lengths of a one-run job: one range per region
+    one_page: int | None  # the page size of every row, when they share one
 
 
 class Setting(NamedTuple):
@@ -494,8 +495,10 @@ def _rows(t: RegionTable, facts: DirectionFacts, o: np.ndarray) -> Rows:
         stride = c.linear_stride[o]
         return freeze(c.base[o]), freeze(stride), int(stride[0]) if len(stride) and bool((stride == stride[0]).all()) else None
 
-    return Rows(freeze(o.astype(np.int32)), freeze(S.buf[o]), freeze(D.buf[o]), freeze(t.page[o]), side(S), side(D),
-                freeze(np.ones(len(o), dtype=np.int64)))
+    page = t.page[o]
+    one_page = int(page[0]) if len(page) and bool((page == page[0]).all()) else None
+    return Rows(freeze(o.astype(np.int32)), freeze(S.buf[o]), freeze(D.buf[o]), freeze(page), side(S), side(D),
+                freeze(np.ones(len(o), dtype=np.int64)), one_page)
 
 
 def _fragment_table(t: RegionTable, r: int, direction: Direction) -> Table:

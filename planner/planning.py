@@ -62,9 +62,8 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
 
 def _columns(ranges: Mapping[str, Column], origin: np.ndarray | None, prepared: Prepared) -> dict[str, Column]:
     """The plan's columns from the builder's ranges: region indices of the alias-free view mapped to the
-    layout's own (``origin``; None: no aliases), the attribute column added, and every run-length column frozen
-    in the plan's dtype, as the plan freezes its dense ones (arrays in immutable memory already, such as a
-    paged layout's rows, are kept)."""
+    layout's own (``origin``; None: no aliases) and the attribute column added, run-length columns frozen in the
+    plan's dtype as the builder's are (the plan freezes its dense ones)."""
     columns = dict(ranges)
     if origin is not None:
         columns["region"] = _map(columns["region"], origin)
@@ -73,24 +72,13 @@ def _columns(ranges: Mapping[str, Column], origin: np.ndarray | None, prepared: 
         columns["attr"] = prepared.region_attr[reg]
         return columns
     rows = prepared.strategy.rows
-    attr = prepared.rows_attr if rows is not None and reg.values is rows.regs else prepared.region_attr[reg.values]
+    attr = prepared.rows_attr if rows is not None and reg.values is rows.regs else freeze(prepared.region_attr[reg.values])
     columns["attr"] = Runs.of(attr, reg.lengths, len(reg))  # type: ignore[arg-type]  # rows_attr is set with rows
-    lengths = reg.lengths  # the columns share one lengths array, unless a step made its own
-    held = lengths if type(lengths.base) is bytes else freeze(lengths)
-    for name in _RUN_LENGTH:
-        col = columns[name]
-        if type(col) is Runs:
-            v, n, dtype = col.values, col.lengths, COLUMNS[name]
-            if type(v.base) is not bytes or v.dtype != dtype:
-                v = freeze(v, dtype) if v.dtype.itemsize == dtype.itemsize else freeze(v.astype(dtype))
-            n = held if n is lengths else n if type(n.base) is bytes else freeze(n)
-            if v is not col.values or n is not col.lengths:
-                columns[name] = Runs.of(v, n, len(col))
+    nb = columns["nbytes"]
+    if isinstance(nb, Runs):  # the builder's int64 sizes, as the plan's uint64: a view of frozen memory is frozen
+        columns["nbytes"] = Runs.of(nb.values.view(COLUMNS["nbytes"]), nb.lengths, len(nb))
     return columns
 
 
-_RUN_LENGTH = ("src_buf", "dst_buf", "nbytes", "region", "attr")  # the columns the builder may keep run-length
-
-
 def _map(col: Column, table: np.ndarray) -> Column:
-    return Runs(table[col.values], col.lengths) if isinstance(col, Runs) else table[col]
+    return Runs.of(freeze(table[col.values].astype(np.int32)), col.lengths, len(col)) if isinstance(col, Runs) else table[col]

@@ -44,7 +44,7 @@ class PageSet:
                  runs: tuple[bool, PageRuns] | None = None):
         self.ws, self.src, self.dst, self.ids_at = ws, src, dst, ids_at
         self.top_src = self.top_dst = -1
-        self._runs: dict[bool, PageRuns] = {} if runs is None else dict((runs,))
+        self._runs: dict[bool, PageRuns] = {} if runs is None else {runs[0]: runs[1]}
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
 
     def runs(self, coalesce: bool) -> PageRuns:
