@@ -144,7 +144,8 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
                   registrar: Any = None, **kw: Any) -> OffloadWorker:
     """An OffloadWorker over ``device`` and a host tier: builds the layout (canonical cells for replicated
     and sharded tensors in the canonical layout), maps or allocates the host rows and pins them when the
-    executor runs on a GPU (``tier.pin``; ``registrar`` overrides cudaHostRegister). ``kw`` goes to
+    executor runs on a GPU (``tier.pin``; ``registrar`` overrides the platform's host registration,
+    cudaHostRegister or hipHostRegister). ``kw`` goes to
     OffloadWorker. The worker's ``host`` is the host rows (``geometry`` their shape); ``shutdown`` releases them
     last."""
     tp = tp or TPRank()

@@ -42,7 +42,6 @@ from .request import Request
 from .runs import Ranges, Runs
 from .target import PlanOptions
 
-
 PerRegion = tuple[np.ndarray, "np.ndarray | None", np.ndarray, np.ndarray]  # see Part.per_region
 
 
@@ -230,7 +229,7 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
         regions, p = parts[0]
         lengths, sizes, sb, db = p.per_region(regions)
         total = len(regions) * int(lengths[0])
-        if type(lengths.base) is not bytes:  # a part of the general path: its columns are fresh
+        if not over_bytes(lengths):  # a part of the general path: its columns are fresh
             lengths, sb, db, regions = freeze(lengths), freeze(sb), freeze(db), freeze(regions)
             sizes = None if sizes is None else freeze(sizes)
         ends = [total]
@@ -249,9 +248,10 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
     for (g, p), end in zip(parts, ends):
         p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
         at = end
+    nbytes: np.ndarray | Runs = Runs.of(sizes, lengths, total) if nb is None else nb  # type: ignore[arg-type]
     return {"src_buf": Runs.of(sb, lengths, total), "src_offset": so if so_frozen is None else so_frozen,
             "dst_buf": Runs.of(db, lengths, total), "dst_offset": do if do_frozen is None else do_frozen,
-            "nbytes": nb if sizes is None else Runs.of(sizes, lengths, total), "region": Runs.of(regions, lengths, total)}
+            "nbytes": nbytes, "region": Runs.of(regions, lengths, total)}
 
 
 def _frozen_runs(r: Ranges) -> Ranges:
@@ -259,7 +259,7 @@ def _frozen_runs(r: Ranges) -> Ranges:
     seen: dict[int, np.ndarray] = {}
 
     def held(a: np.ndarray) -> np.ndarray:
-        if type(a.base) is bytes:  # over an immutable bytes object: numpy cannot make it writeable
+        if over_bytes(a):
             return a
         made = seen.get(id(a))
         if made is None:
@@ -268,6 +268,13 @@ def _frozen_runs(r: Ranges) -> Ranges:
 
     return {name: Runs.of(held(col.values), held(col.lengths), len(col)) if isinstance(col, Runs) else col
             for name, col in r.items()}
+
+
+def over_bytes(a: np.ndarray) -> bool:
+    """Whether ``a`` is an array straight over an immutable ``bytes`` object: frozen already (numpy cannot make
+    it writeable, nor any view of it), as small frozen arrays and ``filled`` ones are."""
+    base: object = a.base
+    return type(base) is bytes
 
 
 def filled(value: int, n: int) -> np.ndarray:

@@ -50,8 +50,8 @@ FREE = _unreferenced_count()  # the count of a pooled array nothing else refers 
 
 
 class ColumnPool:
-    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` and ``empty``
-    may be called from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
+    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` may be called
+    from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
 
     Each pooled array has a frozen twin over the same memory (``kvxfer.planner.frozen``), made once: the
     planner writes through the array ``take`` hands out, and a plan keeps the view of the twin handed out with
@@ -66,10 +66,6 @@ class ColumnPool:
 
     def _free(self, i: int) -> bool:
         return _count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
-
-    def empty(self, n: int) -> np.ndarray:
-        """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
-        return self.take(n)[0]
 
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         """An uninitialised int64 array of ``n`` elements to write, and, when it comes from the pool, the frozen

@@ -128,9 +128,3 @@ def count_of(sizes: Sequence[int] | None, src: Sequence[int] | np.ndarray) -> in
     """Block copies a mapping names: the group sizes' sum, or the list length without groups."""
     return len(src) if sizes is None else sum(sizes)
 
-
-def is_plain(sizes: Sequence[int] | None, starts: Sequence[int] | None, ns: int, nd: int) -> bool:
-    """One group starting at a chunk boundary whose size is the length of both id lists (or no groups)."""
-    if sizes is None:
-        return True
-    return len(sizes) == 1 and not any(starts or ()) and sizes[0] == ns == nd

@@ -268,9 +268,3 @@ class BlockMapping(Spec):
 
     def __len__(self) -> int:
         return count_of(self.group_sizes, self.src_ids)
-
-    @property
-    def plain(self) -> bool:
-        """One group starting at a chunk boundary whose size is the length of both id lists: ids pair up one
-        to one (anything else is checked against the layout's groups and chunks)."""
-        return is_plain(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))
