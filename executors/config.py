@@ -120,9 +120,14 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = tomllib.loads(path.read_text())
         else:
             data = json.loads(path.read_text())
-    except ValueError as e:
+    except ValueError as e:  # malformed, or not UTF-8 text
         raise ConfigError("config", str(path), f"cannot parse: {e}") from None
-    section: dict[str, Any] = data.get("executor", data)
+    except RecursionError:
+        raise ConfigError("config", str(path), "cannot parse: nested too deeply") from None
+    section = data.get("executor", data) if isinstance(data, dict) else data
+    if not isinstance(section, dict):
+        where = "the [executor] table" if section is not data else "the top level"
+        raise ConfigError("config", str(path), f"expected a table of settings at {where}, got {type(section).__name__}")
     return section
 
 
