@@ -8,8 +8,9 @@ path) and a ``BlockMapping`` built per job; contiguous k = 1 shapes also against
 worker's do), the old one on the same layouts without them (it knows no counts); the plans are the same.
 OLD_ROOT is a checkout of the baseline (``/work/mkold.sh planner`` makes one of 7a517d5), imported as
 ``kvxfer_old.planner`` (see ``compare_planner.py``). Rounds alternate old and new of both forms (and the
-run-based build); each is timed over at least 50 ms of process CPU time; the minimum over rounds is
-reported. All plans are checked equal first. Nothing is asserted; figures go to benchmarks/NOTES.md.
+run-based build), starting each round one variant later (the code timed just after another pays for the
+caches that one left behind); each is timed over at least 50 ms of process CPU time; the minimum over rounds
+is reported. All plans are checked equal first. Nothing is asserted; figures go to benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ def main() -> None:
                 _, tensors = bh.memory_for(bh.worker_layout(bh.NUM_TENSORS, g, c, 256, 1))
                 fns["runs"] = lambda: bh.run_based_descriptors(tensors, job)
             t: dict[str, float] = {key: np.inf for key in fns}
-            for _ in range(rounds):
-                for key, f in fns.items():
-                    t[key] = min(t[key], loop_time(f) * 1e3)
+            for r in range(rounds):  # the order turns every round: no variant always runs right after another
+                keys = list(fns)
+                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                    t[key] = min(t[key], loop_time(fns[key]) * 1e3)
             row = f"{f'118x{n} {pattern} k={k} {dr}':<34}"
             for form in ("dict", "bm"):
                 row += f"{t[f'{form} old']:9.3f}{t[f'{form} new']:8.3f}{t[f'{form} new'] / t[f'{form} old']:8.2f}"

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .column_pool import ColumnPool
+from .column_pool import POOL_MIN, ColumnPool
 from .columns import (
     PageRuns,
     affine_rows,
@@ -229,10 +229,13 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
         regions, p = parts[0]
         lengths, sizes, sb, db = p.per_region(regions)
         total = len(regions) * int(lengths[0])
-        if not over_bytes(lengths):  # a part of the general path: its columns are fresh
+        if not isinstance(lengths.base, bytes):  # a part of the general path: its columns are fresh (see over_bytes)
             lengths, sb, db, regions = freeze(lengths), freeze(sb), freeze(db), freeze(regions)
             sizes = None if sizes is None else freeze(sizes)
-        ends = [total]
+        so, do, nb, so_frozen, do_frozen = _offsets(total, sizes is None, pool)
+        p.fill(regions, so, do, nb)
+        return _ranges(sb, db, regions, lengths, sizes, total, so if so_frozen is None else so_frozen,
+                       do if do_frozen is None else do_frozen, nb)
     else:
         columns = [p.per_region(g) for g, p in parts]
         lengths = freeze(np.concatenate([c[0] for c in columns]))
@@ -242,16 +245,33 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
         regions = freeze(np.concatenate([g for g, _ in parts]))
         total = int(lengths.sum())
         ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
-    (so, so_frozen), (do, do_frozen) = pool.take(total), pool.take(total)  # reused once no plan views them
-    nb = None if sizes is not None else np.empty(total, dtype=np.int64)
+    so, do, nb, so_frozen, do_frozen = _offsets(total, sizes is None, pool)
     at = 0
     for (g, p), end in zip(parts, ends):
         p.fill(g, so[at:end], do[at:end], None if nb is None else nb[at:end])
         at = end
+    return _ranges(sb, db, regions, lengths, sizes, total, so if so_frozen is None else so_frozen,
+                   do if do_frozen is None else do_frozen, nb)
+
+
+def _offsets(total: int, sized: bool, pool: ColumnPool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                    np.ndarray | None, np.ndarray | None]:
+    """The columns to write ``total`` ranges into: source and destination offsets (pooled when large enough,
+    with their frozen twins, else fresh and None) and, when ``sized``, their sizes (else None)."""
+    if total < POOL_MIN:  # small: fresh arrays (the pool would hand out fresh ones too)
+        so, do, so_frozen, do_frozen = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64), None, None
+    else:
+        (so, so_frozen), (do, do_frozen) = pool.take(total), pool.take(total)  # reused once no plan views them
+    return so, do, np.empty(total, dtype=np.int64) if sized else None, so_frozen, do_frozen
+
+
+def _ranges(sb: np.ndarray, db: np.ndarray, regions: np.ndarray, lengths: np.ndarray, sizes: np.ndarray | None,
+            total: int, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> Ranges:
+    """The assembled columns: per-region ones run-length encoded over ``lengths`` (``nbytes`` too when sized per
+    region), offsets (and ``nb``, when sizes vary) dense."""
     nbytes: np.ndarray | Runs = Runs.of(sizes, lengths, total) if nb is None else nb  # type: ignore[arg-type]
-    return {"src_buf": Runs.of(sb, lengths, total), "src_offset": so if so_frozen is None else so_frozen,
-            "dst_buf": Runs.of(db, lengths, total), "dst_offset": do if do_frozen is None else do_frozen,
-            "nbytes": nbytes, "region": Runs.of(regions, lengths, total)}
+    return {"src_buf": Runs.of(sb, lengths, total), "src_offset": so, "dst_buf": Runs.of(db, lengths, total),
+            "dst_offset": do, "nbytes": nbytes, "region": Runs.of(regions, lengths, total)}
 
 
 def _frozen_runs(r: Ranges) -> Ranges:

@@ -143,8 +143,7 @@ def check(cache: LayoutCache, ids: Ids, strategy: Strategy, coalesce: bool) -> R
     else:
         starts = ids.starts if ids.starts is not None else (0,) * len(sizes)
         request = _check_groups(cache, ids, strategy, coalesce, sizes, starts)
-    facts = cache.facts(ids.direction)  # step 5 needs the ranges: whether it must run is known now
-    request.touch = bool(facts.shared) or request.top_dst > facts.disjoint_top
+    request.touch = request.top_dst > strategy.touch_above  # step 5 needs the ranges: whether it must run is known now
     return request
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from .errors import MappingError
 
 INT64_MAX = int(np.iinfo(np.int64).max)
+_INT64 = np.dtype(np.int64)  # the native int64 dtype: arrays of it share this object, so most checks are one identity
 MAPPING_KEYS = frozenset(("direction", "src_ids", "dst_ids", "group_sizes", "group_starts"))
 REQUIRED_KEYS = frozenset(("direction", "src_ids", "dst_ids"))
 
@@ -66,7 +67,7 @@ def borrow_ids(arr: np.ndarray, field: str) -> np.ndarray:
     """An integer id array as int64, not copied when it is int64 already; its form is checked as ``as_ids``
     checks it, its values are not (see ``refuse_negative``)."""
     _check_form(arr, field)
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    return arr if arr.dtype is _INT64 or arr.dtype == _INT64 else arr.astype(np.int64)
 
 
 def _check_form(arr: np.ndarray, field: str) -> None:

@@ -260,6 +260,8 @@ class Strategy:
     ids_are_pages: bool
     rows: Rows | None
     joined: bool  # the runs flavour of ``rows``
+    touch_above: int  # destination page id past which two regions' ranges could overlap (-1 always: a buffer is
+    #                   both read and written, or destinations that meet from the start)
 
 
 @dataclass(frozen=True)
@@ -484,7 +486,7 @@ def _strategy(cache: LayoutCache, facts: DirectionFacts, direction: Direction, k
     one_flavour = ws is not None and (len(ws.page_dense) == t.nregions if joined else True)
     rows = _rows(t, facts, order) if linear and one_flavour else None
     return Strategy(order, call_group, kinds, tables, chained, bool(chained.any()), sets, refusals, linear,
-                    ids_are_pages, rows, joined)
+                    ids_are_pages, rows, joined, -1 if facts.shared else facts.disjoint_top)
 
 
 def _rows(t: RegionTable, facts: DirectionFacts, o: np.ndarray) -> Rows:

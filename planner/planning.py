@@ -64,7 +64,7 @@ def _columns(ranges: Mapping[str, Column], origin: np.ndarray | None, prepared: 
     """The plan's columns from the builder's ranges: region indices of the alias-free view mapped to the
     layout's own (``origin``; None: no aliases) and the attribute column added, run-length columns frozen in the
     plan's dtype as the builder's are (the plan freezes its dense ones)."""
-    columns = dict(ranges)
+    columns = dict(ranges) if not isinstance(ranges, dict) else ranges  # the builder's own dict, made for this plan
     if origin is not None:
         columns["region"] = _map(columns["region"], origin)
     reg = columns["region"]
