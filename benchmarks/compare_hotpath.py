@@ -2,7 +2,7 @@
 both input forms a serving loop uses: the dict of the scheduler's numpy id arrays (``bench_hostpath.py``'s hot
 path) and a ``BlockMapping`` built per job; contiguous k = 1 shapes also against its run-based coalescing build.
 
-    python benchmarks/compare_hotpath.py OLD_ROOT [ROUNDS] [--stated]
+    python benchmarks/compare_hotpath.py OLD_ROOT [ROUNDS] [--stated] [--samples N]
 
 ``--stated``: the new planner plans on layouts whose placements state their block counts (as the offload
 worker's do), the old one on the same layouts without them (it knows no counts); the plans are the same.
@@ -10,12 +10,16 @@ OLD_ROOT is a checkout of the baseline (``/work/mkold.sh planner`` makes one of 
 ``kvxfer_old.planner`` (see ``compare_planner.py``). Rounds alternate old and new of both forms (and the
 run-based build), starting each round one variant later (the code timed just after another pays for the
 caches that one left behind); each is timed over at least 50 ms of process CPU time; the minimum over rounds
-is reported. All plans are checked equal first. Nothing is asserted; figures go to benchmarks/NOTES.md.
+is reported. ``--samples N``: instead, N rounds of short samples (about 2 ms of calls each, the order turning
+as above) and their 10th percentile, which a machine shared with other jobs disturbs less than a minimum of
+long loops (a burst of other load spoils few short samples, and no lucky one decides alone). All plans are
+checked equal first. Nothing is asserted; figures go to benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +51,35 @@ def planner(mod: Any, layout: Any, job: Any, form: str) -> Any:
     return lambda: mod.plan_transfer(layout, mod.BlockMapping(direction=direction, src_ids=s, dst_ids=d, **groups), target)
 
 
+def timed(fns: dict[str, Any], rounds: int, samples: int) -> dict[str, float]:
+    """Milliseconds per call of each function: the minimum over ``rounds`` loops of at least 50 ms, or with
+    ``samples`` the 10th percentile of that many short samples; the order turns every round, so no variant
+    always runs right after another."""
+    keys = list(fns)
+    if not samples:
+        t = {key: np.inf for key in fns}
+        for r in range(rounds):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                t[key] = min(t[key], loop_time(fns[key]) * 1e3)
+        return t
+    reps = {key: max(3, int(0.002 / max(loop_time(f, 0.01), 1e-7))) for key, f in fns.items()}
+    got: dict[str, list[float]] = {key: [] for key in fns}
+    for r in range(samples):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            f, n = fns[key], reps[key]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f()
+            got[key].append((time.perf_counter() - t0) / n * 1e3)
+    return {key: float(np.percentile(v, 10)) for key, v in got.items()}
+
+
 def main() -> None:
     import kvxfer.planner as new
 
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 9
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 9
     stated = "--stated" in sys.argv[3:]  # the new planner on layouts stating their block counts
+    samples = int(sys.argv[sys.argv.index("--samples") + 1]) if "--samples" in sys.argv else 0
     shapes = [("contiguous", bh.C32_BLOCKS, 1, "h2d")] + [
         (p, n, k, dr) for p in ("contiguous", "runs8", "fragmented") for n in (256, 2048) for k in (1, 4)
         for dr in ("h2d", "d2h")]
@@ -71,11 +99,7 @@ def main() -> None:
             if k == 1 and pattern == "contiguous":
                 _, tensors = bh.memory_for(bh.worker_layout(bh.NUM_TENSORS, g, c, 256, 1))
                 fns["runs"] = lambda: bh.run_based_descriptors(tensors, job)
-            t: dict[str, float] = {key: np.inf for key in fns}
-            for r in range(rounds):  # the order turns every round: no variant always runs right after another
-                keys = list(fns)
-                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                    t[key] = min(t[key], loop_time(fns[key]) * 1e3)
+            t = timed(fns, rounds, samples)
             row = f"{f'118x{n} {pattern} k={k} {dr}':<34}"
             for form in ("dict", "bm"):
                 row += f"{t[f'{form} old']:9.3f}{t[f'{form} new']:8.3f}{t[f'{form} new'] / t[f'{form} old']:8.2f}"

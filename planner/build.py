@@ -232,6 +232,10 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
         if not isinstance(lengths.base, bytes):  # a part of the general path: its columns are fresh (see over_bytes)
             lengths, sb, db, regions = freeze(lengths), freeze(sb), freeze(db), freeze(regions)
             sizes = None if sizes is None else freeze(sizes)
+        if total < POOL_MIN and sizes is not None:  # small offset columns (no pool), sizes one per region
+            so, do = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+            p.fill(regions, so, do, None)
+            return _ranges(sb, db, regions, lengths, sizes, total, so, do, None)
         so, do, nb, so_frozen, do_frozen = _offsets(total, sizes is None, pool)
         p.fill(regions, so, do, nb)
         return _ranges(sb, db, regions, lengths, sizes, total, so if so_frozen is None else so_frozen,

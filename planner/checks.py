@@ -120,6 +120,8 @@ class Ids:
 def read_settings(ids: Ids, target: Any, options: Any) -> tuple[Target, PlanOptions]:
     """The target and options (models, dicts or JSON paths; None: the defaults). Raises TargetError, after
     naming a negative id first."""
+    if type(target) is Target and (options is None or type(options) is PlanOptions):  # models: nothing to read
+        return target, _DEFAULT_OPTIONS if options is None else options
     try:
         t = _DEFAULT_TARGET if target is None else Target.coerce(target, "target")
         o = _DEFAULT_OPTIONS if options is None else PlanOptions.coerce(options, "options")

@@ -98,11 +98,12 @@ def plain_ints(value: Any) -> tuple[int, ...] | None:
 def group_ints(value: Any, field: str) -> tuple[int, ...] | None:
     """``plain_ints`` of a group field, refusing a float (even 2.0) or bool entry as block ids are refused
     (MappingError naming the field, index and value)."""
-    if isinstance(value, (tuple, list)):
+    ints = plain_ints(value)
+    if ints is None and isinstance(value, (tuple, list)):  # something other than plain integers: name a float
         for i, x in enumerate(value):
             if isinstance(x, (bool, float, np.bool_, np.floating)):
                 raise MappingError(field, x, "must be an integer", i)
-    return plain_ints(value)
+    return ints
 
 
 def refuse_negative_entry(values: Sequence[int], field: str) -> None:

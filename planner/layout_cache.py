@@ -356,7 +356,7 @@ class LayoutCache(RegionTable):
     def prepared(self, direction: Direction, target: Target, options: PlanOptions) -> Prepared:
         """What ``direction``, ``target`` and ``options`` imply (made once per setting; the last one used is kept
         by identity, so a serving loop planning with the same values pays one comparison)."""
-        facts = self.facts(direction)
+        facts = self.directions.get(direction) or self.facts(direction)
         recent = facts.recent
         if recent is not None and recent[0] is target and recent[1] is options:
             return recent[2]

@@ -41,7 +41,7 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
     BlockMapping is built and the ids are not copied (the plan keeps none); the same checks apply,
     vectorized. Those arrays must not change until this call returns.
     """
-    layout = Layout.coerce(layout, "layout")
+    layout = layout if type(layout) is Layout else Layout.coerce(layout, "layout")
     ids = Ids.of(mapping)
     target, options = read_settings(ids, target, options)
     cache = layout.info
