@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hostpath as bh
-from compare_planner import load_old, loop_time
+from compare_planner import load_old, timed
 
 
 def worker_layout(mod: Any, tensors: int, gpu_blocks: int, cpu_chunks: int, page: int, k: int,
@@ -49,29 +46,6 @@ def planner(mod: Any, layout: Any, job: Any, form: str) -> Any:
         mapping = {"direction": direction, "src_ids": s, "dst_ids": d} | groups
         return lambda: mod.plan_transfer(layout, mapping, target)
     return lambda: mod.plan_transfer(layout, mod.BlockMapping(direction=direction, src_ids=s, dst_ids=d, **groups), target)
-
-
-def timed(fns: dict[str, Any], rounds: int, samples: int) -> dict[str, float]:
-    """Milliseconds per call of each function: the minimum over ``rounds`` loops of at least 50 ms, or with
-    ``samples`` the 10th percentile of that many short samples; the order turns every round, so no variant
-    always runs right after another."""
-    keys = list(fns)
-    if not samples:
-        t = {key: np.inf for key in fns}
-        for r in range(rounds):
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                t[key] = min(t[key], loop_time(fns[key]) * 1e3)
-        return t
-    reps = {key: max(3, int(0.002 / max(loop_time(f, 0.01), 1e-7))) for key, f in fns.items()}
-    got: dict[str, list[float]] = {key: [] for key in fns}
-    for r in range(samples):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            f, n = fns[key], reps[key]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f()
-            got[key].append((time.perf_counter() - t0) / n * 1e3)
-    return {key: float(np.percentile(v, 10)) for key, v in got.items()}
 
 
 def main() -> None:

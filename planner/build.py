@@ -42,7 +42,7 @@ from .request import Request
 from .runs import Ranges, Runs
 from .target import PlanOptions
 
-PerRegion = tuple[np.ndarray, "np.ndarray | None", np.ndarray, np.ndarray]  # see Part.per_region
+PerRegion = tuple["int | np.ndarray", "int | np.ndarray | None", "tuple[np.ndarray, np.ndarray] | None"]
 
 
 class Part(Protocol):
@@ -50,8 +50,10 @@ class Part(Protocol):
     of a part has as many ranges."""
 
     def per_region(self, regs: np.ndarray) -> PerRegion:
-        """The run-length columns of ``regs``, one entry per region: (ranges, int64; the one size all its ranges
-        have, int64, or None when some region's sizes vary; source buffer, int32; destination buffer, int32)."""
+        """The run-length columns of ``regs``: the ranges in each region (an int, or the same as a frozen int64
+        array with one entry per region); their size (an int for every range, an int64 array with one per region,
+        or None when sizes vary); and each region's (source, destination) buffer when the part holds them
+        gathered (frozen int32 arrays), else None (the layout's columns give them)."""
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the ranges of ``regs`` (region-major) into ``so``, ``do`` and, unless None, ``nb``."""
@@ -67,8 +69,7 @@ class RunsPart:
     def per_region(self, regs: np.ndarray) -> PerRegion:
         """One range per run in every region; page bytes times the run length when every run has one length."""
         runs = self.runs
-        sizes = self.page[regs] * (int(runs.rl[0]) if len(runs.rl) else 0) if runs.uniform else None
-        return np.full(len(regs), len(runs.rs), dtype=np.int64), sizes, self.S.buf[regs], self.D.buf[regs]
+        return len(runs.rs), self.page[regs] * (int(runs.rl[0]) if len(runs.rl) else 0) if runs.uniform else None, None
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write the runs' offsets (and, unless ``nb`` is None, sizes) for each region of ``regs``, region-major."""
@@ -98,7 +99,7 @@ class RowsPart:
         if runs.uniform:
             size = int(runs.rl[0])
             sizes = filled(rows.one_page * size, len(regs)) if rows.one_page is not None else freeze(rows.page * size)
-        return rows.single if m == 1 else filled(m, len(regs)), sizes, rows.src_buf, rows.dst_buf
+        return rows.single if m == 1 else m, sizes, (rows.src_buf, rows.dst_buf)
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write every row's runs: one product over the ids and one broadcast sum per side where all rows share
@@ -126,7 +127,6 @@ class Pieces:
 
     def __init__(self, src: SideColumns, dst: SideColumns, r: int, sp: np.ndarray, dp: np.ndarray,
                  table: tuple[np.ndarray, np.ndarray, np.ndarray]):
-        self.S, self.D = src, dst
         self.so, self.do = src.offsets(r, sp), dst.offsets(r, dp)
         self.table = table
         self.count = len(sp) * len(table[2])
@@ -134,9 +134,7 @@ class Pieces:
 
     def per_region(self, regs: np.ndarray) -> PerRegion:
         """Pages times pieces in every region of ``regs``; the piece size when the table has one piece per page."""
-        n = len(regs)
-        sizes = None if self.size is None else np.full(n, self.size, dtype=np.int64)
-        return np.full(n, self.count, dtype=np.int64), sizes, self.S.buf[regs], self.D.buf[regs]
+        return self.count, self.size, None
 
     def fill(self, regs: np.ndarray, so: np.ndarray, do: np.ndarray, nb: np.ndarray | None) -> None:
         """Write every page's pieces (offsets, and sizes unless ``nb`` is None) into the output columns, page-major."""
@@ -163,7 +161,7 @@ def build(cache: LayoutCache, request: Request, strategy: Strategy, options: Pla
         chained = strategy.chained  # regions whose ranges go through the general merge
     else:
         parts, chained = _parts(cache, facts.src, facts.dst, request, strategy, coalesce)
-    r = assemble(parts, cache.pool)
+    r = assemble(parts, facts.src, facts.dst, cache.pool)
     cg = strategy.call_group
     # Regions in (call group, destination) order, each in destination order: canonical already when the
     # transfer keeps regions' destinations apart and no buffer is both read and written.
@@ -218,35 +216,30 @@ def _consecutive(order: np.ndarray, part_of: np.ndarray, parts: list[Part]) -> l
     return [(regs[a:b], parts[int(ids[a])]) for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
 
 
-def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Ranges:
+def assemble(parts: Sequence[tuple[np.ndarray, Part]], src: SideColumns, dst: SideColumns, pool: ColumnPool) -> Ranges:
     """One set of columns from parts (regions as int32 indices, their ranges), region-major in the given
     order: the one assembler. Offsets are written once, in place (pooled ones are then handed on frozen:
     nothing writes them afterwards); buffer and region columns (and ``nbytes`` when each region's ranges share
-    one size) stay run-length encoded, in frozen arrays (``kvxfer.planner.frozen``): a plan keeps them."""
+    one size) stay run-length encoded, in frozen arrays (``kvxfer.planner.frozen``): a plan keeps them.
+    ``src``/``dst``: the layout's columns of each side, for the buffers of parts that do not hold them."""
     if not parts:
         return empty_ranges()
     if len(parts) == 1:  # one block of regions (a paged layout's rows): its columns as the part gives them
         regions, p = parts[0]
-        lengths, sizes, sb, db = p.per_region(regions)
-        total = len(regions) * int(lengths[0])
-        if not isinstance(lengths.base, bytes):  # a part of the general path: its columns are fresh (see over_bytes)
-            lengths, sb, db, regions = freeze(lengths), freeze(sb), freeze(db), freeze(regions)
-            sizes = None if sizes is None else freeze(sizes)
+        count, size, bufs = p.per_region(regions)
+        n = len(regions)
+        lengths, total = (count, n * int(count[0])) if isinstance(count, np.ndarray) else (filled(count, n), n * count)
+        sizes = filled(size, n) if isinstance(size, int) else None if size is None else size if over_bytes(size) else freeze(size)
+        sb, db = bufs if bufs is not None else (freeze(src.buf[regions]), freeze(dst.buf[regions]))
+        regions = regions if over_bytes(regions) else freeze(regions)
         if total < POOL_MIN and sizes is not None:  # small offset columns (no pool), sizes one per region
             so, do = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
             p.fill(regions, so, do, None)
             return _ranges(sb, db, regions, lengths, sizes, total, so, do, None)
-        so, do, nb, so_frozen, do_frozen = _offsets(total, sizes is None, pool)
-        p.fill(regions, so, do, nb)
-        return _ranges(sb, db, regions, lengths, sizes, total, so if so_frozen is None else so_frozen,
-                       do if do_frozen is None else do_frozen, nb)
+        ends = [total]
     else:
-        columns = [p.per_region(g) for g, p in parts]
-        lengths = freeze(np.concatenate([c[0] for c in columns]))
-        each = [c[1] for c in columns]
-        sizes = None if any(s is None for s in each) else freeze(np.concatenate(each))  # type: ignore[arg-type]
-        sb, db = freeze(np.concatenate([c[2] for c in columns])), freeze(np.concatenate([c[3] for c in columns]))
-        regions = freeze(np.concatenate([g for g, _ in parts]))
+        lengths, sizes, regions = _joined(parts)
+        sb, db = freeze(src.buf[regions]), freeze(dst.buf[regions])  # the general route's parts hold none
         total = int(lengths.sum())
         ends = np.cumsum(lengths)[np.cumsum([len(g) for g, _ in parts]) - 1].tolist()
     so, do, nb, so_frozen, do_frozen = _offsets(total, sizes is None, pool)
@@ -256,6 +249,22 @@ def assemble(parts: Sequence[tuple[np.ndarray, Part]], pool: ColumnPool) -> Rang
         at = end
     return _ranges(sb, db, regions, lengths, sizes, total, so if so_frozen is None else so_frozen,
                    do if do_frozen is None else do_frozen, nb)
+
+
+def _joined(parts: Sequence[tuple[np.ndarray, Part]]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(ranges per region, their size per region or None, the regions) of several parts, frozen: a few numpy
+    calls whatever the number of parts (a fragment layout has one part per region)."""
+    shapes = [p.per_region(g) for g, p in parts]
+    nregs = np.array([len(g) for g, _ in parts], dtype=np.int64)
+    counts = np.array([c if isinstance(c, int) else int(c[0]) for c, _, _ in shapes], dtype=np.int64)
+    each = [s for _, s, _ in shapes]
+    sizes = None
+    if all(isinstance(s, int) for s in each):
+        sizes = freeze(np.repeat(np.array(each, dtype=np.int64), nregs))
+    elif not any(s is None for s in each):
+        sizes = freeze(np.concatenate([np.full(len(g), s, dtype=np.int64) if isinstance(s, int) else s
+                                       for (g, _), s in zip(parts, each)]))
+    return freeze(np.repeat(counts, nregs)), sizes, freeze(np.concatenate([g for g, _ in parts]))
 
 
 def _offsets(total: int, sized: bool, pool: ColumnPool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
