@@ -258,7 +258,7 @@ def _group_pages(ids: Ids, t: RegionTable, group: Group, side: Location, field: 
     regs = group.regions
     if need and len(regs) and int(np.maximum.reduce(chunks)) > gs.lowest_chunk:
         _refuse_past(ids, t, side, regs, chunks, t.side[side].chunk_limit[regs], field, used, k, skip)
-    return (chunks if k == 1 else np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count]), used + need
+    return (chunks if k == 1 else np.add.outer(chunks * k, gs.within).ravel()[skip:skip + count]), used + need
 
 
 def _refuse_past(ids: Ids, t: RegionTable, side: Location, regs: np.ndarray, values: np.ndarray, limits: np.ndarray,

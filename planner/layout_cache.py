@@ -149,6 +149,7 @@ class GroupSide:
     k: int  # blocks per chunk: chunk c holds pages c*k .. c*k + k - 1
     refusal: Refusal | None  # raised when the group's ids must be counted but its regions disagree on k
     lowest_chunk: int  # the smallest chunk limit of the group's regions: chunk ids up to it fit every one
+    within: np.ndarray  # 0 .. k - 1: a page's place in its chunk (read-only)
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,10 @@ def _groups(table: RegionTable) -> tuple[Group, ...]:
                 refusal = Refusal("num_groups", table.num_groups, f"group {g} has no regions and the regions disagree "
                                   f"on blocks_per_chunk on the {side} side, so its ids cannot be counted")
             lowest = int(col.chunk_limit[regs].min()) if len(regs) else -1
-            sides[side] = GroupSide(int(ks[0]) if len(ks) and refusal is None else 1, refusal, lowest)
+            k = int(ks[0]) if len(ks) and refusal is None else 1
+            within = np.arange(k, dtype=np.int64)
+            within.flags.writeable = False
+            sides[side] = GroupSide(k, refusal, lowest, within)
         out.append(Group(regs, sides))
     return tuple(out)
 
