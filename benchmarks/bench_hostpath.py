@@ -58,15 +58,18 @@ C32_BLOCKS = 16128
 
 
 # ---- the layout: one device tensor and one host tensor per KV tensor (vLLM's per-tensor host allocation) ----
-def worker_layout(num_tensors: int, gpu_blocks: int, cpu_chunks: int, page_bytes: int, k: int) -> Layout:
+def worker_layout(num_tensors: int, gpu_blocks: int, cpu_chunks: int, page_bytes: int, k: int,
+                  stated: bool = False) -> Layout:
     """``num_tensors`` KV tensors: device tensor t holds ``gpu_blocks`` pages; host tensor t holds
-    ``cpu_chunks`` rows of ``k`` pages (vLLM's ``torch.zeros(num_chunks, k*page)``)."""
+    ``cpu_chunks`` rows of ``k`` pages (vLLM's ``torch.zeros(num_chunks, k*page)``). ``stated``: every
+    placement states its block count, as the offload worker's layouts do."""
     buffers, regions = [], []
+    dev_n, host_n = (gpu_blocks, cpu_chunks * k) if stated else (None, None)
     for t in range(num_tensors):
         buffers.append(Buffer(name=f"gpu.kv{t}", nbytes=gpu_blocks * page_bytes, location=Location.DEVICE))
         buffers.append(Buffer(name=f"cpu.kv{t}", nbytes=cpu_chunks * k * page_bytes, location=Location.HOST))
-        regions.append(Region(name=f"kv{t}", page_bytes=page_bytes, device=Placement(buffer=f"gpu.kv{t}"),
-                              host=Placement(buffer=f"cpu.kv{t}", blocks_per_chunk=k)))
+        regions.append(Region(name=f"kv{t}", page_bytes=page_bytes, device=Placement(buffer=f"gpu.kv{t}", num_blocks=dev_n),
+                              host=Placement(buffer=f"cpu.kv{t}", blocks_per_chunk=k, num_blocks=host_n)))
     return Layout(buffers=tuple(buffers), regions=tuple(regions))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ def register(app: typer.Typer) -> None:
     def bench(out: Path = typer.Option(Path("bench-results.json"), metavar="OUT", help="where to write the JSON results"),
               quick: bool = typer.Option(False, "--quick", help="fewer 16,128-block patterns")) -> None:
         """Plan time vs naive per-block descriptors, planning memory, NumPy executor vs memcpy."""
+        _check_out(out)  # before a benchmark runs: a bad path fails at once, not after minutes of timing
         import numpy as np
 
         from kvxfer.cli import bench as b
@@ -37,3 +39,16 @@ def register(app: typer.Typer) -> None:
         typer.echo(b.format_tables(res))
         out.write_text(json.dumps(res, indent=1))
         typer.echo(f"\nwrote {out}")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse (one line, exit 2) an ``--out`` path the results could not be written to: a folder, a path in a
+    folder that does not exist or is not one, or a folder this process may not write."""
+    folder = out.parent
+    if out.is_dir():
+        raise typer.BadParameter(f"{out} is a folder; name the file to write", param_hint="--out")
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is not a folder"
+        raise typer.BadParameter(f"{out}: the folder {folder} {what}", param_hint="--out")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"{out}: the folder {folder} is not writable", param_hint="--out")

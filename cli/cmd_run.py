@@ -15,10 +15,18 @@ from typing import Any
 import typer
 
 PROGRESS_BYTES = 256 << 20  # runs that touch this much say what they are doing at each stage (on stderr)
+MAX_SEED = 2**64 - 1  # the seed is one word of the random generator's key
 
 
 def _print(message: str, err: bool = False) -> None:
     print(message, file=sys.stderr if err else sys.stdout)
+
+
+def _seed(value: int) -> int:
+    """``--seed``: one word of the random generator's key."""
+    if not 0 <= value <= MAX_SEED:
+        raise typer.BadParameter(f"{value} is not in 0 .. 2**64-1 (the seed is one 64-bit word)")
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +44,8 @@ def register(app: typer.Typer) -> None:
                  None, "--replan/--no-replan", help="plan for the runtime found instead of the case's target"),
              max_descriptors: int | None = typer.Option(None, "--max-descriptors", metavar="N",
                                                         help="per-call cap (0 = unlimited)"),
-             seed: int = typer.Option(0, "--seed", metavar="N", help="seed of the buffers' random contents")) -> None:
+             seed: int = typer.Option(0, "--seed", metavar="N", callback=_seed,
+                                      help="seed of the buffers' random contents (0 .. 2**64-1)")) -> None:
         """Plan FILE, run it, report bytes, calls and time; with --verify exit 1 on any differing byte."""
         from kvxfer.executors import ExecutorConfig, ExecutorKind, get_executor
 
@@ -67,44 +76,26 @@ def run_case(case_path: Path, ex: Any, cfg: Any, *, verify: bool = False, explai
     the kind), run it on fresh memory (seeded random bytes in every page the plan touches) and report; with
     ``verify``, compare every byte of every buffer with the test oracle (``kvxfer.testing.expected_copies``;
     a plan file, which holds no mapping, against its own ranges). ``on_gpu``: allocate device buffers on the
-    GPU (default: unless the executor is numpy or auto without a GPU runtime). Returns False when bytes differ.
-    Raises MemoryError naming the buffer and its size when memory cannot be had."""
-    from kvxfer.executors import AutoExecutor, ExecutorKind
-    from kvxfer.planner import Case, PlanOptions, Platform
-    from kvxfer.testing import expected_copies
+    GPU (default: when ``ex`` is a GPU executor, ``Backend.gpu``). Returns False when bytes differ. Raises
+    ValueError for a seed outside 0 .. 2**64-1, MemoryError naming the buffer and its size when memory cannot
+    be had."""
+    from kvxfer.executors import AutoExecutor, backend_for
 
     from . import run_memory as rm
-    from ._inputs import read_input
 
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**64-1")
     say = echo or _print
-    case, stored = read_input(case_path)
-    if case is not None:
-        target = ex.target if cfg.replan else case.target
-        options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
-            case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
-        plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
-    elif stored is not None:  # a plan file runs as stored
-        plan = stored
-    else:  # read_input gives a case, a plan or both, or raises
-        raise ValueError(f"{case_path}: holds neither a case nor a plan")
-    if on_gpu is None:  # host memory for numpy, and for auto on a machine without a GPU runtime
-        on_gpu = not (cfg.kind is ExecutorKind.NUMPY or (isinstance(ex, AutoExecutor) and ex.platform is Platform.CPU))
+    plan, oracle, against = _plan_and_oracle(case_path, ex, cfg)
+    if on_gpu is None:
+        runs = backend_for(ex)
+        on_gpu = runs is not None and runs.gpu
     names = [b.name for b in plan.buffers]
-    ranges = rm.Pieces.of(tuple(names), names, plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset, plan.nbytes)
-    if case is None:
-        oracle, against = ranges, "the plan's own ranges (a plan file holds no mapping)"
-    else:
-        c = expected_copies(case.layout, case.mapping, plan.options)
-        oracle = rm.Pieces.of(c.buffers, names, c.src_buf, c.src_offset, c.dst_buf, c.dst_offset, c.nbytes)
-        against = "the test oracle"
+    ranges = _pieces(rm, plan, names)
+    oracle = ranges if oracle is None else oracle
     touched = rm.touched_pages([b.nbytes for b in plan.buffers], ranges, oracle)
     touched_bytes = sum(int((t[:, 1] - t[:, 0]).sum()) for t in touched)
-    loud = touched_bytes >= PROGRESS_BYTES
-
-    def stage(message: str) -> None:
-        if loud:
-            say(message, err=True)
-
+    stage = _stages(say, touched_bytes >= PROGRESS_BYTES)
     stage(f"memory: {len(names)} buffers, {rm.size_text(sum(b.nbytes for b in plan.buffers))} mapped, "
           f"{rm.size_text(touched_bytes)} touched")
     mem = rm.allocate(list(plan.buffers), on_gpu)
@@ -113,26 +104,70 @@ def run_case(case_path: Path, ex: Any, cfg: Any, *, verify: bool = False, explai
         say(ex.explain(plan, mem.arrays) if isinstance(ex, AutoExecutor) else f"executor: {cfg.kind.value} (configured)")
     say(repr(plan))
     stage(f"running {plan.num_ranges} ranges ({rm.size_text(plan.total_bytes)}) ...")
-    t = ex.run(plan, mem.arrays).wait()
-    secs = t.elapsed_s or 0.0
-    rate = f", {t.nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else ""
-    say(f"ran {t.nbytes} bytes in {t.ranges} range{'s' * (t.ranges != 1)}, {t.calls} call{'s' * (t.calls != 1)}: "
-        f"{secs * 1e3:.3f} ms{rate}")
+    _report(say, ex.run(plan, mem.arrays).wait())
     if not verify:
         return True
     if not rm.independent(oracle, names):
         raise ValueError(f"--verify: {against} write a byte twice or read a byte they write, so their order "
                          "matters and the check cannot tell the result; run without --verify")
     stage(f"verifying every byte against {against} ...")
-    bad = rm.check(mem, oracle, touched, seed, say)
-    total = sum(b.nbytes for b in plan.buffers)
-    if bad:
-        say(f"verify: FAILED against {against}: bytes differ in {len(bad)} buffer(s)", err=True)
-        for m in bad[:10]:
-            say(m.line(), err=True)
-        if len(bad) > 10:
-            say(f"  ... and {len(bad) - 10} more buffers", err=True)
-        return False
-    say(f"verify: OK, all {total} bytes match {against}")
-    return True
+    return _verified(say, rm.check(mem, oracle, touched, seed, say), sum(b.nbytes for b in plan.buffers), against)
 
+
+def _plan_and_oracle(case_path: Path, ex: Any, cfg: Any) -> tuple[Any, Any, str]:
+    """(the plan to run, the per-copy oracle's pieces or None for the plan's own ranges, what they are) of the file
+    at ``case_path``: a case is planned for ``ex`` (its target when ``cfg.replan``, the descriptor cap of
+    ``cfg``) and checked against the test oracle; a plan file runs as stored, against its own ranges."""
+    from kvxfer.planner import Case, PlanOptions
+    from kvxfer.testing import expected_copies
+
+    from . import run_memory as rm
+    from ._inputs import read_input
+
+    case, stored = read_input(case_path)
+    if case is None:
+        if stored is None:  # read_input gives a case, a plan or both, or raises
+            raise ValueError(f"{case_path}: holds neither a case nor a plan")
+        return stored, None, "the plan's own ranges (a plan file holds no mapping)"
+    target = ex.target if cfg.replan else case.target
+    options = case.options if cfg.max_descriptors is None else PlanOptions.model_validate(
+        case.options.model_dump() | {"max_descriptors": cfg.max_descriptors})
+    plan = Case(layout=case.layout, mapping=case.mapping, target=target, options=options).plan()
+    c = expected_copies(case.layout, case.mapping, plan.options)
+    names = [b.name for b in plan.buffers]
+    return plan, rm.Pieces.of(c.buffers, names, c.src_buf, c.src_offset, c.dst_buf, c.dst_offset, c.nbytes), \
+        "the test oracle"
+
+
+def _pieces(rm: Any, plan: Any, names: list[str]) -> Any:
+    """The plan's own ranges as run_memory pieces."""
+    return rm.Pieces.of(tuple(names), names, plan.src_buf, plan.src_offset, plan.dst_buf, plan.dst_offset, plan.nbytes)
+
+
+def _stages(say: Callable[..., None], loud: bool) -> Callable[[str], None]:
+    """What reports a stage of a long run on stderr (``loud``), and says nothing for a short one."""
+    def stage(message: str) -> None:
+        if loud:
+            say(message, err=True)
+    return stage
+
+
+def _report(say: Callable[..., None], t: Any) -> None:
+    """The line saying what a finished transfer moved, in how many ranges and calls, and how fast."""
+    secs = t.elapsed_s or 0.0
+    rate = f", {t.nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else ""
+    say(f"ran {t.nbytes} bytes in {t.ranges} range{'s' * (t.ranges != 1)}, {t.calls} call{'s' * (t.calls != 1)}: "
+        f"{secs * 1e3:.3f} ms{rate}")
+
+
+def _verified(say: Callable[..., None], bad: list[Any], total: int, against: str) -> bool:
+    """Report the verification (the buffers that differ, at most ten, on stderr); True when none does."""
+    if not bad:
+        say(f"verify: OK, all {total} bytes match {against}")
+        return True
+    say(f"verify: FAILED against {against}: bytes differ in {len(bad)} buffer(s)", err=True)
+    for m in bad[:10]:
+        say(m.line(), err=True)
+    if len(bad) > 10:
+        say(f"  ... and {len(bad) - 10} more buffers", err=True)
+    return False

@@ -27,10 +27,10 @@ from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BoundMemory, bind
 from .memory import BindingError, resolve
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
-from .registry import ExecutorKind, backend
+from .registry import BACKENDS, Backend, ExecutorKind, backend, kind_of
 
-__all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "build_executor", "choose_executor",
-           "detect_platform", "executor_class", "get_executor"]
+__all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "backend_for", "build_executor",
+           "choose_executor", "detect_platform", "executor_class", "get_executor"]
 
 
 class ExecutorConfig(Options):
@@ -121,9 +121,14 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = tomllib.loads(path.read_text())
         else:
             data = json.loads(path.read_text())
-    except ValueError as e:
+    except ValueError as e:  # malformed, or not UTF-8 text
         raise ConfigError("config", str(path), f"cannot parse: {e}") from None
-    section: dict[str, Any] = data.get("executor", data)
+    except RecursionError:
+        raise ConfigError("config", str(path), "cannot parse: nested too deeply") from None
+    section = data.get("executor", data) if isinstance(data, dict) else data
+    if not isinstance(section, dict):
+        where = "the [executor] table" if section is not data else "the top level"
+        raise ConfigError("config", str(path), f"expected a table of settings at {where}, got {type(section).__name__}")
     return section
 
 
@@ -194,6 +199,20 @@ def choose_executor(config: ExecutorConfig, plan: TransferPlan | None = None, bi
         return ExecutorKind.CUDA_BATCH, "CUDA load with small ranges, but triton is not installed: DMA batch copies"
     return ExecutorKind.TRITON, (f"CUDA load from pinned host memory: {share:.0%} of the bytes move in merged ranges "
                                  f"<= {limit:,} B, where an SM kernel avoids the per-descriptor DMA cost")
+
+
+def backend_for(executor: Executor | ExecutorConfig, platform: Platform | None = None) -> Backend | None:
+    """The backend table entry that runs ``executor``: the one answer to "which executor is this" (and, through
+    ``Backend.gpu``, "is it a GPU executor"). A config names its kind; ``auto`` is the kind this platform runs
+    with no plan to inspect (the GPU's DMA executor, NumPy without a GPU; ``platform`` None: detected). An
+    executor is its class's entry (an AutoExecutor: its platform's kind). None for an executor of a class the
+    table does not list (a wrapper)."""
+    if isinstance(executor, ExecutorConfig):
+        return BACKENDS[choose_executor(executor, platform=platform)[0]]
+    if isinstance(executor, AutoExecutor):
+        return BACKENDS[choose_executor(executor.config, platform=executor.platform)[0]]
+    kind = kind_of(executor)
+    return None if kind is None else BACKENDS[kind]
 
 
 def executor_class(kind: ExecutorKind | str) -> type[Executor]:

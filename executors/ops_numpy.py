@@ -78,15 +78,16 @@ class NumpyExecutor(Executor):
         views = bound.extra.get("views") or _views(bound)
         for call, src, dst, index in _pieces(low):
             try:
-                self._move(views[src], views[dst], low, index)
+                self.move(views[src], views[dst], low, index)
             except Exception as e:  # numpy's own failures (memory for a temporary): report where, never as done
                 raise ExecutorError("numpy copy", call, int(index[0]), f"{type(e).__name__}: {e}; ranges of the call "
                                     "before it may have been copied", call) from e
         return completed(plan, t0)
 
-    def _move(self, src: np.ndarray, dst: np.ndarray, low: Lowered, index: np.ndarray) -> None:
+    def move(self, src: np.ndarray, dst: np.ndarray, low: Lowered, index: np.ndarray) -> None:
         """Copy ranges ``index`` of ``low`` from view ``src`` to view ``dst``: gathered and scattered in groups when
-        they have one size below SMALL_RANGE_BYTES, else one slice assignment each."""
+        they have one size below SMALL_RANGE_BYTES, else one slice assignment each. ``run`` calls it once per group
+        of ranges; a subclass may wrap it (a test double fails it to stand for numpy running out of memory)."""
         nbytes = low.nbytes[index]
         n = int(nbytes[0])
         if len(index) > 1 and n < SMALL_RANGE_BYTES and bool((nbytes == n).all()):
@@ -103,7 +104,7 @@ class NumpyExecutor(Executor):
 
 
 def _pieces(low: Lowered) -> Iterator[tuple[int, int, int, np.ndarray]]:
-    """(call, source buffer, destination buffer, range indices) for every group of ranges ``_move`` takes, call by
+    """(call, source buffer, destination buffer, range indices) for every group of ranges ``move`` takes, call by
     call: per segment of one buffer pair, its ranges of SMALL_RANGE_BYTES or more, then its smaller ones by size."""
     n = len(low.nbytes)
     if n == 0:

@@ -247,12 +247,13 @@ class TritonExecutor(Executor):
         """Launch the kernel for one group ``g`` of call ``call`` over tile tables ``t``; ExecutorError naming the call and
         the group's first descriptor if the launch fails (calls before it were launched)."""
         try:
-            self._start_kernel(g, t)
+            self.start_kernel(g, t)
         except Exception as e:  # triton and torch raise their own classes for a failed compile or launch
             raise ExecutorError("triton launch", call, g["first"], f"{type(e).__name__}: {e}", call) from e
 
-    def _start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
-        """The kernel launch itself for group ``g`` (see ``launch_tables``) over tile tables ``t``."""
+    def start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+        """The kernel launch itself for group ``g`` (see ``launch_tables``) over tile tables ``t``; a subclass may
+        wrap it (a test double fails it to stand for a launch the driver refuses)."""
         num_tiles = len(g["tile_range"])
         grid = (max(1, min(num_tiles, self.num_programs)),)
         self._kernel[grid](t["src"], t["dst"], t["nbytes"], t["tile_range"], t["tile_start"], num_tiles,

@@ -4,12 +4,17 @@ Registration goes in chunks of at most 64 GiB (a single call fails at 512 GiB or
 boundaries, so a block never straddles two registrations. If any chunk fails, the chunks already registered
 are unregistered and the region is reported as pageable; nothing stays half pinned. This avoids PyTorch's
 caching host allocator, which rounds each pinned allocation up to a power of two (100 GB becomes 128 GB).
+The driver is the platform's: hipHostRegister on ROCm, cudaHostRegister otherwise (``registrar_for``).
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from kvxfer.planner import Platform
 
 from .memory import resolve
 
@@ -38,23 +43,28 @@ def cuda_registrar(flags: int = 0) -> Registrar:
                      lambda c: rt.cudaGetErrorName(rt.cudaError_t(c))[1].decode())
 
 
-def hip_registrar(flags: int = 0) -> Registrar:
-    """hipHostRegister through hip-python (``flags``: hipHostRegister* bits)."""
-    try:
-        from hip import hip  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    except ImportError as e:
-        raise ImportError(f"pinning on ROCm needs hip-python: pip install 'kvxfer[rocm]' ({e})") from None
+def hip_registrar(flags: int = 0, library: str | Path | None = None) -> Registrar:
+    """hipHostRegister / hipHostUnregister through ctypes on libamdhip64, loaded as the HIP executor loads it
+    (``library`` overrides the search; ``flags``: hipHostRegister* bits). Raises ExecutorError naming every
+    library tried when none loads."""
+    from .ops_hip import load_hip
 
-    def code(result: Any) -> int:
-        return int(result[0] if isinstance(result, tuple) else result)
+    lib = load_hip(library)
+    register, unregister, error_name = lib.hipHostRegister, lib.hipHostUnregister, lib.hipGetErrorName
+    register.argtypes, register.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+    unregister.argtypes, unregister.restype = [ctypes.c_void_p], ctypes.c_int
+    error_name.argtypes, error_name.restype = [ctypes.c_int], ctypes.c_char_p
 
-    def name(c: int) -> str:
-        n = hip.hipGetErrorName(c)
-        n = n[0] if isinstance(n, tuple) else n
-        return n.decode() if isinstance(n, bytes) else str(n)
+    def name(code: int) -> str:
+        text = error_name(code)
+        return text.decode() if text else f"hipError_t {code}"
 
-    return Registrar("hipHostRegister", lambda a, n: code(hip.hipHostRegister(a, n, flags)),
-                     lambda a: code(hip.hipHostUnregister(a)), name)
+    return Registrar("hipHostRegister", lambda a, n: int(register(a, n, flags)), lambda a: int(unregister(a)), name)
+
+
+def registrar_for(platform: Platform | str) -> Registrar:
+    """The host registration of ``platform``'s driver: hipHostRegister on ROCm, cudaHostRegister otherwise."""
+    return hip_registrar() if Platform(platform) is Platform.ROCM else cuda_registrar()
 
 
 def chunk_bounds(nbytes: int, row_bytes: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -99,16 +109,21 @@ class PinnedRegion:
 
 
 def pin_host_memory(memory: Any, row_bytes: int, registrar: Registrar | None = None,
-                    max_chunk_bytes: int = MAX_CHUNK_BYTES) -> PinnedRegion:
+                    max_chunk_bytes: int = MAX_CHUNK_BYTES, *, platform: Platform | str | None = None) -> PinnedRegion:
     """Register ``memory`` (numpy array, CPU tensor, RawMemory or (address, nbytes)) chunk by chunk.
 
     ``row_bytes`` is one block row (every region's page of one block id, or the host buffer's block stride).
-    ``registrar`` defaults to cudaHostRegister. On a failed chunk, the chunks before it are unregistered and a
-    PinnedRegion with ``pinned=False`` and the driver's error as ``reason`` is returned (not raised): the
-    caller decides whether pageable memory is acceptable.
+    ``registrar`` defaults to the driver of ``platform`` (``registrar_for``; None: the platform found,
+    ``detect_platform``). On a failed chunk, the chunks before it are unregistered and a PinnedRegion with
+    ``pinned=False`` and the driver's error as ``reason`` is returned (not raised): the caller decides whether
+    pageable memory is acceptable.
     """
     bound = resolve(memory, "memory")
-    registrar = registrar if registrar is not None else cuda_registrar()
+    if registrar is None:
+        if platform is None:
+            from .config import detect_platform
+            platform = detect_platform()
+        registrar = registrar_for(platform)
     region = PinnedRegion(bound.address, bound.nbytes, False, [], None, registrar, bound.owner)
     for i, (off, size) in enumerate(chunk_bounds(bound.nbytes, row_bytes, max_chunk_bytes)):
         code = registrar.register(bound.address + off, size)

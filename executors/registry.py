@@ -24,13 +24,16 @@ class ExecutorKind(StrEnum):
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: its kind, ``module:Class``, its options model and the config section that holds them."""
+    """One backend: its kind, ``module:Class``, its options model, the config section that holds them, and
+    whether it is a GPU executor (``gpu``: it copies on a GPU, issuing on device streams, so device buffers
+    live in GPU memory and host memory is worth pinning; the NumPy and NIXL executors wait on the host)."""
 
     kind: ExecutorKind
     module: str
     cls: str
     options: type[Options]
     section: str
+    gpu: bool
 
     def load(self) -> type[Any]:
         """Import and return the executor class; ImportError names the backend (with the module's install hint)."""
@@ -42,11 +45,11 @@ class Backend:
 
 
 BACKENDS: dict[ExecutorKind, Backend] = {b.kind: b for b in (
-    Backend(ExecutorKind.CUDA_BATCH, "ops_cuda", "CudaBatchExecutor", CudaOptions, "cuda"),
-    Backend(ExecutorKind.HIP_BATCH, "ops_hip", "HipBatchExecutor", HipOptions, "hip"),
-    Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton"),
-    Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy"),
-    Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl"),
+    Backend(ExecutorKind.CUDA_BATCH, "ops_cuda", "CudaBatchExecutor", CudaOptions, "cuda", gpu=True),
+    Backend(ExecutorKind.HIP_BATCH, "ops_hip", "HipBatchExecutor", HipOptions, "hip", gpu=True),
+    Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton", gpu=True),
+    Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy", gpu=False),
+    Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl", gpu=False),
 )}
 
 

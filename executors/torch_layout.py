@@ -43,21 +43,29 @@ class _Buffers:
         return self.by_ptr[ptr], t.data_ptr() - ptr
 
 
-def _page(t: Any, field: str) -> tuple[int, int]:
-    """(page bytes, block stride bytes) of a [blocks, ...] tensor whose page dims are row-major contiguous."""
+def block_page(t: Any, field: str, first_dim: int = 0) -> tuple[int, int | None]:
+    """(page bytes, block stride bytes; None for a single block) of a [num_blocks, ...] tensor whose dimensions
+    inside a block are row-major contiguous: the one reader of a tensor's pages. ``field`` names the tensor in
+    errors; ``first_dim`` is where its block dimension sits in the shape the caller was given (1 for the K or V
+    half of a [2, num_blocks, ...] layer). Raises LayoutError naming the dimension it cannot read."""
     if t.dim() < 1:
-        raise LayoutError(field, "0-d tensor", "needs a block dimension")
+        raise LayoutError(f"{field}.shape", (), "a 0-d tensor has no block dimension")
     elt = t.element_size()
     expect = 1
-    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
+    for d in range(t.dim() - 1, 0, -1):
+        size, stride = int(t.shape[d]), int(t.stride(d))
         if size != 1 and stride != expect:
-            raise LayoutError(field, f"shape {tuple(t.shape)} stride {tuple(t.stride())}",
-                              "the dimensions inside a block are not row-major contiguous, so a page is not one byte range")
+            raise LayoutError(f"{field}.stride[{d + first_dim}]", stride,
+                              f"dimension {d + first_dim} (size {size}) is not row-major contiguous inside a block "
+                              f"(expected stride {expect}), so a page is not one byte range")
         expect *= size
     page = expect * elt
-    stride = t.stride(0) * elt if t.shape[0] > 1 else page
+    if int(t.shape[0]) < 2:
+        return page, None
+    stride = int(t.stride(0)) * elt
     if stride < page:
-        raise LayoutError(field, f"stride {tuple(t.stride())}", f"blocks overlap: block stride {stride} B < page {page} B")
+        raise LayoutError(f"{field}.stride[{first_dim}]", int(t.stride(0)),
+                          f"blocks overlap: the block stride is {stride} B but a page is {page} B")
     return page, stride
 
 
@@ -99,8 +107,8 @@ def layout_from_tensors(device: Mapping[str, Any], host: Mapping[str, Any], *, k
                                       "kv_split needs a leading K/V dimension of 2")
             parts = [(f"{name}.k", d[0], h[0]), (f"{name}.v", d[1], h[1])]
         for rname, dt, ht in parts:
-            dpage, dstride = _page(dt, f"device[{name!r}]")
-            hpage, hstride = _page(ht, f"host[{name!r}]")
+            dpage, dstride = block_page(dt, f"device[{name!r}]", int(kv_split))
+            hpage, hstride = block_page(ht, f"host[{name!r}]", int(kv_split))
             if dpage != hpage:
                 raise LayoutError(f"host[{name!r}]", f"{hpage} B pages", f"device pages are {dpage} B")
             dbuf, doff = dev_bufs.place(dt, name)

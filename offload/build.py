@@ -21,14 +21,12 @@ from .worker import ExecutorSpec, OffloadWorker
 
 @dataclass(frozen=True)
 class DeviceKV:
-    """The device side: buffers, the KV tensors placed in them, and each buffer's memory. ``num_blocks``: the
-    blocks every tensor holds (the fewest of any), so a worker refuses device block ids past them (None: unknown,
-    bounded by the buffers alone)."""
+    """The device side: buffers, the KV tensors placed in them (each stating the blocks it holds, which bound
+    the device block ids a worker accepts), and each buffer's memory."""
 
     buffers: tuple[Buffer, ...]
     tensors: tuple[KVTensor, ...]
     bindings: Mapping[str, Any]
-    num_blocks: int | None = None
 
 
 def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharing | str] | None = None,
@@ -53,11 +51,9 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
     buffers: dict[int, Buffer] = {}
     bindings: dict[str, Any] = {}
     out = []
-    blocks: list[int] = []
     for name, t in tensors.items():
         for part, view in _kv_parts(name, t, kv_split, num_blocks):
-            blocks.append(int(view.shape[0]))
-            page, stride = _block_page(name, view, 1 if len(part) > len(name) else 0)
+            page, stride = torch_layout.block_page(view, f"tensors[{name!r}]", 1 if len(part) > len(name) else 0)
             storage = view.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in buffers:
@@ -66,9 +62,9 @@ def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharin
                                       device=view.device.index or 0)
                 bindings[buffers[ptr].name] = torch_layout.storage_bytes(view)
             out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
-                                stride_bytes=stride, group=groups.get(name, 0),
+                                stride_bytes=stride, num_blocks=int(view.shape[0]), group=groups.get(name, 0),
                                 sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
-    return DeviceKV(tuple(buffers.values()), tuple(out), bindings, min(blocks) if blocks else None)
+    return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
 
 
 def _kv_parts(name: str, t: Any, kv_split: bool | None, num_blocks: int | None) -> list[tuple[str, Any]]:
@@ -106,38 +102,20 @@ def _kv_parts(name: str, t: Any, kv_split: bool | None, num_blocks: int | None) 
     return parts
 
 
-def _block_page(name: str, t: Any, first_dim: int) -> tuple[int, int | None]:
-    """(page bytes, block stride bytes or None for a single block) of a [num_blocks, ...] view whose dimensions
-    inside a block are row-major contiguous; ``first_dim``: where the view's block dimension sits in the layer's
-    own shape, for the messages."""
-    elt = t.element_size()
-    expect = 1
-    for d in range(t.dim() - 1, 0, -1):
-        size, stride = int(t.shape[d]), int(t.stride(d))
-        if size != 1 and stride != expect:
-            raise LayoutError(f"tensors[{name!r}].stride[{d + first_dim}]", stride,
-                              f"dimension {d + first_dim} (size {size}) is not row-major contiguous inside a block "
-                              f"(expected stride {expect}), so a page is not one byte range")
-        expect *= size
-    page = expect * elt
-    if int(t.shape[0]) < 2:
-        return page, None
-    stride = int(t.stride(0)) * elt
-    if stride < page:
-        raise LayoutError(f"tensors[{name!r}].stride[{first_dim}]", int(t.stride(0)),
-                          f"blocks overlap: the block stride is {stride} B but a page is {page} B")
-    return page, stride
-
-
 def _on_gpu(executor: Any) -> bool:
-    if executor is not None and hasattr(executor, "target"):
-        return bool(executor.target.platform.value != "cpu")
-    if callable(executor):  # a factory: unknown until built; pin only when the tier asks (tier.pin=True)
-        return False
-    from kvxfer.executors import ExecutorConfig, choose_executor
+    """Whether ``executor`` (an executor, a factory or a config) is a GPU executor: ``Backend.gpu`` of the
+    entry that runs it (``backend_for``). A factory is unknown until built, and an executor of a class the
+    backend table does not list (a wrapper) is not taken for one: their tier is pinned when it asks
+    (``tier.pin=True``)."""
+    from kvxfer.executors import ExecutorConfig, backend_for
 
-    config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
-    return choose_executor(config)[0].value in ("cuda-batch", "hip-batch", "triton")
+    if hasattr(executor, "run") and not isinstance(executor, type):
+        runs = backend_for(executor)
+    elif callable(executor):
+        return False
+    else:
+        runs = backend_for(executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor))
+    return runs is not None and runs.gpu
 
 
 def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry, np.ndarray, SharedRegion | None]:
@@ -166,8 +144,10 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
                   registrar: Any = None, **kw: Any) -> OffloadWorker:
     """An OffloadWorker over ``device`` and a host tier: builds the layout (canonical cells for replicated
     and sharded tensors in the canonical layout), maps or allocates the host rows and pins them when the
-    executor runs on a GPU (``tier.pin``; ``registrar`` overrides cudaHostRegister). ``kw`` goes to
-    OffloadWorker. The worker's ``host`` attribute is the host rows; ``shutdown`` releases them last."""
+    executor runs on a GPU (``tier.pin``; ``registrar`` overrides the platform's host registration,
+    cudaHostRegister or hipHostRegister). ``kw`` goes to
+    OffloadWorker. The worker's ``host`` is the host rows (``geometry`` their shape); ``shutdown`` releases them
+    last."""
     tp = tp or TPRank()
     geometry, memory, region = host_memory(device, tier, tp)
     try:
@@ -206,13 +186,11 @@ def assemble_worker(layout: Layout, device: DeviceKV, host: tuple[Geometry, np.n
         if region is not None:
             closers.append(region.close)
         worker = OffloadWorker(layout, {**device.bindings, HOST_BUFFER: memory}, executor, tp=tp, on_close=closers,
-                               **{"device_blocks": device.num_blocks, **kw})
+                               host=memory, geometry=geometry, **kw)
     except BaseException:
         for c in closers:
             c()
         if region is not None and region.close not in closers:
             region.close()
         raise
-    worker.host = memory
-    worker.geometry = geometry
     return worker

@@ -69,8 +69,9 @@ def copy_blocks(src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np
 
 
 def pin_tensor(t: Any, registrar: Any = None) -> Any:
-    """Register host tensor ``t`` with the GPU driver (cudaHostRegister) in chunks that end on block rows;
-    returns the PinnedRegion (``pinned`` False with the reason when the driver refused; nothing half pinned)."""
+    """Register host tensor ``t`` with the GPU driver (cudaHostRegister, hipHostRegister on ROCm) in chunks that
+    end on block rows; returns the PinnedRegion (``pinned`` False with the reason when the driver refused;
+    nothing half pinned)."""
     from kvxfer.executors import pin_host_memory
 
     row = t.stride(0) * t.element_size() if t.dim() and t.shape[0] > 1 else t.numel() * t.element_size()

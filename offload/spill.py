@@ -51,15 +51,16 @@ SPILL, RESTORE = "spill", "restore"
 
 def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
     """The layout of spills and restores for host rows of ``geometry``: buffer ``host`` (memory; ``device``
-    placements, one block = one chunk of a cell) and buffer ``file`` (``host`` placements, cell-major)."""
+    placements, one block = one chunk of a cell) and buffer ``file`` (``host`` placements, cell-major), each
+    placement holding ``num_chunks`` blocks (a chunk id past them would be the next cell's)."""
     n, k = geometry.num_chunks, geometry.blocks_per_chunk
     regions, at = [], 0
     for i, cell in enumerate(geometry.cells):
         page = k * cell.page_bytes
         regions.append(Region(name=f"cell{i}", page_bytes=page,
                               device=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
-                                               stride_bytes=cell.stride_bytes or geometry.row_stride_bytes),
-                              host=Placement(buffer=FILE_BUFFER, byte_offset=at)))
+                                               stride_bytes=cell.stride_bytes or geometry.row_stride_bytes, num_blocks=n),
+                              host=Placement(buffer=FILE_BUFFER, byte_offset=at, num_blocks=n)))
         at += n * page
     buffers = (Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST, align_bytes=align_bytes),
                Buffer(name=FILE_BUFFER, nbytes=max(at, 1), location=Location.FILE, align_bytes=align_bytes))

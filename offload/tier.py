@@ -62,6 +62,9 @@ class KVTensor(Spec):
 
     ``page_bytes`` is this rank's page. A SHARDED page is ``shard_rows`` equal slices (for example one per
     token), and rank r's slice of row i sits at ``(i * tp_size + r) * slice`` in the canonical page.
+    ``num_blocks``: the blocks the tensor holds (None: as many as its buffer holds); the planner refuses device
+    block ids at or past it, since views of one storage share a buffer and a block past one view is the next
+    view's.
     """
 
     name: str = Field(min_length=1)
@@ -69,6 +72,7 @@ class KVTensor(Spec):
     page_bytes: int = Field(gt=0)
     byte_offset: int = Field(default=0, ge=0)
     stride_bytes: int | None = Field(default=None, gt=0)
+    num_blocks: int | None = Field(default=None, ge=1)
     group: int = Field(default=0, ge=0)
     sharing: Sharing = Sharing.PRIVATE
     shard_rows: int = Field(default=1, ge=1)
@@ -200,9 +204,10 @@ def make_geometry(tensors: Sequence[KVTensor], tier: HostTier, tp: TPRank, ranks
 
 
 def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
-    """The Region for tensor ``t`` on rank ``tp.rank``: its device placement, its cell in the host rows and
-    who stores it: a replicated tensor in shared canonical cells rotates writers over the ranks (rank r
-    writes canonical pages ``page % tp.size == r``); every other tensor is written by each rank."""
+    """The Region for tensor ``t`` on rank ``tp.rank``: its device placement (``t.num_blocks`` blocks), its cell
+    in the host rows (``geometry.num_chunks`` chunks: a chunk id past them would land in the next cell or in
+    padding) and who stores it: a replicated tensor in shared canonical cells rotates writers over the ranks
+    (rank r writes canonical pages ``page % tp.size == r``); every other tensor is written by each rank."""
     shared = _shared(t, geometry.layout)
     rotate = shared and t.sharing is Sharing.REPLICATED
     cell = geometry.cell(t.name, None if shared else tp.rank)
@@ -218,10 +223,12 @@ def host_region(t: KVTensor, geometry: Geometry, tp: TPRank) -> Region:
     return Region(name=t.name, page_bytes=t.page_bytes, group=t.group, fragments=fragments,
                   host_page_bytes=cell.page_bytes if fragments else None,
                   num_writers=tp.size if rotate else 1, writer_index=tp.rank if rotate else 0,
-                  device=Placement(buffer=t.buffer, byte_offset=t.byte_offset, stride_bytes=t.stride_bytes),
+                  device=Placement(buffer=t.buffer, byte_offset=t.byte_offset, stride_bytes=t.stride_bytes,
+                                   num_blocks=t.num_blocks),
                   host=Placement(buffer=HOST_BUFFER, byte_offset=cell.offset_bytes,
                                  stride_bytes=cell.stride_bytes or geometry.row_stride_bytes,
-                                 blocks_per_chunk=geometry.blocks_per_chunk))
+                                 blocks_per_chunk=geometry.blocks_per_chunk,
+                                 num_blocks=geometry.num_chunks * geometry.blocks_per_chunk))
 
 
 def build_layout(device_buffers: Sequence[Buffer], tensors: Sequence[KVTensor], geometry: Geometry, tp: TPRank) -> Layout:

@@ -74,7 +74,7 @@ _LAZY = {
 }
 
 __all__ = ["INSTALL_HINT", "KVXFER_KEYS", "SUPPORTED_VLLM", "CacheMap", "JobFailedError", "UnsupportedFeatureError",
-           "WorkerCore", "WorkerStats", "build_worker", "read_caches", *_LAZY]
+           "WorkerCore", "WorkerStats", "build_worker", "check_extra", "read_caches", *_LAZY]
 
 
 class UnsupportedFeatureError(ValueError):
@@ -364,7 +364,7 @@ def _region_name(engine_id: str) -> str:
     return "vllm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:120]
 
 
-def _check_extra(extra: Mapping[str, Any]) -> None:
+def check_extra(extra: Mapping[str, Any]) -> None:
     """Refuse unknown kvxfer keys and an unreadable executor config at start-up (scheduler and workers)."""
     for key in extra:
         if key.startswith("kvxfer_") and key not in KVXFER_KEYS:
@@ -423,7 +423,7 @@ def _classes() -> dict[str, type]:
         __doc__ = _LAZY["KvxferOffloadingSpec"]
 
         def __init__(self, config: Any):
-            _check_extra(config.extra_config)
+            check_extra(config.extra_config)
             self._kvxfer_shared = bool(config.extra_config.get("kvxfer_shared_region", config.parallel.world_size > 1))
             super().__init__(config)
             if config.canonical_layout and not self._kvxfer_shared:

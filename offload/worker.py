@@ -47,7 +47,7 @@ from .jobs import (
 )
 from .lanes import ExecutorLane, IssueLane, ThreadLane, run
 from .spill import FileLane
-from .tier import TPRank
+from .tier import Geometry, TPRank
 
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
@@ -68,9 +68,10 @@ class OffloadWorker:
     executor does. Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a
     replicated region rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan.
     ``regions_per_layer``: regions per layer for per-layer load completion (None: whole jobs only).
-    ``on_close``: callables run last by ``shutdown`` (releasing host memory). ``device_blocks``: the blocks each device
-    KV tensor holds; device block ids at or past it are refused (SubmissionError naming the id), since views of one
-    storage share a buffer and a block past one view is the next view's (None: bounded by the buffers alone).
+    ``on_close``: callables run last by ``shutdown`` (releasing host memory). Ids are bounded by the layout: each
+    placement's ``num_blocks`` where it states one (a KV tensor's blocks, the host tier's chunks), else its buffer;
+    an id past them is refused by the planner (SubmissionError naming the id). ``host``/``geometry``: the host
+    rows and their Geometry, for a file tier (``attach_files``; ``create_worker`` passes them).
 
     Threading contract:
 
@@ -95,12 +96,11 @@ class OffloadWorker:
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
                  tp: TPRank | None = None, regions_per_layer: int | None = 1, max_descriptors: int | None = None,
-                 on_close: Sequence[Callable[[], Any]] = (), device_blocks: int | None = None):
+                 on_close: Sequence[Callable[[], Any]] = (), host: np.ndarray | None = None,
+                 geometry: Geometry | None = None):
         self.layout = layout
-        self.device_blocks = device_blocks
         self.tp = tp or TPRank()
-        self.host: np.ndarray | None = bindings.get("host")  # the host rows (set by create_worker)
-        self.geometry: Any = None  # the host rows' Geometry (set by create_worker)
+        self.host, self.geometry = host, geometry
         self._executors, self._owned = self._make_executors(executor)
         self.target = self._executors[STORE].target
         self.regions_per_layer = regions_per_layer
@@ -141,11 +141,11 @@ class OffloadWorker:
             return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # anything with run() and bind()
         if callable(executor):  # a factory: one executor (one copy stream) per direction
             return {STORE: executor(), LOAD: executor()}, True
-        from kvxfer.executors import ExecutorConfig, choose_executor, get_executor
+        from kvxfer.executors import ExecutorConfig, backend_for, get_executor
 
         config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
-        if config.kind.value == "auto":  # one executor per direction, of the kind the platform runs
-            config = config.model_copy(update={"kind": choose_executor(config)[0]})
+        runs = backend_for(config)  # auto: the kind this platform runs (a worker's jobs need one fixed executor)
+        config = config if runs is None or runs.kind is config.kind else config.model_copy(update={"kind": runs.kind})
         return {STORE: get_executor(config), LOAD: get_executor(config)}, True
 
     # ---- submitting -----------------------------------------------------------------------------------------
@@ -190,7 +190,6 @@ class OffloadWorker:
         if files is None:
             raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.attach_files)")
         direction, plan, chunks = files.plan(job_id, op, chunk_ids)
-        self._check_chunks(job_id, "chunk_ids", chunk_ids, chunks)
         reads, writes = touched(op, np.zeros(0, np.int64), chunks)
         self._accept(Job(job_id, op, direction, plan, reads, writes), files)
         return True
@@ -217,10 +216,7 @@ class OffloadWorker:
         plan = self._plan(direction, job_id, src, dst, sizes, starts)
         dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
         op = "load" if direction is LOAD else "store"
-        host_ids = np.unique(np.asarray(host, dtype=np.int64))
-        self._check_chunks(job_id, "host_ids", host, host_ids)
-        device_ids = np.unique(np.asarray(dev, dtype=np.int64))
-        self._check_blocks(job_id, dev, device_ids)
+        device_ids, host_ids = (np.unique(np.asarray(ids, dtype=np.int64)) for ids in (dev, host))
         reads, writes = touched(op, device_ids, host_ids)
         layer_calls = None
         if direction is LOAD and self.regions_per_layer:
@@ -229,18 +225,6 @@ class OffloadWorker:
         resolved = stream if stream is not None else stream_handle(None, self._device)  # on this thread
         self._accept(Job(job_id, op, direction, plan, reads, writes, resolved, layer_calls), self._lanes[direction])
         return True
-
-    def _check_chunks(self, job_id: int, field: str, given: Ids, unique: np.ndarray) -> None:
-        """Refuse host chunk ids past the host tier's chunks: in tensor-major rows they would land in the next tensor's
-        cells (or in padding), inside the host buffer, where the planner cannot tell."""
-        n = self.geometry.num_chunks if self.geometry is not None else None
-        _refuse_past(job_id, field, given, unique, n, f"past the host tier's {n} chunks")
-
-    def _check_blocks(self, job_id: int, given: Ids, unique: np.ndarray) -> None:
-        """Refuse device block ids past ``device_blocks``: KV tensors that are views of one storage sit in one buffer,
-        so a block past one tensor's end is the next tensor's block, inside the buffer, where the planner cannot tell."""
-        n = self.device_blocks
-        _refuse_past(job_id, "device_ids", given, unique, n, f"past the {n} blocks of the device KV tensors")
 
     def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
               starts: Sequence[int] | None) -> TransferPlan:
@@ -543,10 +527,3 @@ def _inherited(source: Job) -> DependencyError:
     """The failure of a job that read what ``source`` (a failed job) was to write."""
     return DependencyError(source.job_id, source.op, source.error or RuntimeError("failed"))
 
-
-def _refuse_past(job_id: int, field: str, given: Ids, unique: np.ndarray, limit: int | None, reason: str) -> None:
-    """SubmissionError naming the first id of ``given`` at or past ``limit`` (``unique``: its sorted ids)."""
-    if limit is not None and len(unique) and int(unique[-1]) >= limit:
-        ids = np.asarray(given, dtype=np.int64)
-        i = int(np.argmax(ids >= limit))
-        raise SubmissionError(job_id, field, int(ids[i]), reason, i)

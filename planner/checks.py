@@ -10,8 +10,11 @@ Every refusal of a transfer is raised here, worded once, in one order:
    every buffer of the group's regions, the writer settings; then every page each writer set uses inside
    its buffers (``check``);
 4. the groups consuming the id lists exactly, then no destination page written twice;
-5. and, on the ranges the builder expands (the only refusal that needs them), no two regions writing one
-   byte and no write over bytes the transfer reads (``check_overlaps``).
+5. and, on the ranges the builder expands (the only refusal that needs them; ``plan_transfer`` calls it on the
+   builder's result where the request says regions could touch), no two regions writing one byte and no write
+   over bytes the transfer reads (``refuse_overlaps``).
+
+The checked transfer is a ``request.Request`` (page sets per group and writer set), which the builder reads.
 
 Where the ids are the pages (one group of whole pages, one block per chunk on both sides) they are checked on
 their runs: the runs give the non-negativity, the largest ids and the repeats almost for free, and the
@@ -20,14 +23,15 @@ builder takes the same runs. Nothing is retried elsewhere: the front end's resul
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
-from .columns import PageRuns, id_runs, run_holds_negative, sort_by
+from .columns import PageRuns, id_runs, run_holds_negative
 from .errors import LayoutError, MappingError, PlanError
 from .ids import MAPPING_KEYS, REQUIRED_KEYS, borrow_ids, check_lengths, plain_ints, refuse_negative
-from .layout_cache import Group, LayoutCache, RegionTable, Strategy, WriterSet
+from .layout_cache import Group, LayoutCache, RegionTable, Strategy
+from .request import IdsAt, PageSet, Request
 from .runs import Ranges, dense_all
 from .spec import BlockMapping, Direction, Location
 from .target import PlanOptions, Target
@@ -116,93 +120,14 @@ class Ids:
 def read_settings(ids: Ids, target: Any, options: Any) -> tuple[Target, PlanOptions]:
     """The target and options (models, dicts or JSON paths; None: the defaults). Raises TargetError, after
     naming a negative id first."""
+    if type(target) is Target and (options is None or type(options) is PlanOptions):  # models: nothing to read
+        return target, _DEFAULT_OPTIONS if options is None else options
     try:
         t = _DEFAULT_TARGET if target is None else Target.coerce(target, "target")
         o = _DEFAULT_OPTIONS if options is None else PlanOptions.coerce(options, "options")
     except PlanError as e:
         ids.refuse(e)
     return t, o
-
-
-class PageSet:
-    """Checked page pairs of one KV-cache group for one writer set: ``src[i]`` -> ``dst[i]`` in every region of
-    ``ws``, each page inside its buffers; ``top_src`` / ``top_dst`` are the largest pages. ``ids_at`` maps the
-    pages back to their ids, for naming one in a refusal (None where the ids are the pages)."""
-
-    __slots__ = ("ws", "src", "dst", "top_src", "top_dst", "ids_at", "_runs", "_sorted")
-
-    def __init__(self, ws: WriterSet, src: np.ndarray, dst: np.ndarray, ids_at: IdsAt | None = None):
-        self.ws, self.src, self.dst, self.ids_at = ws, src, dst, ids_at
-        self.top_src = self.top_dst = -1
-        self._runs: dict[bool, PageRuns] = {}
-        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
-
-    def runs(self, coalesce: bool) -> PageRuns:
-        """The pairs as runs in destination order (joined where both pages advance, unless ``coalesce`` is off)."""
-        made = self._runs.get(coalesce)
-        if made is None:
-            made = self._runs[coalesce] = PageRuns(*id_runs(self.src, self.dst, coalesce), len(self.dst), coalesce)
-        return made
-
-    def dst_order(self) -> tuple[np.ndarray, np.ndarray]:
-        """(destination pages sorted, the order that sorts them)."""
-        if self._sorted is None:
-            self._sorted = sort_by(self.dst, np.arange(len(self.dst)))
-        return self._sorted
-
-    def measure(self, coalesce: bool) -> None:
-        """Set the largest pages, from the runs the builder takes when the set has whole-page regions (the pages
-        must be bounded: checked non-negative, their chunks inside the buffers)."""
-        ws = self.ws
-        if len(ws.page_dense) or len(ws.page_sparse):
-            runs = self.runs(coalesce and len(ws.page_dense) > 0)
-            if len(runs.rl) == 1:  # one run (a contiguous job): no arrays to make
-                n = int(runs.rl[0]) - 1
-                self.top_src, self.top_dst = int(runs.rs[0]) + n, int(runs.rd[0]) + n
-                return
-            last = runs.rl - 1
-            self.top_src = int(np.maximum.reduce(runs.rs + last))
-            self.top_dst = int(np.maximum.reduce(runs.rd + last))
-        else:
-            self.top_src, self.top_dst = int(np.maximum.reduce(self.src)), int(np.maximum.reduce(self.dst))
-
-    def repeated(self, coalesce: bool) -> bool:
-        """Whether some destination page repeats; found on what the builder will take anyway."""
-        ws = self.ws
-        if self._runs or len(ws.page_dense) or len(ws.page_sparse):
-            made = next(iter(self._runs.values()), None)
-            return (made or self.runs(coalesce and len(ws.page_dense) > 0)).repeated
-        sd = self.dst_order()[0]
-        return len(sd) > 1 and bool((sd[1:] == sd[:-1]).any())
-
-
-class IdsAt(NamedTuple):
-    """Where a page set's pages come from: its group's first src and dst id, start, size and blocks per chunk
-    on each side, and the pages writer rotation kept (None: all)."""
-
-    first_src: int
-    first_dst: int
-    start: int
-    size: int
-    k_src: int
-    k_dst: int
-    keep: np.ndarray | None
-
-    def positions(self, dst: bool) -> np.ndarray:
-        """For each page of the set on one side: the index of its id in that side's list."""
-        first, k = (self.first_dst, self.k_dst) if dst else (self.first_src, self.k_src)
-        pos = first + (np.arange(self.size) + self.start % k) // k
-        return pos if self.keep is None else pos[self.keep]
-
-
-class Request:
-    """A transfer checked against a layout: its page sets, the elementary copies requested, the largest pages."""
-
-    __slots__ = ("direction", "sets", "requested", "top_src", "top_dst")
-
-    def __init__(self, direction: Direction, sets: list[PageSet], requested: int, top_src: int = -1, top_dst: int = -1):
-        self.direction, self.sets, self.requested = direction, sets, requested
-        self.top_src, self.top_dst = top_src, top_dst
 
 
 def check(cache: LayoutCache, ids: Ids, strategy: Strategy, coalesce: bool) -> Request:
@@ -216,9 +141,12 @@ def check(cache: LayoutCache, ids: Ids, strategy: Strategy, coalesce: bool) -> R
         ids.check_negatives()
         return Request(ids.direction, [], 0)
     if strategy.ids_are_pages and sizes[0] == len(ids.src) == len(ids.dst):
-        return _check_ids_as_pages(t, ids, strategy, coalesce)
-    starts = ids.starts if ids.starts is not None else (0,) * len(sizes)
-    return _check_groups(cache, ids, strategy, coalesce, sizes, starts)
+        request = _check_ids_as_pages(t, ids, strategy, coalesce)
+    else:
+        starts = ids.starts if ids.starts is not None else (0,) * len(sizes)
+        request = _check_groups(cache, ids, strategy, coalesce, sizes, starts)
+    request.touch = request.top_dst > strategy.touch_above  # step 5 needs the ranges: whether it must run is known now
+    return request
 
 
 def _check_ids_as_pages(t: RegionTable, ids: Ids, strategy: Strategy, coalesce: bool) -> Request:
@@ -249,9 +177,8 @@ def _check_ids_as_pages(t: RegionTable, ids: Ids, strategy: Strategy, coalesce: 
     runs = PageRuns(rs, rd, rl, n, joined)
     if runs.repeated:
         _refuse_repeated(ids, d, None)
-    page = PageSet(ws, s, d)
+    page = PageSet(ws, s, d, runs=(joined, runs))
     page.top_src, page.top_dst = top_s, top_d
-    page._runs[joined] = runs
     return Request(ids.direction, [page], n * ws.pieces, top_s, top_d)
 
 
@@ -331,7 +258,7 @@ def _group_pages(ids: Ids, t: RegionTable, group: Group, side: Location, field: 
     regs = group.regions
     if need and len(regs) and int(np.maximum.reduce(chunks)) > gs.lowest_chunk:
         _refuse_past(ids, t, side, regs, chunks, t.side[side].chunk_limit[regs], field, used, k, skip)
-    return (chunks if k == 1 else np.add.outer(chunks * k, np.arange(k)).ravel()[skip:skip + count]), used + need
+    return (chunks if k == 1 else np.add.outer(chunks * k, gs.within).ravel()[skip:skip + count]), used + need
 
 
 def _refuse_past(ids: Ids, t: RegionTable, side: Location, regs: np.ndarray, values: np.ndarray, limits: np.ndarray,
@@ -341,14 +268,27 @@ def _refuse_past(ids: Ids, t: RegionTable, side: Location, regs: np.ndarray, val
     transfer uses (values are pages, or with ``k`` > 1 chunk ids whose first one skips ``skip`` pages)."""
     i = int(np.argmax(values > limits.min()))
     r = int(regs[np.argmax(limits < values[i])])
-    col = t.side[side]
-    buf = t.buffers[int(col.buf[r])]
     at = positions + i if isinstance(positions, int) else int(positions[i])
     page = int(values[i]) * k + (skip if i == 0 else 0)
     id_list = ids.src if field == "src_ids" else ids.dst
-    ids.refuse(MappingError(field, int(id_list[at]), f"block of region {t.regions[r].name!r} ({side} side) ends at byte "
-                            f"{col.page_end(r, page)}, past buffer {buf.name!r} of {buf.nbytes} bytes "
-                            f"(last block that fits: {int(col.max_page[r])})", at))
+    ids.refuse(MappingError(field, int(id_list[at]), _past(t, side, r, page), at))
+
+
+def _past(t: RegionTable, side: Location, r: int, page: int) -> str:
+    """Why page ``page`` of region ``r`` is refused: past the blocks its placement states (when it states them:
+    they fit its buffer, so theirs is the bound), else past its buffer."""
+    col = t.side[side]
+    name, buf = t.regions[r].name, t.buffers[int(col.buf[r])]
+    n, k = int(col.count[r]), int(col.k[r])
+    where = f"of region {name!r} ({side} side, buffer {buf.name!r})"
+    if n < 0:
+        return (f"block of region {name!r} ({side} side) ends at byte {col.page_end(r, page)}, past buffer "
+                f"{buf.name!r} of {buf.nbytes} bytes (last block that fits: {int(col.max_page[r])})")
+    if k == 1:
+        return f"past the {n} blocks {where}"
+    if n % k == 0:
+        return f"past the {n // k} chunks of {k} blocks {where}"
+    return f"its block {page} is past the {n} blocks ({k} per chunk) {where}"
 
 
 def _refuse_repeated(ids: Ids, pages: np.ndarray, positions: np.ndarray | None) -> NoReturn:
@@ -363,12 +303,16 @@ def _refuse_repeated(ids: Ids, pages: np.ndarray, positions: np.ndarray | None) 
     raise AssertionError("no repeated destination page")  # pragma: no cover  (callers found one)
 
 
-def check_overlaps(t: RegionTable, direction: Direction, shared: tuple[int, ...], r: Ranges,
-                   call_group: np.ndarray | None = None) -> None:
-    """No destination byte written by two regions, no destination range over a source range in one buffer.
+def refuse_overlaps(cache: LayoutCache, request: Request, r: Ranges, call_group: np.ndarray | None = None) -> None:
+    """Step 5, where ``request.touch`` says ranges of two regions could overlap: no destination byte written by
+    two regions, no destination range over a source range in one buffer.
 
-    ``r`` is in canonical order; with one call group that is destination order, so one pass over neighbours
-    finds any overlap. Raises LayoutError naming the region and the bytes."""
+    ``r``: the ranges built for ``request`` (``build``), in canonical order; with one call group that is
+    destination order, so one pass over neighbours finds any overlap (merging joins only ranges that meet end
+    to start, so merged ranges overlap where their pieces do). Raises LayoutError naming the region and the
+    bytes."""
+    t, direction = cache.unique, request.direction
+    shared = cache.facts(direction).shared
     d = dense_all(r)
     o: Any = slice(None) if call_group is None or not call_group.any() else np.lexsort((d["dst_offset"], d["dst_buf"]))
     db, do, nb, reg = d["dst_buf"][o], d["dst_offset"][o], d["nbytes"][o], d["region"][o]

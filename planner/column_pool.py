@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,22 +29,22 @@ POOL_SLOTS = 8  # arrays kept per layout (two per plan: source and destination o
 POOL_BYTES = 128 << 20  # at most this much memory kept per layout (four C32-sized plans)
 
 
-def _count(owners: list[np.ndarray], i: int) -> int:
+def count_of(owners: list[np.ndarray], i: int) -> int:
     """The reference count of ``owners[i]``: every check goes through this one expression."""
     return sys.getrefcount(owners[i])
 
 
 def _unreferenced_count() -> int:
-    """What ``_count`` reads for an array that only the pool's list holds, measured on this interpreter (0:
+    """What ``count_of`` reads for an array that only the pool's list holds, measured on this interpreter (0:
     reference counts cannot be trusted here, so nothing is pooled)."""
     if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
         return 0  # other interpreters, and free-threaded CPython builds (deferred and split counts): no pooling
     owners = [np.empty(1, dtype=np.int64)]
-    alone = _count(owners, 0)
+    alone = count_of(owners, 0)
     view = owners[0][:1]  # one view must count as one more reference, or the counts are not what we rely on
-    ok = _count(owners, 0) == alone + 1
+    ok = count_of(owners, 0) == alone + 1
     del view
-    return alone if ok and _count(owners, 0) == alone else 0
+    return alone if ok and count_of(owners, 0) == alone else 0
 
 
 FREE = _unreferenced_count()  # the count of a pooled array nothing else refers to
@@ -60,20 +61,19 @@ class ColumnPool:
     new views that refer to that object alone): the object holds the array (one reference more), the twin
     holds the object (one more)."""
 
-    def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES):
-        self.slots, self.max_bytes = slots, max_bytes
+    def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES,
+                 count: Callable[[list[np.ndarray], int], int] = count_of):
+        """``count``: reads a pooled array's reference count (``count_of``; a test passes one that yields to
+        other threads after reading, to widen the window between finding a free array and claiming it)."""
+        self.slots, self.max_bytes, self._count = slots, max_bytes, count
         self._owners: list[np.ndarray] = []
         self._twins: list[np.ndarray] = []  # the frozen twin of each owner, same index
         self._bases: list[object] = []  # the object each twin views (its base), same index
         self._lock = threading.Lock()
 
     def _free(self, i: int) -> bool:
-        return (_count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
-                and _count(self._bases, i) == FREE + 1)
-
-    def empty(self, n: int) -> np.ndarray:
-        """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
-        return self.take(n)[0]
+        return (self._count(self._owners, i) == FREE + 1 and self._count(self._twins, i) == FREE
+                and self._count(self._bases, i) == FREE + 1)
 
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         """An uninitialised int64 array of ``n`` elements to write, and, when it comes from the pool, the frozen
@@ -113,6 +113,10 @@ class ColumnPool:
     def nbytes(self) -> int:
         """Bytes held by the pool (in use or free)."""
         return sum(a.nbytes for a in self._owners)
+
+    def holds(self, a: np.ndarray) -> bool:
+        """Whether ``a`` views memory of an array the pool holds (in use or free)."""
+        return any(np.shares_memory(a, owner) for owner in self._owners)
 
     def __len__(self) -> int:
         return len(self._owners)

@@ -142,27 +142,7 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
     Refuses floats (even 2.0), bools, strings, nulls, nested or ragged lists, other shapes and values outside
     ``dtype``'s range, naming the first bad index and its value.
     """
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, (list, tuple)):
-        if ndim == 1 and set(map(type, value)) <= {int}:  # the common case, checked without a Python loop
-            try:
-                arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
-            except OverflowError:
-                arr = np.zeros(0, dtype=np.float64)
-            if arr.dtype.kind not in "iu":  # ints past int64 (numpy makes floats or objects): named below
-                arr = np.array(value, dtype=object)
-        else:
-            bad = _first_non_int(value, ndim)
-            if bad is not None:
-                i, v = bad
-                raise PlanFileError(field, v, f"expected an integer, got {_type_name(v)}", i, source)
-            try:
-                arr = np.array(value, dtype=object) if value else np.zeros((0,) * ndim, dtype=np.int64)
-            except ValueError as e:
-                raise PlanFileError(field, "ragged", f"rows of unequal length ({e})", source=source) from None
-    else:
-        raise PlanFileError(field, _type_name(value), "expected a list of integers", source=source)
+    arr = _array_of(value, field, source, ndim)
     if arr.ndim != ndim:
         raise PlanFileError(field, f"shape {arr.shape}", f"expected {ndim} dimension{'s' * (ndim > 1)}", source=source)
     if arr.size == 0:
@@ -171,6 +151,37 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
         first = arr.ravel()[0]
         raise PlanFileError(field, first.item() if hasattr(first, "item") else first,
                             f"expected an integer, got {arr.dtype.name}", 0, source)
+    _refuse_outside(arr, field, dtype, source, ndim)
+    return np.ascontiguousarray(arr.astype(dtype))
+
+
+def _array_of(value: Any, field: str, source: str | None, ndim: int) -> np.ndarray:
+    """``value`` as an array: an array as it is, a list of plain ints as integers (ints past int64 and any other
+    entry as objects, for ``_refuse_outside`` to name). Refuses a cell that is not a plain int, ragged rows and
+    anything that is not a list."""
+    if isinstance(value, np.ndarray):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise PlanFileError(field, _type_name(value), "expected a list of integers", source=source)
+    if ndim == 1 and set(map(type, value)) <= {int}:  # the common case, checked without a Python loop
+        try:
+            arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+        except OverflowError:
+            arr = np.zeros(0, dtype=np.float64)
+        return arr if arr.dtype.kind in "iu" else np.array(value, dtype=object)  # ints past int64: named later
+    bad = _first_non_int(value, ndim)
+    if bad is not None:
+        i, v = bad
+        raise PlanFileError(field, v, f"expected an integer, got {_type_name(v)}", i, source)
+    try:
+        return np.array(value, dtype=object) if value else np.zeros((0,) * ndim, dtype=np.int64)
+    except ValueError as e:
+        raise PlanFileError(field, "ragged", f"rows of unequal length ({e})", source=source) from None
+
+
+def _refuse_outside(arr: np.ndarray, field: str, dtype: np.dtype, source: str | None, ndim: int) -> None:
+    """Refuse the first entry of ``arr`` (integers, or objects) that is not an integer in ``dtype``'s range,
+    naming its row."""
     lo, hi = 0, int(np.iinfo(dtype).max)
     if arr.dtype.kind == "O":
         flat = arr.ravel()
@@ -186,7 +197,6 @@ def int_array(value: Any, field: str, dtype: np.dtype, source: str | None, ndim:
         i = out_of[0]
         raise PlanFileError(field, int(arr.ravel()[i]), f"out of range for {dtype.name} (must be {lo}..{hi})",
                             i if ndim == 1 else i // arr.shape[1], source)
-    return np.ascontiguousarray(arr.astype(dtype))
 
 
 def _first_non_int(value: Any, ndim: int) -> tuple[int, Any] | None:
@@ -216,6 +226,24 @@ def plan_fields(d: Any, source: str | None = None) -> dict[str, Any]:
     """
     if not isinstance(d, dict):
         raise PlanFileError("plan", _type_name(d), "expected a JSON object (dict)", source=source)
+    _check_header(d, source)
+    rpb = d.get("region_page_bytes") or []
+    if not isinstance(rpb, (list, np.ndarray)):
+        raise PlanFileError("region_page_bytes", rpb, "expected a list of integers", source=source)
+    rpb = tuple(int(x) for x in int_array(list(rpb), "region_page_bytes", np.dtype("<i8"), source))
+    fp = d.get("fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        raise PlanFileError("fingerprint", fp, f"expected a string, got {_type_name(fp)}", source=source)
+    columns = _columns(d["columns"], source)
+    pairs = {key: _pairs(d.get(key), key, kind, source) for key, kind in _OPTIONAL_PAIRS.items()}
+    return {**{k: d[k] for k in _HEADER_TYPES}, **pairs, "region_page_bytes": rpb, "fingerprint": fp,
+            "call_offsets": int_array(d["call_offsets"], "call_offsets", np.dtype("<i8"), source),
+            "columns": columns, "schema_version": d.get("schema_version")}
+
+
+def _check_header(d: dict[str, Any], source: str | None) -> None:
+    """Refuse unknown and missing keys, header fields of the wrong JSON type, a bad ``requested_copies``,
+    region names that are not strings and buffers or attributes that are not objects."""
     unknown = sorted(set(d) - set(_HEADER_TYPES) - {"schema_version", "fingerprint", "region_page_bytes",
                                                        "call_offsets", "columns", "summary", *_OPTIONAL_PAIRS})
     if unknown:
@@ -237,14 +265,10 @@ def plan_fields(d: Any, source: str | None = None) -> dict[str, Any]:
         for i, item in enumerate(d[key]):
             if not isinstance(item, dict):
                 raise PlanFileError(key, item, f"expected an object, got {_type_name(item)}", i, source)
-    rpb = d.get("region_page_bytes") or []
-    if not isinstance(rpb, (list, np.ndarray)):
-        raise PlanFileError("region_page_bytes", rpb, "expected a list of integers", source=source)
-    rpb = tuple(int(x) for x in int_array(list(rpb), "region_page_bytes", np.dtype("<i8"), source))
-    fp = d.get("fingerprint")
-    if fp is not None and not isinstance(fp, str):
-        raise PlanFileError("fingerprint", fp, f"expected a string, got {_type_name(fp)}", source=source)
-    cols = d["columns"]
+
+
+def _columns(cols: Any, source: str | None) -> dict[str, np.ndarray]:
+    """A serialized plan's ``columns``: every plan column, no other, each a checked array of its dtype."""
     if not isinstance(cols, dict):
         raise PlanFileError("columns", _type_name(cols), "expected an object of columns", source=source)
     extra = sorted(set(cols) - set(PLAN_COLUMNS))
@@ -256,10 +280,7 @@ def plan_fields(d: Any, source: str | None = None) -> dict[str, Any]:
         if name not in cols:
             raise PlanFileError(f"columns.{name}", None, "missing from the serialized plan", source=source)
         columns[name] = int_array(cols[name], f"columns.{name}", dtype, source)
-    pairs = {key: _pairs(d.get(key), key, kind, source) for key, kind in _OPTIONAL_PAIRS.items()}
-    return {**{k: d[k] for k in _HEADER_TYPES}, **pairs, "region_page_bytes": rpb, "fingerprint": fp,
-            "call_offsets": int_array(d["call_offsets"], "call_offsets", np.dtype("<i8"), source),
-            "columns": columns, "schema_version": d.get("schema_version")}
+    return columns
 
 
 _OPTIONAL_PAIRS: dict[str, type] = {"aliases": str, "region_writers": int}  # (alias, region); (writers, index)

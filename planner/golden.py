@@ -278,12 +278,19 @@ def write_used(folder: str | Path, names: Iterable[str]) -> Path:
 
 def unused_files(folder: str | Path) -> list[Path] | None:
     """Golden files in ``folder`` that the recorded test run did not use (links included, never followed);
-    None when there is no record (a test run with the kvxfer pytest plugin writes it)."""
+    None when there is no record (a test run with the kvxfer pytest plugin writes it). Raises GoldenError naming
+    the record when it cannot be read as text."""
     folder = Path(folder)
     record = folder / USED_RECORD
     if not record.is_file() or record.is_symlink():
         return None
-    used = set(record.read_text().split())
+    try:
+        used = set(record.read_bytes().decode("utf-8").split())
+    except UnicodeDecodeError as e:
+        raise GoldenError("record", f"byte {e.start}", "not UTF-8 text: not a record of the golden files used (delete "
+                          "it; the next whole test run writes it again)", source=str(record)) from None
+    except OSError as e:
+        raise GoldenError("record", str(record), f"cannot read it ({e.strerror or e})", source=str(record)) from None
     return [p for p in sorted(folder.glob("*.json")) if p.name not in used]
 
 

@@ -14,14 +14,16 @@ import numpy as np
 from .errors import MappingError
 
 INT64_MAX = int(np.iinfo(np.int64).max)
+_INT64 = np.dtype(np.int64)  # the native int64 dtype: arrays of it share this object, so most checks are one identity
 MAPPING_KEYS = frozenset(("direction", "src_ids", "dst_ids", "group_sizes", "group_starts"))
 REQUIRED_KEYS = frozenset(("direction", "src_ids", "dst_ids"))
 
 
 def as_ids(value: Any, field: str) -> np.ndarray:
     """Block ids as a read-only int64 array of their own (the caller may reuse its array). Refuses, naming the
-    field and the index: non-integers, more than one dimension, ids past int64, and negative ids (last, so a
-    negative id is named after the list's form and before anything else about the mapping)."""
+    field and the index: non-integers (floats too, even whole ones such as 2.0 or -0.0: one rule for every
+    input form, as layouts and plan files), more than one dimension, ids past int64, and negative ids (last, so
+    a negative id is named after the list's form and before anything else about the mapping)."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
         arr = value
     else:
@@ -39,18 +41,12 @@ def as_ids(value: Any, field: str) -> np.ndarray:
                 if not 0 <= v <= INT64_MAX:
                     raise MappingError(field, v, "block ids must be non-negative" if v < 0 else "block id does not fit int64", i)
             arr = arr.astype(np.int64)
-        if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf" and arr.size:
-            idx = 0 if arr.ndim else None
-            first = arr.flat[0] if arr.size else value
-            raise MappingError(field, first.item() if hasattr(first, "item") else first, "block ids must be integers", idx)
-        if arr.dtype.kind == "f":
-            bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))
-            if bad.size:
-                raise MappingError(field, float(arr[bad[0]]), "block ids must be integers", int(bad[0]))
+        if arr.dtype.kind not in "iu" and arr.size:  # bools, floats (even 2.0 and -0.0), strings
+            i = _first_not_int(value) if arr.ndim == 1 else 0
+            first = arr.flat[i]
+            raise MappingError(field, first.item() if hasattr(first, "item") else first, "block ids must be integers",
+                               i if arr.ndim else None)
     _check_form(arr, field)
-    if arr.dtype.kind == "f" and arr.size and np.abs(arr).max() > 2.0**62:
-        i = int(np.argmax(np.abs(arr)))
-        raise MappingError(field, float(arr[i]), "block id out of range", i)
     out = np.array(arr, dtype=np.int64, copy=True)
     if out.size and np.minimum.reduce(out) < 0:
         refuse_negative(out, field)
@@ -58,11 +54,20 @@ def as_ids(value: Any, field: str) -> np.ndarray:
     return out
 
 
+def _first_not_int(value: Any) -> int:
+    """The index of the first entry of a list that is not a plain integer (0 for an array, whose entries all share
+    one kind)."""
+    if isinstance(value, (list, tuple)):
+        return next((i for i, v in enumerate(value)
+                     if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_))), 0)
+    return 0
+
+
 def borrow_ids(arr: np.ndarray, field: str) -> np.ndarray:
     """An integer id array as int64, not copied when it is int64 already; its form is checked as ``as_ids``
     checks it, its values are not (see ``refuse_negative``)."""
     _check_form(arr, field)
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    return arr if arr.dtype is _INT64 or arr.dtype == _INT64 else arr.astype(np.int64)
 
 
 def _check_form(arr: np.ndarray, field: str) -> None:
@@ -90,6 +95,17 @@ def plain_ints(value: Any) -> tuple[int, ...] | None:
     return tuple(int(x) for x in value)
 
 
+def group_ints(value: Any, field: str) -> tuple[int, ...] | None:
+    """``plain_ints`` of a group field, refusing a float (even 2.0) or bool entry as block ids are refused
+    (MappingError naming the field, index and value)."""
+    ints = plain_ints(value)
+    if ints is None and isinstance(value, (tuple, list)):  # something other than plain integers: name a float
+        for i, x in enumerate(value):
+            if isinstance(x, (bool, float, np.bool_, np.floating)):
+                raise MappingError(field, x, "must be an integer", i)
+    return ints
+
+
 def refuse_negative_entry(values: Sequence[int], field: str) -> None:
     """Refuse a negative group size or start, naming the first (MappingError)."""
     for i, x in enumerate(values):
@@ -114,9 +130,3 @@ def count_of(sizes: Sequence[int] | None, src: Sequence[int] | np.ndarray) -> in
     """Block copies a mapping names: the group sizes' sum, or the list length without groups."""
     return len(src) if sizes is None else sum(sizes)
 
-
-def is_plain(sizes: Sequence[int] | None, starts: Sequence[int] | None, ns: int, nd: int) -> bool:
-    """One group starting at a chunk boundary whose size is the length of both id lists (or no groups)."""
-    if sizes is None:
-        return True
-    return len(sizes) == 1 and not any(starts or ()) and sizes[0] == ns == nd

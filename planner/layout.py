@@ -50,6 +50,11 @@ class Layout(Spec):
                     raise LayoutError(
                         f"regions[{i}].{side}.byte_offset", p.byte_offset,
                         f"block 0 of {page} bytes runs past buffer {b.name!r} of {b.nbytes} bytes")
+                if p.num_blocks is not None and r.block_end(side, p.num_blocks - 1) > b.nbytes:
+                    raise LayoutError(
+                        f"regions[{i}].{side}.num_blocks", p.num_blocks,
+                        f"block {p.num_blocks - 1} ends at byte {r.block_end(side, p.num_blocks - 1)}, past buffer "
+                        f"{b.name!r} of {b.nbytes} bytes")
         return self
 
     @functools.cached_property

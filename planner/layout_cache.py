@@ -21,6 +21,7 @@ import numpy as np
 from ._model import IntTuple
 from .column_pool import ColumnPool
 from .columns import merge
+from .frozen import freeze
 from .spec import Buffer, Direction, Location, Region
 from .target import AccessOrder, CopyApi, CopyAttributes, LocationHint, PlanOptions, Target
 
@@ -47,10 +48,11 @@ class SideColumns:
     page: np.ndarray  # page bytes on this side
     k: np.ndarray  # blocks per chunk
     cap: np.ndarray  # the buffer's size
-    max_page: np.ndarray  # last page id whose bytes end inside the buffer (-1: none)
+    count: np.ndarray  # the blocks the placement states it holds (-1: not stated, the buffer bounds them)
+    max_page: np.ndarray  # last page id inside the placement: its bytes end inside the buffer, below count (-1: none)
     dense: np.ndarray  # stride == k * page: consecutive pages are consecutive bytes
     linear_stride: np.ndarray  # bytes between consecutive page ids where offsets are linear in the page id
-    chunk_limit: np.ndarray  # last chunk whose first page ends inside the buffer (-1: none)
+    chunk_limit: np.ndarray  # last chunk whose first page is inside the placement (-1: none)
 
     @classmethod
     def of(cls, buffers: tuple[Buffer, ...], regions: tuple[Region, ...], index: dict[str, int],
@@ -67,9 +69,13 @@ class SideColumns:
         last_chunk = (cap - base - page) // stride  # the last chunk whose first page fits
         last_in_chunk = np.minimum(k - 1, (cap - base - np.maximum(last_chunk, 0) * stride - page) // page)
         max_page = np.where(last_chunk < 0, -1, last_chunk * k + last_in_chunk)
+        count = np.array([-1 if p.num_blocks is None else p.num_blocks for p in places], dtype=np.int64)
+        stated = count > 0  # the layout checked that they fit the buffer: the count is the tighter bound
+        max_page = np.where(stated, count - 1, max_page)
+        last_chunk = np.where(stated, (count - 1) // k, last_chunk)
         dense = stride == page * k
-        cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, max_page=max_page, dense=dense,
-                   linear_stride=np.where(k == 1, stride, page), chunk_limit=last_chunk)
+        cols = cls(buf=buf, base=base, stride=stride, page=page, k=k, cap=cap, count=count, max_page=max_page,
+                   dense=dense, linear_stride=np.where(k == 1, stride, page), chunk_limit=last_chunk)
         for a in vars(cols).values():
             a.flags.writeable = False
         return cols
@@ -143,6 +149,7 @@ class GroupSide:
     k: int  # blocks per chunk: chunk c holds pages c*k .. c*k + k - 1
     refusal: Refusal | None  # raised when the group's ids must be counted but its regions disagree on k
     lowest_chunk: int  # the smallest chunk limit of the group's regions: chunk ids up to it fit every one
+    within: np.ndarray  # 0 .. k - 1: a page's place in its chunk (read-only)
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,10 @@ def _groups(table: RegionTable) -> tuple[Group, ...]:
                 refusal = Refusal("num_groups", table.num_groups, f"group {g} has no regions and the regions disagree "
                                   f"on blocks_per_chunk on the {side} side, so its ids cannot be counted")
             lowest = int(col.chunk_limit[regs].min()) if len(regs) else -1
-            sides[side] = GroupSide(int(ks[0]) if len(ks) and refusal is None else 1, refusal, lowest)
+            k = int(ks[0]) if len(ks) and refusal is None else 1
+            within = np.arange(k, dtype=np.int64)
+            within.flags.writeable = False
+            sides[side] = GroupSide(k, refusal, lowest, within)
         out.append(Group(regs, sides))
     return tuple(out)
 
@@ -204,7 +214,8 @@ class WriterSet(NamedTuple):
 @dataclass(frozen=True)
 class Rows:
     """All regions in one order as rows of id runs (paged layouts): the regions' columns gathered once, so a
-    plan's offsets are one broadcast addition per side."""
+    plan's offsets are one broadcast addition per side. Frozen arrays (``kvxfer.planner.frozen``): plans keep
+    ``regs``, the buffers and ``single`` as their run-length columns."""
 
     regs: np.ndarray  # int32 region indices, in order
     src_buf: np.ndarray
@@ -212,7 +223,8 @@ class Rows:
     page: np.ndarray
     src: tuple[np.ndarray, np.ndarray, int | None]  # (base, stride, the one stride of all rows or None)
     dst: tuple[np.ndarray, np.ndarray, int | None]
-    single: np.ndarray  # run lengths of a one-run job: one range per region (read-only)
+    single: np.ndarray  # run lengths of a one-run job: one range per region
+    one_page: int | None  # the page size of every row, when they share one
 
 
 class Setting(NamedTuple):
@@ -240,7 +252,7 @@ class Strategy:
     advance together, else one run per page), every region as one block of rows.
     """
 
-    order: np.ndarray  # regions by (call group, destination buffer, base)
+    order: np.ndarray  # regions by (call group, destination buffer, base), int32
     call_group: np.ndarray
     kinds: np.ndarray
     tables: list[Table]
@@ -252,6 +264,8 @@ class Strategy:
     ids_are_pages: bool
     rows: Rows | None
     joined: bool  # the runs flavour of ``rows``
+    touch_above: int  # destination page id past which two regions' ranges could overlap (-1 always: a buffer is
+    #                   both read and written, or destinations that meet from the start)
 
 
 @dataclass(frozen=True)
@@ -268,7 +282,8 @@ class Links:
 @dataclass(frozen=True)
 class Prepared:
     """What one (direction, target, options) implies for a plan: the strategy, the attribute table and each
-    region's entry in it, the target's API, the regions' writers for the plan header and the call size cap."""
+    region's entry in it, the target's API, the regions' writers for the plan header, the call size cap and,
+    for a paged layout, each row's attribute (the run-length column its plans keep)."""
 
     strategy: Strategy
     attrs: tuple[CopyAttributes, ...]
@@ -277,6 +292,7 @@ class Prepared:
     passes_attrs: bool
     region_writers: tuple[tuple[int, int], ...]
     cap: int | None
+    rows_attr: np.ndarray | None  # paged layouts without aliases: the attribute of each row (frozen), else None
 
 
 @dataclass
@@ -317,7 +333,7 @@ class LayoutCache(RegionTable):
         self.aliases = tuple((regions[i].name, regions[a].name) for i, a in enumerate(self.alias_of.tolist()) if a != i)
         keep = np.flatnonzero(self.alias_of == np.arange(self.nregions))
         self.unique: RegionTable = self if not self.aliases else RegionTable(
-            buffers, tuple(regions[i] for i in keep.tolist()), self.num_groups, keep)
+            buffers, _bounded(regions, self.alias_of, keep), self.num_groups, keep)
         self.groups = _groups(self.unique)
         self.chunked = any(bool((c.k > 1).any()) for c in self.side.values())
         self.page_bytes = IntTuple(int(r.page_bytes) for r in regions)  # plans take it without converting it
@@ -344,12 +360,15 @@ class LayoutCache(RegionTable):
     def prepared(self, direction: Direction, target: Target, options: PlanOptions) -> Prepared:
         """What ``direction``, ``target`` and ``options`` imply (made once per setting; the last one used is kept
         by identity, so a serving loop planning with the same values pays one comparison)."""
-        facts = self.facts(direction)
+        facts = self.directions.get(direction) or self.facts(direction)
         recent = facts.recent
         if recent is not None and recent[0] is target and recent[1] is options:
             return recent[2]
-        made = Prepared(self.strategy(direction, options), *self.attributes(direction, target, options),
-                        *self.api(target), self.region_writers(direction, options), options.descriptor_cap(target))
+        strategy = self.strategy(direction, options)
+        attrs, region_attr = self.attributes(direction, target, options)
+        rows_attr = None if strategy.rows is None or self.unique is not self else freeze(region_attr[strategy.rows.regs])
+        made = Prepared(strategy, attrs, region_attr, *self.api(target), self.region_writers(direction, options),
+                        options.descriptor_cap(target), rows_attr)
         facts.recent = (target, options, made)
         return made
 
@@ -391,6 +410,23 @@ class LayoutCache(RegionTable):
         """Make both directions' facts and their default strategies now."""
         for direction in Direction:
             self.strategy(direction, PlanOptions())
+
+
+def _bounded(regions: tuple[Region, ...], alias_of: np.ndarray, keep: np.ndarray) -> tuple[Region, ...]:
+    """The first region of each set of aliases, holding on each side the fewest blocks any of them states (a
+    plan copies the set once, so its ids must fit every one)."""
+    out = []
+    for i in keep.tolist():
+        region = regions[i]
+        for side in (Location.DEVICE, Location.HOST):
+            counts = [n for a in np.flatnonzero(alias_of == i).tolist()
+                      if (n := regions[a].placement(side).num_blocks) is not None]
+            fewest = min(counts, default=None)
+            if fewest != region.placement(side).num_blocks:
+                place = region.placement(side).model_copy(update={"num_blocks": fewest})
+                region = region.model_copy(update={str(side): place})
+        out.append(region)
+    return tuple(out)
 
 
 def _direction_facts(t: RegionTable, direction: Direction) -> DirectionFacts:
@@ -440,7 +476,7 @@ def _strategy(cache: LayoutCache, facts: DirectionFacts, direction: Direction, k
         key.coalesce, _classify(t, direction, key.coalesce))
     call_group = t.call_group(key.regions_per_call)
     d = facts.dst
-    order = np.lexsort((d.base, d.buf, call_group))
+    order = np.lexsort((d.base, d.buf, call_group)).astype(np.int32)  # int32: the plans' region column's type
     split = [_writer_sets(t, facts, g.regions, direction, key, kinds) for g in cache.groups]
     sets = tuple(() if isinstance(x, Refusal) else x for x in split)
     refusals = tuple(x if isinstance(x, Refusal) else None for x in split)
@@ -454,19 +490,21 @@ def _strategy(cache: LayoutCache, facts: DirectionFacts, direction: Direction, k
     one_flavour = ws is not None and (len(ws.page_dense) == t.nregions if joined else True)
     rows = _rows(t, facts, order) if linear and one_flavour else None
     return Strategy(order, call_group, kinds, tables, chained, bool(chained.any()), sets, refusals, linear,
-                    ids_are_pages, rows, joined)
+                    ids_are_pages, rows, joined, -1 if facts.shared else facts.disjoint_top)
 
 
 def _rows(t: RegionTable, facts: DirectionFacts, o: np.ndarray) -> Rows:
+    """The rows of a paged layout in order ``o``: every array frozen, since plans keep the run-length ones."""
     S, D = facts.src, facts.dst
-    single = np.ones(len(o), dtype=np.int64)
-    single.flags.writeable = False
 
     def side(c: SideColumns) -> tuple[np.ndarray, np.ndarray, int | None]:
         stride = c.linear_stride[o]
-        return c.base[o], stride, int(stride[0]) if len(stride) and bool((stride == stride[0]).all()) else None
+        return freeze(c.base[o]), freeze(stride), int(stride[0]) if len(stride) and bool((stride == stride[0]).all()) else None
 
-    return Rows(o.astype(np.int32), S.buf[o], D.buf[o], t.page[o], side(S), side(D), single)
+    page = t.page[o]
+    one_page = int(page[0]) if len(page) and bool((page == page[0]).all()) else None
+    return Rows(freeze(o.astype(np.int32)), freeze(S.buf[o]), freeze(D.buf[o]), freeze(page), side(S), side(D),
+                freeze(np.ones(len(o), dtype=np.int64)), one_page)
 
 
 def _fragment_table(t: RegionTable, r: int, direction: Direction) -> Table:

@@ -7,6 +7,7 @@ columns. Aliased regions (the same bytes under two names) are planned once.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ import numpy as np
 
 from .alignment import check_alignment
 from .build import build
-from .checks import Ids, check, read_settings
+from .checks import Ids, check, read_settings, refuse_overlaps
+from .frozen import freeze
 from .layout import Layout
-from .plan import TransferPlan
+from .layout_cache import Prepared
+from .plan import COLUMNS, TransferPlan
 from .runs import Column, Runs
 from .spec import BlockMapping
 from .target import PlanOptions, Target
@@ -38,7 +41,7 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
     BlockMapping is built and the ids are not copied (the plan keeps none); the same checks apply,
     vectorized. Those arrays must not change until this call returns.
     """
-    layout = Layout.coerce(layout, "layout")
+    layout = layout if type(layout) is Layout else Layout.coerce(layout, "layout")
     ids = Ids.of(mapping)
     target, options = read_settings(ids, target, options)
     cache = layout.info
@@ -46,12 +49,9 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
     prepared = cache.prepared(direction, target, options)
     request = check(cache, ids, prepared.strategy, options.coalesce)
     ranges, call_offsets = build(cache, request, prepared.strategy, options, prepared.cap)
-    columns = dict(ranges)
-    if cache.unique is not cache:  # region indices of the alias-free view -> the layout's own
-        columns["region"] = _map(columns["region"], cache.unique.origin)
-    reg = columns["region"]
-    region_attr = prepared.region_attr
-    columns["attr"] = Runs.of(region_attr[reg.values], reg.lengths, len(reg)) if isinstance(reg, Runs) else region_attr[reg]
+    if request.touch:
+        refuse_overlaps(cache, request, ranges, prepared.strategy.call_group)
+    columns = _columns(ranges, cache.unique.origin if cache.unique is not cache else None, prepared)
     plan = TransferPlan.planned(
         direction=direction, target=target, options=options, buffers=layout.buffers, regions=cache.names,
         attrs=prepared.attrs, region_page_bytes=cache.page_bytes, aliases=cache.aliases,
@@ -60,5 +60,25 @@ def plan_transfer(layout: Layout | dict[str, Any] | str | Path, mapping: BlockMa
     return check_alignment(plan, cache.align_bytes) if cache.aligned else plan
 
 
+def _columns(ranges: Mapping[str, Column], origin: np.ndarray | None, prepared: Prepared) -> dict[str, Column]:
+    """The plan's columns from the builder's ranges: region indices of the alias-free view mapped to the
+    layout's own (``origin``; None: no aliases) and the attribute column added, run-length columns frozen in the
+    plan's dtype as the builder's are (the plan freezes its dense ones)."""
+    columns = dict(ranges) if not isinstance(ranges, dict) else ranges  # the builder's own dict, made for this plan
+    if origin is not None:
+        columns["region"] = _map(columns["region"], origin)
+    reg = columns["region"]
+    if not isinstance(reg, Runs):
+        columns["attr"] = prepared.region_attr[reg]
+        return columns
+    rows = prepared.strategy.rows
+    attr = prepared.rows_attr if rows is not None and reg.values is rows.regs else freeze(prepared.region_attr[reg.values])
+    columns["attr"] = Runs.of(attr, reg.lengths, len(reg))  # type: ignore[arg-type]  # rows_attr is set with rows
+    nb = columns["nbytes"]
+    if isinstance(nb, Runs):  # the builder's int64 sizes, as the plan's uint64: a view of frozen memory is frozen
+        columns["nbytes"] = Runs.of(nb.values.view(COLUMNS["nbytes"]), nb.lengths, len(nb))
+    return columns
+
+
 def _map(col: Column, table: np.ndarray) -> Column:
-    return Runs(table[col.values], col.lengths) if isinstance(col, Runs) else table[col]
+    return Runs.of(freeze(table[col.values].astype(np.int32)), col.lengths, len(col)) if isinstance(col, Runs) else table[col]

@@ -13,7 +13,7 @@ from pydantic import Field, WithJsonSchema, field_validator, model_serializer, m
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
-from .ids import as_ids, check_lengths, count_of, is_plain, plain_ints, refuse_negative_entry
+from .ids import as_ids, check_lengths, count_of, group_ints, refuse_negative_entry
 
 MAX_NBYTES = 2**63 - 1  # keeps every offset and difference inside int64
 U64 = 2**64
@@ -79,6 +79,11 @@ class Placement(Spec):
 
     With ``blocks_per_chunk`` k > 1 the ids on this side are chunk ids: chunk c holds k pages back to back
     at ``byte_offset + c * stride_bytes`` (stride defaults to k pages; a larger stride means padded rows).
+
+    ``num_blocks`` (None: as many as the buffer holds) is how many blocks (pages) the placement holds: the
+    planner refuses an id whose block on this side is at or past it (with k > 1, a chunk holds blocks c*k ..
+    c*k + k - 1). It bounds a tensor that shares its buffer with others (views of one storage, or cells of
+    one host row), where a block past its end is still inside the buffer.
     """
 
     _error: ClassVar = LayoutError
@@ -86,6 +91,15 @@ class Placement(Spec):
     byte_offset: int = Field(default=0, ge=0)
     stride_bytes: int | None = Field(default=None, gt=0, le=MAX_NBYTES)
     blocks_per_chunk: int = Field(default=1, ge=1)
+    num_blocks: int | None = Field(default=None, ge=1, le=MAX_NBYTES)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """An unstated block count is left out, so layouts without one dump as before (and older readers read them)."""
+        d: dict[str, Any] = handler(self)
+        if self.num_blocks is None:
+            d.pop("num_blocks", None)
+        return d
 
 
 class Fragment(Spec):
@@ -174,9 +188,16 @@ class Region(Spec):
         p = self.placement(side)
         return self.side_page(side) * p.blocks_per_chunk if p.stride_bytes is None else p.stride_bytes
 
+    def block_end(self, side: Location | str, block: int) -> int:
+        """The end byte of block (page) ``block`` on ``side``, in its buffer (Python integers: no overflow)."""
+        p, page = self.placement(side), self.side_page(side)
+        k = p.blocks_per_chunk
+        return p.byte_offset + block // k * self.stride(side) + block % k * page + page
+
     def alias_key(self) -> tuple[Any, ...]:
         """Equal for two regions exactly when they name the same bytes on both sides for every block id, in the
-        same group with the same writers (aliases: layers sharing one KV tensor). Defaults are resolved."""
+        same group with the same writers (aliases: layers sharing one KV tensor). Defaults are resolved; the
+        block counts may differ (the planner bounds the ids by the smallest)."""
         sides = tuple((p.buffer, p.byte_offset, self.stride(s), p.blocks_per_chunk)
                       for s, p in ((Location.DEVICE, self.device), (Location.HOST, self.host)))
         return (sides, self.page_bytes, self.side_page(Location.HOST), self.fragments, self.group,
@@ -214,7 +235,7 @@ class BlockMapping(Spec):
                     data[name] = as_ids(data[name], name)
             for name in ("group_sizes", "group_starts"):
                 value = data.get(name)
-                ints = None if value is None else plain_ints(value)
+                ints = None if value is None else group_ints(value, name)
                 if ints is not None:
                     data[name] = ints
         m: BlockMapping = handler(data)
@@ -247,9 +268,3 @@ class BlockMapping(Spec):
 
     def __len__(self) -> int:
         return count_of(self.group_sizes, self.src_ids)
-
-    @property
-    def plain(self) -> bool:
-        """One group starting at a chunk boundary whose size is the length of both id lists: ids pair up one
-        to one (anything else is checked against the layout's groups and chunks)."""
-        return is_plain(self.group_sizes, self.group_starts, len(self.src_ids), len(self.dst_ids))

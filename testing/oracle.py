@@ -133,7 +133,25 @@ def expected_copies(layout: Layout, mapping: BlockMapping, options: PlanOptions 
 
     options = options or PlanOptions()
     store = mapping.direction.value == "d2h"
-    src_side, dst_side = ("device", "host") if store else ("host", "device")
+    sides = ("device", "host") if store else ("host", "device")
+    pages_of = _pages_by_group(layout, mapping, sides)
+    names = tuple(b.name for b in layout.buffers)
+    index = {n: i for i, n in enumerate(names)}
+    per_region = [_region_copies(region, r, *pages_of[region.group], sides, store, options, index)
+                  for r, region in enumerate(layout.regions)]
+    out = {c: np.concatenate([p[c] for p in per_region]) if per_region else np.zeros(0, np.int64) for c in _COLUMNS}
+    for v in out.values():
+        v.flags.writeable = False
+    return Copies(buffers=names, **out)
+
+
+_COLUMNS = ("src_buf", "src_offset", "dst_buf", "dst_offset", "nbytes", "region")
+
+
+def _pages_by_group(layout: Layout, mapping: BlockMapping, sides: tuple[str, str]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per KV-cache group: its (source pages, destination pages), each group consuming its slice of both id
+    lists (chunks of k blocks entered at ``start % k``). Raises OracleError when the group sizes do not match
+    the layout's groups or the lists are not consumed exactly."""
     ngroups = _group_count(layout)
     sizes = list(mapping.group_sizes) if mapping.group_sizes is not None else [len(mapping.src_ids)]
     starts = list(mapping.group_starts) if mapping.group_starts is not None else [0] * len(sizes)
@@ -141,14 +159,11 @@ def expected_copies(layout: Layout, mapping: BlockMapping, options: PlanOptions 
         raise OracleError(f"group_sizes: {len(sizes)} groups given, the layout has {ngroups}")
     ids = {"src": mapping.src_ids.tolist(), "dst": mapping.dst_ids.tolist()}
     used = {"src": 0, "dst": 0}
-    names = tuple(b.name for b in layout.buffers)
-    index = {n: i for i, n in enumerate(names)}
-    cols: dict[str, list[np.ndarray]] = {c: [] for c in ("src_buf", "src_offset", "dst_buf", "dst_offset", "nbytes", "region")}
     pages_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for g, (count, start) in enumerate(zip(sizes, starts)):
         regions = [r for r in layout.regions if r.group == g]
         pages = {}
-        for key, side in (("src", src_side), ("dst", dst_side)):
+        for key, side in zip(("src", "dst"), sides):
             k = _side_k(layout, regions, side, g) if count or regions else 1  # no ids: no chunk size needed
             pages[key], need = _group_pages(ids[key], used[key], count, start, k, f"{key}_ids", g)
             used[key] += need
@@ -156,28 +171,26 @@ def expected_copies(layout: Layout, mapping: BlockMapping, options: PlanOptions 
     for key in ("src", "dst"):
         if used[key] != len(ids[key]):
             raise OracleError(f"{key}_ids: the groups consume {used[key]} ids, the list has {len(ids[key])}")
-    for r, region in enumerate(layout.regions):
-        sp, dp = pages_of[region.group]
-        host_page = dp if store else sp
-        writers, windex = _writers(region, options)
-        if store and writers > 1:
-            keep = host_page % writers == windex
-            sp, dp = sp[keep], dp[keep]
-        local, canon, size = _pieces(region)
-        s_piece, d_piece = (local, canon) if store else (canon, local)
-        so = _page_offset(region, src_side, sp)[:, None] + s_piece[None, :]
-        do = _page_offset(region, dst_side, dp)[:, None] + d_piece[None, :]
-        n = so.size
-        cols["src_buf"].append(np.full(n, index[getattr(region, src_side).buffer], np.int64))
-        cols["dst_buf"].append(np.full(n, index[getattr(region, dst_side).buffer], np.int64))
-        cols["src_offset"].append(so.ravel())
-        cols["dst_offset"].append(do.ravel())
-        cols["nbytes"].append(np.broadcast_to(size, so.shape).ravel())
-        cols["region"].append(np.full(n, r, np.int64))
-    out = {c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()}
-    for v in out.values():
-        v.flags.writeable = False
-    return Copies(buffers=names, **out)
+    return pages_of
+
+
+def _region_copies(region: Region, r: int, sp: np.ndarray, dp: np.ndarray, sides: tuple[str, str], store: bool,
+                   options: PlanOptions, index: dict[str, int]) -> dict[str, np.ndarray]:
+    """The pieces region ``r`` copies for page pairs ``sp`` -> ``dp`` (a store keeps this rank's writer share
+    of the canonical pages), page-major, as the oracle's columns."""
+    src_side, dst_side = sides
+    writers, windex = _writers(region, options)
+    if store and writers > 1:
+        keep = dp % writers == windex  # the host (canonical) page decides who writes it
+        sp, dp = sp[keep], dp[keep]
+    local, canon, size = _pieces(region)
+    s_piece, d_piece = (local, canon) if store else (canon, local)
+    so = _page_offset(region, src_side, sp)[:, None] + s_piece[None, :]
+    do = _page_offset(region, dst_side, dp)[:, None] + d_piece[None, :]
+    n = so.size
+    return {"src_buf": np.full(n, index[getattr(region, src_side).buffer], np.int64), "src_offset": so.ravel(),
+            "dst_buf": np.full(n, index[getattr(region, dst_side).buffer], np.int64), "dst_offset": do.ravel(),
+            "nbytes": np.broadcast_to(size, so.shape).ravel(), "region": np.full(n, r, np.int64)}
 
 
 def _as_copies(copies: Copies | Iterable[tuple[str, int, str, int, int]]) -> Copies:

@@ -240,8 +240,29 @@ def writes_across_buffers() -> Callable[[Env], Any]:
     return act
 
 
+def golden_folder_with(record: bytes, *args: str) -> Callable[[Env], Any]:
+    """``kvxfer golden check`` (and ``args``) on a folder holding one golden file and the used-files record."""
+    def act(env: Env) -> None:
+        from kvxfer.cli.main import main
+
+        env.write("g.json", golden.dumps(CASE))
+        env.write(golden.USED_RECORD, record)
+        main(["golden", "check", str(env.folder), *args])
+    return act
+
+
+def bench_out(where: str) -> Callable[[Env], Any]:
+    """``kvxfer bench --quick --out`` a path under the folder (``where``: relative to it)."""
+    def act(env: Env) -> None:
+        from kvxfer.cli.main import main
+
+        main(["bench", "--quick", "--out", str(env.folder / where)])
+    return act
+
+
 CASE_JSON = CASE.to_dict()
 NPZ = PLAN.to_npz_bytes()
+DEEP_JSON = '{"kind": ' + "[" * 100_000 + "]" * 100_000 + "}"
 
 CATALOGUE: list[Bad] = [
     # ---- layouts ------------------------------------------------------------------------------------------
@@ -274,6 +295,18 @@ CATALOGUE: list[Bad] = [
     Bad("block id past the pool", mapping(src_ids=[99] * 8), PlanError, "99"),
     Bad("destination block repeated", mapping(dst_ids=[5] * 8), PlanError, "dst"),
     Bad("typo'd mapping key", mapping(src_id=[1]), MappingError, "unknown key 'src_id' (did you mean 'src_ids'?)"),
+    Bad("whole-number float block ids", mapping(src_ids=[float(i) for i in MAPPING.src_ids]), MappingError,
+        "src_ids[0] = 0.0: block ids must be integers"),
+    Bad("negative zero as a block id", mapping(dst_ids=[0, 1, 2, -0.0, 4, 5, 6, 7]), MappingError,
+        "dst_ids[3] = -0.0: block ids must be integers"),
+    Bad("float numpy block ids in a dict", lambda env: env.run(plan_transfer(LAYOUT, {
+        "direction": "h2d", "src_ids": MAPPING.src_ids.astype(float), "dst_ids": MAPPING.dst_ids})), MappingError,
+        "src_ids[0] = 0.0: block ids must be integers"),
+    Bad("whole-number float group size", mapping(group_sizes=[8.0]), MappingError, "group_sizes[0] = 8.0: must be an integer"),
+    Bad("block id past its placement's block count", layout_with("regions.0.host.num_blocks", 4), MappingError,
+        "src_ids[4] = 4: past the 4 blocks of region 'kv0' (host side, buffer 'cpu')"),
+    Bad("placement claiming more blocks than its buffer", layout_with("regions.1.device.num_blocks", 17), LayoutError,
+        "regions[1].device.num_blocks = 17: block 16 ends at byte 1088, past buffer 'gpu.kv1' of 1024 bytes"),
     # ---- targets ------------------------------------------------------------------------------------------
     Bad("CUDA major as the version", target(platform="cuda", runtime_version=13), TargetError, "1000*major"),
     Bad("HIP 7.2 as 72", target(platform="rocm", runtime_version=72), TargetError, "major*10,000,000"),
@@ -355,6 +388,8 @@ CATALOGUE: list[Bad] = [
     Bad("golden file read as a case", lambda env: Case.load(env.write("g.json", golden.dumps(CASE))), PlanFileError,
         "golden file, not a case file"),
     Bad("case not UTF-8", case_file(b"\xff\xfe{}"), PlanFileError, "UTF-8"),
+    Bad("case with whole-number float ids", case_file(case_with("mapping", dst_ids=[float(i) for i in MAPPING.dst_ids])),
+        PlanFileError, "mapping.dst_ids[0] = 0.0: block ids must be integers"),
     # ---- golden files -------------------------------------------------------------------------------------
     Bad("golden range with a float", golden_file(broken_golden), golden.GoldenError, "got float"),
     Bad("golden columns renamed", golden_file(lambda d: d["plan"].update(range_columns=["a"])), golden.GoldenError,
@@ -401,6 +436,17 @@ CATALOGUE: list[Bad] = [
         CLI_EXIT, "g.json"),
     Bad("kvxfer run on a case of CUDA 13", cli("run", "c.json", "-e", "numpy", files={
         "c.json": case_with("target", runtime_version=13)}), CLI_EXIT, "1000*major"),
+    Bad("kvxfer run --seed -1", cli("run", "c.json", "-e", "numpy", "--seed", "-1", files={"c.json": CASE_JSON}),
+        CLI_EXIT, "'--seed': -1 is not in 0 .. 2**64-1"),
+    Bad("kvxfer run --seed 2**64", cli("run", "c.json", "-e", "numpy", "--seed", str(2**64), files={"c.json": CASE_JSON}),
+        CLI_EXIT, f"'--seed': {2**64} is not in 0 .. 2**64-1"),
+    Bad("kvxfer run with a deeply nested --config", cli("run", "c.json", "--config", "deep.json", files={
+        "c.json": CASE_JSON, "deep.json": DEEP_JSON}), CLI_EXIT, "deep.json': cannot parse: nested too deeply"),
+    Bad("kvxfer golden check with a used-files record not UTF-8", golden_folder_with(b"g.json\n\xff\xfe"), CLI_EXIT,
+        ".kvxfer-golden-used: record = 'byte 7': not UTF-8 text"),
+    Bad("kvxfer bench --out into a missing folder", bench_out("missing/results.json"), CLI_EXIT,
+        "results.json: the folder "),
+    Bad("kvxfer bench --out a folder", bench_out("."), CLI_EXIT, "is a folder; name the file to write"),
     # ---- offload: the worker, shared regions, files (rows built in tests/offload_bad_inputs.py) ------------------
     *(Bad(*row) for row in OFFLOAD_ROWS),
     # ---- the planner's front end and the plan constructor (restructured planner; issue 22, items 6, 7) --------

@@ -19,6 +19,8 @@ pytest.importorskip("typer", reason="the CLI needs the cli extra")
 
 from kvxfer.planner import Case, PlanOptions, Target, golden, hip_version, presets
 
+from .notebook import cell_html
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 WIDTH = 80
 # goldens with the longest names, targets and tables: what is widest to print
@@ -166,7 +168,7 @@ def test_hints_name_what_works_where_they_are_read():
     a = plan_transfer(layout, presets.mapping("runs8", 48, 128))
     b = plan_transfer(layout, presets.mapping("fragmented", 48, 128))
     assert "(full=True shows all)" in a.explain(max_rows=4)  # an argument of the call that printed it
-    assert "(plan.explain(full=True) shows all)" in b._repr_html_()  # a notebook cell shows the plan itself
+    assert "(plan.explain(full=True) shows all)" in cell_html(b)  # a notebook cell shows the plan itself
     assert "(text(max_rows=None) shows all)" in diff_plans(a, b).text(max_rows=4)
     assert "(print(diff.text(max_rows=None)) shows all)" in diff_plans(a, b).to_html(max_rows=4)
     assert "(--full shows all)" in render.explain(a, max_rows=4, hint="--full shows all")

@@ -37,7 +37,7 @@ OFFSETS = ("src_offset", "dst_offset")
 
 def pooled(pool: ColumnPool, a: np.ndarray) -> bool:
     """Whether ``a`` views one of the arrays the pool holds (no reference to them is kept)."""
-    return any(np.shares_memory(a, owner) for owner in pool._owners)
+    return pool.holds(a)
 
 
 # ---- reuse and its safety -----------------------------------------------------------------------------------
@@ -48,14 +48,14 @@ def test_pooling_is_on_in_cpython_with_the_gil():
 @pytest.mark.parametrize("n", [POOL_MIN, POOL_MIN + 1, 3 * POOL_MIN])
 def test_array_is_reused_once_it_is_dropped(n):
     pool = ColumnPool()
-    a = pool.empty(n)
+    a = pool.take(n)[0]
     assert a.dtype == np.int64 and a.shape == (n,) and pooled(pool, a)
     assert len(pool) == 1
     del a
-    b = pool.empty(n)
+    b = pool.take(n)[0]
     assert len(pool) == 1 and pooled(pool, b), "a dropped array must be handed out again"
     del b
-    c = pool.empty(max(n - 7, POOL_MIN))  # a smaller request fits the same array
+    c = pool.take(max(n - 7, POOL_MIN))[0]  # a smaller request fits the same array
     assert len(pool) == 1 and pooled(pool, c)
 
 
@@ -96,28 +96,28 @@ KEEPERS = [_keep_whole, _keep_slice, _keep_uint64_view, _keep_view_of_view, _kee
 @pytest.mark.parametrize("keep", KEEPERS, ids=lambda f: f.__name__[6:])
 def test_array_is_not_reused_while_anything_views_it(keep):
     pool = ColumnPool()
-    a = pool.empty(POOL_MIN)
+    a = pool.take(POOL_MIN)[0]
     a[:] = 7
     kept = keep(a)
     snapshot = np.array(np.asarray(kept), copy=True)
     del a
-    b = pool.empty(POOL_MIN)
+    b = pool.take(POOL_MIN)[0]
     b[:] = -1
     assert not np.shares_memory(np.asarray(kept), b)
     assert len(pool) == 2
     assert np.array_equal(np.asarray(kept), snapshot)
     del b, kept
-    c = pool.empty(POOL_MIN)  # both are free again: one of them comes back, nothing new is made
+    c = pool.take(POOL_MIN)[0]  # both are free again: one of them comes back, nothing new is made
     assert len(pool) == 2 and pooled(pool, c)
 
 
 def test_small_arrays_are_never_pooled():
     pool = ColumnPool()
     for n in (0, 1, 100, POOL_MIN - 1):
-        a = pool.empty(n)
+        a = pool.take(n)[0]
         assert a.shape == (n,) and a.dtype == np.int64
         assert a.base is None  # a fresh array that owns its memory
-        b = pool.empty(n)
+        b = pool.take(n)[0]
         assert not (n and np.shares_memory(a, b))
         del a, b
     assert len(pool) == 0 and pool.nbytes == 0
@@ -128,7 +128,7 @@ def test_pooling_is_off_without_trustworthy_reference_counts(monkeypatch):
     monkeypatch.setattr(column_pool, "FREE", 0)
     pool = ColumnPool()
     for n in (POOL_MIN, 2 * POOL_MIN, POOL_MIN):
-        a = pool.empty(n)
+        a = pool.take(n)[0]
         assert a.shape == (n,) and a.base is None
         a[:] = n
         del a
@@ -143,7 +143,7 @@ def test_slot_and_byte_caps_hold_with_many_arrays_alive(slots, max_bytes):
     live: list[tuple[int, np.ndarray]] = []
     for i in range(24):
         n = int(rng.integers(POOL_MIN, 3 * POOL_MIN))
-        a = pool.empty(n)
+        a = pool.take(n)[0]
         assert a.shape == (n,) and a.dtype == np.int64
         a[:] = i
         assert not any(np.shares_memory(a, b) for _, b in live)
@@ -159,9 +159,9 @@ def test_slot_and_byte_caps_hold_with_many_arrays_alive(slots, max_bytes):
 
 def test_every_slot_busy_gives_correct_fresh_arrays():
     pool = ColumnPool(slots=2)
-    held = [pool.empty(POOL_MIN) for _ in range(2)]
+    held = [pool.take(POOL_MIN)[0] for _ in range(2)]
     assert len(pool) == 2
-    extra = [pool.empty(POOL_MIN + i) for i in range(3)]  # no free slot: fresh, not pooled
+    extra = [pool.take(POOL_MIN + i)[0] for i in range(3)]  # no free slot: fresh, not pooled
     assert len(pool) == 2
     for i, a in enumerate(extra):
         assert a.shape == (POOL_MIN + i,) and a.dtype == np.int64 and not pooled(pool, a)
@@ -171,13 +171,13 @@ def test_every_slot_busy_gives_correct_fresh_arrays():
     for i, a in enumerate(everything):
         assert bool((a == i).all())
     del everything, held[0], a
-    again = pool.empty(POOL_MIN)
+    again = pool.take(POOL_MIN)[0]
     assert pooled(pool, again) and not any(np.shares_memory(again, a) for a in held + extra)
 
 
 def test_a_request_larger_than_the_byte_cap_is_served_unpooled():
     pool = ColumnPool(max_bytes=POOL_MIN * 8)
-    a = pool.empty(4 * POOL_MIN)
+    a = pool.take(4 * POOL_MIN)[0]
     assert a.shape == (4 * POOL_MIN,) and not pooled(pool, a)
     assert pool.nbytes <= POOL_MIN * 8
 
@@ -196,7 +196,7 @@ def _storm(pool: ColumnPool, steps: int, size: Callable[[random.Random], int],
         rng = random.Random(tid)
         start.wait()
         for step in range(steps):
-            a = pool.empty(size(rng))
+            a = pool.take(size(rng))[0]
             token = tid * 1000 + step
             with lock:
                 clash = [t for t, b in live.items() if np.shares_memory(a, b)]
@@ -229,19 +229,16 @@ def test_threads_never_share_a_live_array():
     assert len(pool) > 0  # the pool was used
 
 
-def test_threads_never_share_an_array_even_when_switched_inside_the_hand_out(monkeypatch):
-    """A thread switch forced between finding a free array and claiming it (inside ``ColumnPool.empty``) must not
+def test_threads_never_share_an_array_even_when_switched_inside_the_hand_out():
+    """A thread switch forced between finding a free array and claiming it (inside ``ColumnPool.take``) must not
     let another thread claim the same array: 8 threads, a switch interval of a microsecond, and every reference
     count read followed by a yield."""
-    real = column_pool._count
-
     def count_then_yield(owners: list[np.ndarray], i: int) -> int:
-        n = real(owners, i)
+        n = column_pool.count_of(owners, i)
         time.sleep(0)  # another thread runs here, between the check and the claim
         return n
 
-    monkeypatch.setattr(column_pool, "_count", count_then_yield)
-    pool = ColumnPool(slots=4)
+    pool = ColumnPool(slots=4, count=count_then_yield)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:

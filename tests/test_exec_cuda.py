@@ -59,7 +59,7 @@ def test_matches_numpy_and_lowers_one_to_one(make, version, direction, pattern, 
     assert t.done() and t.elapsed_s is not None and t.elapsed_s >= 0
     if version == V124:  # per-range fallback: one cuMemcpyAsync per range, nothing batched
         assert st.counts == []
-        assert [op for op in st.log if op[0] == "copy"] == [("copy", ex._stream, int(n)) for n in plan.nbytes]
+        assert [op for op in st.log if op[0] == "copy"] == [("copy", st.streams[0], int(n)) for n in plan.nbytes]
         return
     assert st.counts == plan.call_sizes.tolist()
     assert st.has_fail_idx == [int(version == V128)] * plan.num_calls  # 12.8 ABI passes failIdx, 13.0 has none
@@ -97,13 +97,13 @@ def test_random_mappings_match_numpy(make):
 def test_stream_order_compute_then_previous_transfer(make):
     layout, plan = _plan(V13)
     ex, st = make(V13)
+    s = st.streams[0]  # the executor's copy stream
     bufs = host_buffers(layout)
     first = ex.run(plan, bufs, stream=77)
     second = ex.run(plan, bufs, stream=77)
     second.wait()
     ev_end_first = first.end
     log = [op for op in st.log if op[0] not in ("sync", "stream")]
-    s = ex._stream
     (start1, end1), (start2, end2) = (first.start, first.end), (second.start, second.end)
     ready1, ready2 = start1 - 1, start2 - 1  # events are made ready, start, end, marks...
     assert log == [("record", ready1, 77), ("wait", s, ready1), ("record", start1, s), ("batch", s, plan.num_ranges),
@@ -123,7 +123,7 @@ def test_per_call_completion_for_layer_wise_plans(make, version):
     want = expected(plan, bufs)
     t = ex.run(plan, bufs)
     end, (mark0, mark1) = t.end, t.marks[:2]
-    s = ex._stream
+    s = st.streams[0]
     issue = "batch" if version == V13 else "copy"
     marks = {mark0: "mark0", mark1: "mark1", end: "end"}
     seq = [op[0] if op[0] == issue else marks[op[1]] for op in st.log
@@ -149,6 +149,7 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
     layout, plan = _plan(version, pattern="fragmented", max_desc=4)
     assert plan.num_calls >= 3
     ex, st = make(version)
+    s = st.streams[0]
     st.set(fail_at=9, fail_code=700)  # descriptor 9 = index 1 of call 2
     bufs = host_buffers(layout)
     with pytest.raises(ExecutorError) as e:
@@ -158,18 +159,18 @@ def test_driver_error_names_error_call_and_descriptor(make, version, descriptor)
     assert e.value.chunk == 2 and e.value.issued_chunks == 2
     assert e.value.descriptor == (9 if descriptor else None)
     assert ("descriptor 9 is index 1 of the call" in msg) == descriptor
-    # the failed transfer still gets an end event, and the next transfer waits for it
-    failed_end = ex._last.end
-    assert ("record", failed_end, ex._stream) in st.log
+    # the failed transfer still gets an end event, the last one recorded on the copy stream, and the next
+    # transfer waits for it
+    failed_end = [a for op, a, stream in st.log if op == "record" and stream == s][-1]
     st.reset()
     ex.run(plan, bufs).wait()
-    assert ("wait", ex._stream, failed_end) in st.log
+    assert ("wait", s, failed_end) in st.log
 
 
-def test_null_entry_point_is_unavailable_not_a_crash(make):
+def test_null_entry_point_is_unavailable_not_a_crash(make, shim_path):
     ex, st = make(V13)
     st.set(null_batch=1)
-    ex2 = CudaBatchExecutor(ShimCudaRuntime(ex.runtime.lib._name, V13))  # resolves again, now NULL
+    ex2 = CudaBatchExecutor(ShimCudaRuntime(shim_path, V13))  # resolves again, now NULL
     layout, plan = _plan(V13)
     with pytest.raises(ExecutorError, match="NULL: unavailable") as e:
         ex2.run(plan, host_buffers(layout))
@@ -276,10 +277,10 @@ def test_bound_memory_lives_until_the_copies_finish(make):
     ex.run(plan, bufs)  # the caller drops the Transfer at once
     del bufs
     gc.collect()
-    assert owner() is not None and len(ex._inflight) == 1  # the executor still holds the memory
+    assert owner() is not None  # the executor still holds the memory
     ex.run(plan, host_buffers(layout))  # the first transfer is seen finished and let go
     gc.collect()
-    assert owner() is None and len(ex._inflight) == 1
+    assert owner() is None
 
 
 def test_two_devices_and_a_call_cut_mid_run_pass_every_attribute_run(make):

@@ -89,9 +89,9 @@ def test_a_failure_while_copying_names_the_call_and_leaves_later_calls_uncopied(
     first = int(plan.call_offsets[k])
 
     class RunsOutOfMemory(NumpyExecutor):
-        def _move(self, src, dst, low, index):
+        def move(self, src, dst, low, index):
             if int(index.max()) >= first:
                 raise MemoryError("no memory for the temporary")
-            super()._move(src, dst, low, index)
+            super().move(src, dst, low, index)
     with pytest.raises(ExecutorError, match=rf"^numpy copy failed at chunk {k}, descriptor \d+: MemoryError: no memory"):
         RunsOutOfMemory().run(plan, bufs)

@@ -1,5 +1,5 @@
-"""Pinning helper: chunking on row boundaries, rollback on a failed chunk, unregister on close (HIP shim and
-a Python fake registrar)."""
+"""Pinning helper: chunking on row boundaries, rollback on a failed chunk, unregister on close (the HIP
+registrar on the HIP shim, and a Python fake registrar); the platform's driver chosen by default."""
 from __future__ import annotations
 
 import ctypes
@@ -7,10 +7,11 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, pin_host_memory
+from kvxfer.executors import ExecutorError
+from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, hip_registrar, pin_host_memory
+from kvxfer.planner import Platform
 
 from .shims.build import ShimState, build, compiler
-from .shims.runtime import shim_registrar
 
 
 def test_chunk_bounds_end_on_rows():
@@ -59,12 +60,28 @@ def test_with_hip_shim(tmp_path):
     st = ShimState(ctypes.CDLL(str(lib)))
     st.reset()
     mem = np.zeros(4096, dtype=np.uint8)
-    region = pin_host_memory(mem, 512, shim_registrar(lib), max_chunk_bytes=1024)
+    region = pin_host_memory(mem, 512, hip_registrar(library=lib), max_chunk_bytes=1024)
     assert region.pinned and st.registered == 4
     region.close()
     assert st.registered == 0
     st.reset()
     st.set(register_fail_at=1, register_fail_code=712)
-    region = pin_host_memory(mem, 512, shim_registrar(lib), max_chunk_bytes=1024)
+    region = pin_host_memory(mem, 512, hip_registrar(library=lib), max_chunk_bytes=1024)
     assert not region.pinned and "hipErrorHostMemoryAlreadyRegistered (712)" in region.reason
     assert st.registered == 0 and [op for op, _, _ in st.log] == ["register", "register", "unregister"]
+
+
+def test_pinning_on_rocm_goes_through_hip_host_register():
+    """The default registrar is the platform's driver: on ROCm hipHostRegister (libamdhip64), never
+    cudaHostRegister; here no HIP runtime loads, and the error says which libraries were tried."""
+    from kvxfer.executors.ops_hip import load_hip
+
+    try:
+        load_hip()
+    except ExecutorError:
+        pass
+    else:
+        pytest.skip("a HIP runtime is installed: this checks what pinning on ROCm reports without one")
+    mem = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(ExecutorError, match="could not load the HIP runtime; tried libamdhip64.so"):
+        pin_host_memory(mem, 512, platform=Platform.ROCM, max_chunk_bytes=1024)

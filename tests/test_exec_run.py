@@ -97,7 +97,7 @@ def test_a_dma_run_after_a_transfer_of_the_same_driver_waits_on_the_device(shim)
     t2.wait()
     assert_same(bufs, want)
     log = [op for op in state.log if op[0] in ("wait", "record", "batch", "sync")]
-    s2 = second._stream
+    s2 = state.streams[1]  # the second executor's copy stream
     at = log.index(("wait", s2, t1.end))  # the second copy stream waits for the first transfer's end event
     assert log.index(("record", t2.start, s2)) > at and ("sync", t1.end, 0) not in log[:at]
 

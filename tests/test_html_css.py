@@ -16,6 +16,8 @@ import pytest
 from kvxfer.planner import Target, hip_version, plan_transfer, presets
 from kvxfer.planner.diff import diff_plans
 
+from .notebook import cell_html
+
 # (selector, declarations) of JupyterLab's rendered-HTML table rules that touch what kvxfer styles.
 JUPYTERLAB_RULES = [
     (".jp-RenderedHTMLCommon table", {"border-collapse": "collapse", "table-layout": "fixed",
@@ -202,7 +204,7 @@ def _views():
     layout = presets.kv_layout(2, 64, 4096)
     a = plan_transfer(layout, presets.mapping("runs8", 24, 64), target)
     b = plan_transfer(layout, presets.mapping("fragmented", 24, 64), target)
-    return {"plan": a._repr_html_(), "diff": diff_plans(a, b).to_html()}
+    return {"plan": cell_html(a), "diff": diff_plans(a, b).to_html()}
 
 
 def check_views_win(html: str, jupyterlab: list[tuple[str, dict[str, str]]]) -> None:

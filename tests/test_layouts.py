@@ -1,4 +1,5 @@
-"""The full layout model: sub-block chunks, groups, canonical fragments, writer rotation, layer-wise calls."""
+"""The full layout model: sub-block chunks, groups, canonical fragments, writer rotation (how their ranges merge
+and split into calls: test_planner_build.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,17 +40,6 @@ def test_sub_block_enumeration_matches_context_example():
     assert (plan.dst_offset // 8).tolist() == [14, 15, 28, 29, 30, 31, 36, 37, 38, 39]
     merged, copies, best = run_and_compare(layout, m)
     assert merged.num_ranges == best == 3  # host pages [14,15], [28..31], [36..39]
-
-
-def test_padded_rows_do_not_merge_across_chunks():
-    layout = Layout(buffers=[Buffer(name="g", nbytes=64 * 8), Buffer(name="h", nbytes=64 * 12, location="host")],
-                    regions=[Region(name="r", page_bytes=8, device=Placement(buffer="g"),
-                                    host=Placement(buffer="h", blocks_per_chunk=4, stride_bytes=40))])
-    m = BlockMapping(direction="h2d", src_ids=[2, 3], dst_ids=np.arange(8), group_sizes=[8])
-    plan, _, best = run_and_compare(layout, m)
-    assert plan.num_ranges == best == 2
-    dense = layout.model_copy(update={"regions": (layout.regions[0].model_copy(update={"host": Placement(buffer="h", blocks_per_chunk=4)}),)})
-    assert plan_transfer(dense, m).num_ranges == 1
 
 
 def test_groups_take_their_own_slices():
@@ -110,17 +100,6 @@ def test_single_group_sizes_must_match_the_lists():
         plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1, 3, 1, 2], dst_ids=[3, 0], group_sizes=[3]))
     plan = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=[0, 1], dst_ids=[4, 5], group_sizes=[2]))
     assert plan.num_ranges == 1
-
-
-def test_unmerged_plans_keep_every_declared_piece():
-    frags = tuple(Fragment(local_offset=4 * i, local_stride=0, canonical_offset=4 * i, canonical_stride=0, fragment_bytes=4)
-                  for i in range(4))  # four pieces that touch: one whole page when merged
-    layout = Layout(buffers=[Buffer(name="g", nbytes=256), Buffer(name="h", nbytes=256, location="host")],
-                    regions=[Region(name="r", page_bytes=16, device=Placement(buffer="g"), host=Placement(buffer="h"),
-                                    fragments=frags)])
-    m = BlockMapping(direction="d2h", src_ids=[0, 1], dst_ids=[2, 3])
-    assert plan_transfer(layout, m, options=PlanOptions(coalesce=False)).num_ranges == 8
-    assert plan_transfer(layout, m).num_ranges == 1
 
 
 def test_fragment_errors():
@@ -205,32 +184,6 @@ def test_tensor_parallel_round_trip(tp_store, tp_load, k):
         np.testing.assert_array_equal(gpu[:, dst_ids], local_view(truth, tp_load, rank)[:, start:start + 6])
         untouched = np.setdiff1d(np.arange(BLOCKS), dst_ids)
         assert np.all(gpu[:, untouched] == 0x5A)
-
-
-def test_page_first_layout_merges_across_layers():
-    layers, page, blocks = 6, 16, 32
-    row = layers * page
-    layout = Layout(buffers=[Buffer(name="g", nbytes=row * blocks), Buffer(name="h", nbytes=row * blocks, location="host")],
-                    regions=[Region(name=f"l{i}", page_bytes=page, device=Placement(buffer="g", byte_offset=i * page, stride_bytes=row),
-                                    host=Placement(buffer="h", byte_offset=i * page, stride_bytes=row)) for i in range(layers)])
-    m = BlockMapping(direction="h2d", src_ids=np.arange(4, 12), dst_ids=np.arange(20, 28))
-    plan, copies, best = run_and_compare(layout, m)
-    assert plan.num_ranges == best == 1 and plan.requested_copies == layers * 8
-    per_layer = plan_transfer(layout, m, options=PlanOptions(regions_per_call=1))
-    assert per_layer.num_calls == layers and per_layer.num_ranges == layers * 8  # no merge across calls
-    two = plan_transfer(layout, m, options=PlanOptions(regions_per_call=2, max_descriptors=5))
-    assert two.call_sizes.tolist() == [5, 3, 5, 3, 5, 3]  # 8 merged ranges per 2-layer call, capped at 5
-    assert set(two.region[two.call_offsets[1]:two.call_offsets[2]].tolist()) <= {0, 1}
-
-
-def test_layer_wise_calls_follow_region_order():
-    from kvxfer.planner import presets
-    layout = presets.kv_layout(8, 32, 64)
-    plan = plan_transfer(layout, presets.mapping("runs8", 12, 32), options=PlanOptions(regions_per_call=2))
-    assert plan.num_calls == 4
-    for c, sl in enumerate(plan.calls()):
-        assert set(plan.region[sl].tolist()) <= {2 * c, 2 * c + 1}
-    run_and_compare(layout, presets.mapping("runs8", 12, 32), PlanOptions(regions_per_call=2))
 
 
 # ---- property test over chunks, skips and groups ------------------------------------------------------------

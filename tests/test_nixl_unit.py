@@ -67,12 +67,18 @@ class ScriptedAgent:
 
 
 def _setup(agent, **opts):
+    ex, bindings, plan, _ = _setup_registered(agent, **opts)
+    return ex, bindings, plan
+
+
+def _setup_registered(agent, **opts):
+    """(executor, bindings, plan, the registration of the local memory)."""
     ex = NixlExecutor(agent=agent, **opts)
     dev = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers if b.name != "cpu"}
-    ex.register(dev)
+    reg = ex.register(dev)
     bindings = {**dev, "cpu": RemoteBuffer("peer", 1 << 20, LAYOUT.buffers[0].nbytes)}
     plan = plan_transfer(LAYOUT, presets.mapping("fragmented", 6, 16, "h2d"), options=PlanOptions(max_descriptors=4))
-    return ex, bindings, plan
+    return ex, bindings, plan, reg
 
 
 def test_lowering_one_read_per_call_with_notifications():
@@ -246,8 +252,7 @@ def test_wait_is_bounded_by_timeout_plus_one_drain_and_stuck_memory_stays_regist
     clock = VirtualClock()
     monkeypatch.setattr(ops_nixl, "time", clock)
     agent = ScriptedAgent(states={0: ["PROC"], 1: ["PROC"], 2: ["PROC"]})  # never finishes (a stopped peer)
-    ex, bindings, plan = _setup(agent, poll_timeout_s=0.2, drain_timeout_s=0.1)
-    reg = ex._registrations[0]
+    ex, bindings, plan, reg = _setup_registered(agent, poll_timeout_s=0.2, drain_timeout_s=0.1)
     t = ex.run(plan, bindings)
     start = clock.now
     with pytest.raises(ExecutorError, match=r"still in progress after 0.2s.*given 0.1s to drain, 3 still running.*"

@@ -214,10 +214,11 @@ def test_a_device_block_past_a_view_is_refused_not_written_into_the_next_view():
     # but the buffer is the whole storage, so block 8 of this rank's view is block 0 of the other rank's
     storage = torch.zeros(2, 8, 64, dtype=torch.uint8)
     dev = device_from_tensors({"layer0": storage[0]})
-    assert len(dev.buffers) == 1 and dev.buffers[0].nbytes == 2 * 8 * 64 and dev.num_blocks == 8
+    assert len(dev.buffers) == 1 and dev.buffers[0].nbytes == 2 * 8 * 64 and dev.tensors[0].num_blocks == 8
     w = create_worker(dev, HostTier(num_chunks=4, pin=False), {"kind": "numpy"})
     w.host[:] = 7
-    with pytest.raises(SubmissionError, match=r"job 2: device_ids\[1\] = 8: past the 8 blocks of the device KV tensors"):
+    with pytest.raises(SubmissionError, match=r"job 2: device_ids\[1\] = 8: past the 8 blocks of region 'layer0' "
+                                              r"\(device side, buffer 'device.layer0'\)"):
         w.submit_load(2, [0, 1], [7, 8])
     w.submit_load(3, [0, 1], [6, 7])
     w.wait([3])

@@ -730,7 +730,7 @@ def test_a_restore_waits_for_an_in_flight_load_that_reads_the_same_chunk():
 
 # ---- submissions -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,field,match", [
-    ((5, [0, 1], [NCH]), "host_ids", "ends at byte .*, past buffer 'host'"),
+    ((5, [0, 1], [NCH]), "host_ids", rf"past the {NCH} chunks of {K} blocks of region 'L0' \(host side, buffer 'host'\)"),
     ((5, [0, NB], [1]), "device_ids", "past buffer"),
     ((5, [0, -1], [1]), "device_ids", "non-negative"),
     ((5, [0, 1], [1], (3,)), "device_ids", "past the end of the list"),
@@ -754,7 +754,8 @@ def test_bad_submission_raises_before_anything_is_queued(args, field, match):
 
 def test_host_chunks_past_the_tier_are_refused_even_inside_padded_rows():
     """With rows padded to 4 KiB, chunk NCH of the first tensor still lies inside the host buffer (over the next
-    tensor's chunk 0): refused by the worker, which knows the tier's chunk count, for every kind of job."""
+    tensor's chunk 0): refused by the planner, since the layout states the tier's chunk count, for every kind
+    of job."""
     dev = _device(13)
     w = create_worker(dev, HostTier(num_chunks=NCH, blocks_per_chunk=K, pin=False), lambda: oc.SlowNumpy(0))
     _files(w)
@@ -763,8 +764,8 @@ def test_host_chunks_past_the_tier_are_refused_even_inside_padded_rows():
         for submit, field in ((lambda: w.submit_store(1, [0, 1], [NCH]), "host_ids"),
                               (lambda: w.submit_load(2, [3, NCH + 1], [0, 1, 2, 3]), "host_ids"),
                               (lambda: w.submit_spill(3, [NCH]), "chunk_ids"), (lambda: w.submit_restore(4, [NCH]), "chunk_ids")):
-            with pytest.raises(SubmissionError, match=f"past the host tier's {NCH} chunks|past buffer 'file'") as e:
-                submit()  # (a file job's last cell runs past the file: the planner says so first)
+            with pytest.raises(SubmissionError, match=f"past the {NCH} (chunks of {K} )?blocks of region") as e:
+                submit()  # (a file job's "blocks" are whole chunks of a cell)
             assert e.value.field == field
         assert w.get_finished() == []
     finally:

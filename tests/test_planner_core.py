@@ -1,4 +1,5 @@
-"""The core planner: merge examples, call caps, attribute gates, serialization, the bad-input catalogue."""
+"""The core planner: call caps, attribute gates, serialization, refusals (merging is the builder's:
+test_planner_build.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,41 +27,7 @@ from kvxfer.planner import (
     plan_transfer,
     presets,
 )
-from kvxfer.testing import assert_plan_matches, expected_copies, min_ranges, random_buffers
-
-
-def two_region_layout(blocks: int = 20) -> Layout:
-    """Two regions with 3- and 5-byte pages, each in its own pair of buffers."""
-    return Layout(
-        buffers=[Buffer(name="g0", nbytes=3 * blocks), Buffer(name="g1", nbytes=5 * blocks),
-                 Buffer(name="h0", nbytes=3 * blocks, location="host"), Buffer(name="h1", nbytes=5 * blocks, location="host")],
-        regions=[Region(name="a", page_bytes=3, device=Placement(buffer="g0"), host=Placement(buffer="h0")),
-                 Region(name="b", page_bytes=5, device=Placement(buffer="g1"), host=Placement(buffer="h1"))])
-
-
-@pytest.mark.parametrize("src,dst,calls", [
-    ([1], [2], [2]),
-    ([1, 2, 3], [5, 6, 7], [2]),
-    ([1, 2, 3], [2, 4, 6], [3, 3]),
-    ([3, 2, 1], [6, 5, 4], [2]),
-    ([1, 1, 2], [2, 4, 5], [3, 1]),
-    ([0, 2, 1, 3], [10, 12, 11, 13], [2]),
-])
-@pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_issue_examples(src, dst, calls, direction):
-    layout = two_region_layout()
-    mapping = BlockMapping(direction=direction, src_ids=src, dst_ids=dst)
-    plan = plan_transfer(layout, mapping, options=PlanOptions(max_descriptors=3))
-    assert plan.call_sizes.tolist() == calls
-    assert plan.num_ranges == min_ranges(expected_copies(layout, mapping))
-    assert_plan_matches(plan, layout, mapping)
-
-
-def test_descending_run_starts_at_lower_endpoints():
-    plan = plan_transfer(two_region_layout(), BlockMapping(direction="h2d", src_ids=[9, 8, 7], dst_ids=[4, 3, 2]))
-    assert plan.num_ranges == 2
-    assert plan.src_offset.tolist() == [7 * 3, 7 * 5] and plan.dst_offset.tolist() == [2 * 3, 2 * 5]
-    assert plan.nbytes.tolist() == [9, 15]
+from kvxfer.testing import random_buffers
 
 
 def unmergeable(regions: int, n: int, page: int = 4) -> tuple[Layout, BlockMapping]:
@@ -155,48 +122,6 @@ def test_empty_mapping_gives_empty_plan():
     assert list(plan.calls()) == []
     assert TransferPlan.from_json(plan.to_json()) == plan
     NumpyExecutor().run(plan, {})
-
-
-def test_max_range_bytes_splits_exactly():
-    layout = presets.kv_layout(2, 64, 96)
-    mapping = presets.mapping("contiguous", 20, 64)
-    whole = plan_transfer(layout, mapping)
-    split = plan_transfer(layout, mapping, options=PlanOptions(max_range_bytes=500))
-    assert whole.num_ranges == 2 and split.num_ranges == 2 * -(-20 * 96 // 500)
-    assert int(split.nbytes.max()) == 500 and split.total_bytes == whole.total_bytes
-    bufs_a, bufs_b = random_buffers(layout, 1), random_buffers(layout, 1)
-    NumpyExecutor().run(whole, bufs_a)
-    NumpyExecutor().run(split, bufs_b)
-    for k in bufs_a:
-        np.testing.assert_array_equal(bufs_a[k], bufs_b[k])
-
-
-def test_no_coalesce_gives_one_range_per_block_copy():
-    layout = presets.kv_layout(3, 32, 16)
-    plan = plan_transfer(layout, presets.mapping("contiguous", 10, 32), options=PlanOptions(coalesce=False))
-    assert plan.num_ranges == plan.requested_copies == 30
-
-
-def test_cross_region_merge_in_one_allocation():
-    # regions back to back in one device allocation and one host allocation: block 15 of region r and
-    # block 0 of region r+1 are adjacent on both sides, so a full-region copy becomes one range
-    layout = presets.kv_layout(4, 16, 32, shared_device=True, shared_host=True)
-    ids = np.arange(16)
-    plan = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=ids, dst_ids=ids))
-    assert plan.num_ranges == 1 and plan.total_bytes == 4 * 16 * 32
-    # separate device tensors: nothing merges across buffers
-    layout2 = presets.kv_layout(4, 16, 32, shared_device=False, shared_host=True)
-    assert plan_transfer(layout2, BlockMapping(direction="h2d", src_ids=ids, dst_ids=ids)).num_ranges == 4
-
-
-def test_order_independence_and_determinism():
-    layout = presets.kv_layout(5, 64, 8)
-    s, d = presets.block_pattern("runs8", 24, 64, seed=3)
-    p = np.random.default_rng(0).permutation(24)
-    a = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=s, dst_ids=d))
-    b = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=s[p], dst_ids=d[p]))
-    assert a == b and a.fingerprint == b.fingerprint
-    assert a.fingerprint == plan_transfer(layout, BlockMapping(direction="h2d", src_ids=s.tolist(), dst_ids=d.tolist())).fingerprint
 
 
 def test_plan_is_immutable():

@@ -105,6 +105,25 @@ def test_no_holder_can_make_a_plan_column_writeable(name):
     assert TransferPlan.from_npz_bytes(plan.to_npz_bytes()).fingerprint == fingerprint
 
 
+@pytest.mark.parametrize("name", sorted(set(PLANS) - {"read from a file"}))
+def test_run_length_columns_are_frozen_too_and_shared_writeable_with_no_layout(name):
+    """A plan keeps its per-region columns run-length encoded: those arrays are frozen as its dense columns are,
+    so no holder (of this plan, or of a layout's cache that other plans share them with) can write them. They are
+    reached as pickling reaches them (``__reduce__``)."""
+    plan = PLANS[name]()
+    store = next(f for f in plan.__reduce__()[1][0] if isinstance(f, dict))
+    runs = {c: col for c, col in store.items() if isinstance(col, Runs)}
+    assert runs, "a plan of these layouts keeps run-length columns"
+    for c, col in runs.items():
+        for part, arr in (("values", col.values), ("lengths", col.lengths)):
+            for way, obj in holds(arr):
+                try:
+                    _refuses_writes(obj, arr)
+                except BaseException as e:
+                    raise AssertionError(f"{c}.{part} held as {way} ({type(obj).__name__}) is writeable: {e!r}") from None
+        assert col.values.dtype == COLUMNS[c]  # in the plan's own dtype: nothing converts them later
+
+
 def _fields(plan: TransferPlan) -> dict[str, Any]:
     return dict(direction=plan.direction, target=plan.target, options=plan.options, buffers=plan.buffers,
                 regions=plan.regions, attrs=plan.attrs, requested_copies=plan.requested_copies,

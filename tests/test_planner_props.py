@@ -381,48 +381,6 @@ def test_a_transfer_reading_bytes_it_writes_is_refused():
         plan_transfer(layout, m)
 
 
-def test_ranges_merge_across_region_boundaries():
-    """Two regions back to back on both sides, host chunks of 2 pages: one range covers both regions."""
-    regions = [Region(name=f"r{i}", page_bytes=8, device=Placement(buffer="d", byte_offset=32 * i),
-                      host=Placement(buffer="h", byte_offset=32 * i, blocks_per_chunk=2)) for i in range(2)]
-    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")], regions=regions)
-    m = BlockMapping(direction="h2d", src_ids=[1, 0], dst_ids=[2, 3, 0, 1], group_sizes=[4])
-    plan = check_case(layout, m)
-    assert plan is not None and plan.num_ranges == 1 and plan.nbytes.tolist() == [64]
-
-
-def test_fragments_of_one_repeated_source_page_chain_across_destination_pages():
-    """Found by the merged property: a page cut in two pieces whose device halves swap places on the host, and
-    one device page stored to four host pages. The second piece of host page c and the first of page c+1 are
-    contiguous on both sides (device bytes [0, 4), host bytes [8c + 6, 8c + 10)), so 5 ranges suffice."""
-    def piece(local: int, canonical: int) -> Fragment:
-        return Fragment(local_offset=local, local_stride=0, canonical_offset=canonical, canonical_stride=0, fragment_bytes=2)
-    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")],
-                    regions=[Region(name="r", page_bytes=4, host_page_bytes=8, fragments=(piece(2, 0), piece(0, 6)),
-                                    device=Placement(buffer="d", stride_bytes=8), host=Placement(buffer="h"))])
-    m = BlockMapping(direction="d2h", src_ids=[0, 0, 0, 0], dst_ids=[0, 1, 2, 3])
-    assert min_ranges(expected_copies(layout, m)) == 5
-    plan = check_case(layout, m)
-    assert plan is not None and plan.num_ranges == 5
-
-
-@pytest.mark.parametrize("src_ids", [[0, 1, 0, 0], [0, 1, 2, 3], [3, 3, 1, 1], [0, 0, 0, 0]])
-@pytest.mark.parametrize("direction", ["d2h", "h2d"])
-def test_fragments_chain_only_where_neighbouring_pages_read_one_source_page(src_ids, direction):
-    """The same page shape as above with source pages repeated on some neighbouring destination pages only
-    (or on none): the plan has the fewest ranges the oracle's copies allow, in both directions."""
-    def piece(local: int, canonical: int) -> Fragment:
-        return Fragment(local_offset=local, local_stride=0, canonical_offset=canonical, canonical_stride=0, fragment_bytes=2)
-    if direction == "d2h":
-        dev, host, pieces = Placement(buffer="d", stride_bytes=8), Placement(buffer="h"), (piece(2, 0), piece(0, 6))
-    else:  # device pages back to back now; the second device half reads the first host half of the same page
-        dev, host, pieces = Placement(buffer="d"), Placement(buffer="h", stride_bytes=16), (piece(0, 2), piece(2, 0))
-    layout = Layout(buffers=[Buffer(name="d", nbytes=64), Buffer(name="h", nbytes=64, location="host")],
-                    regions=[Region(name="r", page_bytes=4, host_page_bytes=8, fragments=pieces, device=dev, host=host)])
-    m = BlockMapping(direction=direction, src_ids=src_ids, dst_ids=[0, 1, 2, 3])
-    check_case(layout, m)
-
-
 # ---- the plan value: fingerprints and checks ----------------------------------------------------------------
 def _rebuild(plan: TransferPlan, **changes) -> TransferPlan:
     cols = {c: getattr(plan, c).copy() for c in COLUMNS}

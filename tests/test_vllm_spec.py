@@ -21,8 +21,8 @@ from kvxfer.offload.vllm import (
     JobFailedError,
     UnsupportedFeatureError,
     WorkerCore,
-    _check_extra,
     build_worker,
+    check_extra,
     read_caches,
 )
 
@@ -149,9 +149,17 @@ def test_stores_and_loads_map_vllm_specs_with_skips_and_report_bytes_and_seconds
 
 
 def test_block_ids_arrive_as_vllms_int32_arrays() -> None:
-    spec = V.GPU([4, 5], [2], [0])
+    spec, host = V.GPU([4, 5], [2], [0]), V.CPU([3])
     assert spec.block_ids.dtype == np.int32
-    assert WorkerCore._ids(spec) is spec.block_ids  # handed to the worker as it is, not copied
+    handed: list[Any] = []
+
+    class Recording:  # an OffloadWorker's submit_store, recording what it is handed
+        def submit_store(self, job_id: int, device_ids: Any, host_ids: Any, *groups: Any, stream: Any = None) -> bool:
+            handed.extend((device_ids, host_ids))
+            return True
+
+    assert WorkerCore(Recording(), V.Result).submit_store(1, spec, host)  # type: ignore[arg-type]
+    assert handed[0] is spec.block_ids and handed[1] is host.block_ids  # handed on as they are, not copied
 
 
 def test_two_groups_over_one_tensor_share_its_host_cell() -> None:
@@ -287,9 +295,9 @@ def test_the_replicated_single_copy_layout_lets_every_rank_load_what_rank_0_stor
 
 def test_unknown_kvxfer_keys_and_bad_executor_configs_are_refused_at_start_up() -> None:
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_exector'\]: unknown kvxfer key"):
-        _check_extra({"kvxfer_exector": {"kind": "numpy"}})
+        check_extra({"kvxfer_exector": {"kind": "numpy"}})
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_executor'\]"):
-        _check_extra({"kvxfer_executor": {"kind": "warp-drive"}})
+        check_extra({"kvxfer_executor": {"kind": "warp-drive"}})
     with pytest.raises(ValueError, match="must be true or false"):
-        _check_extra({"kvxfer_shared_region": "yes"})
-    _check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})
+        check_extra({"kvxfer_shared_region": "yes"})
+    check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})

@@ -44,7 +44,7 @@ def packages() -> list[str]:
     return [name for name in config["tool"]["setuptools"]["package-dir"] if name != "kvxfer.cli"]
 
 
-def _exists(name: str) -> bool:
+def exists(name: str) -> bool:
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as e:  # only the module itself missing counts as "not yet"; other errors surface
@@ -120,7 +120,7 @@ def load_modules() -> dict[str, Any]:
     for pkg in packages():
         _resolve_lazy_names(importlib.import_module(pkg))
         names += list(pdoc.extract.walk_specs([pkg]))  # the package and the submodules its __all__ lists
-    names += [m for m in SUBMODULES if m not in names and m.rsplit(".", 1)[0] in names and _exists(m)]
+    names += [m for m in SUBMODULES if m not in names and m.rsplit(".", 1)[0] in names and exists(m)]
     for name in names:  # submodules may load names on first use too (vLLM's classes)
         _resolve_lazy_names(importlib.import_module(name))
     modules = {name: pdoc.doc.Module.from_name(name) for name in names}

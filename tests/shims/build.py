@@ -85,5 +85,10 @@ class ShimState:
         return [(OPS[flat[3 * i]], flat[3 * i + 1], flat[3 * i + 2]) for i in range(n)]
 
     @property
+    def streams(self) -> list[int]:
+        """The streams created since the last reset, oldest first (an executor makes its copy stream when built)."""
+        return [a for op, a, _ in self.log if op == "stream"]
+
+    @property
     def registered(self) -> int:
         return self._long("shim_registered").value

@@ -75,10 +75,10 @@ class FaultyNumpyExecutor(NumpyExecutor):
 
     fault = -1
 
-    def _move(self, src: np.ndarray, dst: np.ndarray, low: Any, index: np.ndarray) -> None:
+    def move(self, src: np.ndarray, dst: np.ndarray, low: Any, index: np.ndarray) -> None:
         if 0 <= self.fault <= int(index.max()):
             raise MemoryError(f"injected at descriptor {self.fault}")
-        super()._move(src, dst, low, index)
+        super().move(src, dst, low, index)
 
 
 class NumpyAdapter(Adapter):
@@ -127,10 +127,10 @@ class TritonAdapter(Adapter):
 
             fault = -1
 
-            def _start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
+            def start_kernel(self, g: dict[str, Any], t: dict[str, Any]) -> None:
                 if 0 <= self.fault <= g["first"]:
                     raise RuntimeError(f"injected launch failure at descriptor {self.fault}")
-                super()._start_kernel(g, t)
+                super().start_kernel(g, t)
 
         self.executor = FaultyTritonExecutor(tile_bytes=64, num_programs=2)
 

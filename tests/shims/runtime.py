@@ -169,14 +169,3 @@ class ShimHipRuntime(ShimRuntime):
     def error_name(self, code: int) -> str:
         name = self._error_name(code)
         return name.decode() if name else f"hipError_t {code}"
-
-
-def shim_registrar(path: str | Path) -> Any:
-    """hipHostRegister/hipHostUnregister of the HIP shim as a pinning Registrar."""
-    from kvxfer.executors.pinning import Registrar
-    lib = ctypes.CDLL(str(path))
-    reg = _declare(lib, "hipHostRegister", [c_void_p, c_size_t, c_uint])
-    unreg = _declare(lib, "hipHostUnregister", [c_void_p])
-    name = _declare(lib, "hipGetErrorName", [c_int], c_char_p)
-    return Registrar("hipHostRegister", lambda a, n: reg(a, n, 0), lambda a: unreg(a),
-                     lambda c: (name(c) or b"unknown").decode())

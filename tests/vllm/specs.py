@@ -20,7 +20,7 @@ class SwappedLoadsSpec(KvxferOffloadingSpec):  # type: ignore[misc, valid-type]
 
     def get_worker(self, kv_caches: Any) -> Any:
         worker = super().get_worker(kv_caches)
-        if getattr(worker, "_swapped", False):
+        if getattr(worker, "kvxfer_negative_control", False):
             return worker
         stored: list[int] = []
         store, load = worker.submit_store, worker.submit_load
@@ -38,5 +38,5 @@ class SwappedLoadsSpec(KvxferOffloadingSpec):  # type: ignore[misc, valid-type]
             swapped.block_ids = np.asarray(others, dtype=np.int32)
             return bool(load(job_id, swapped, dst_spec))
 
-        worker.submit_store, worker.submit_load, worker._swapped = submit_store, submit_load, True
+        worker.submit_store, worker.submit_load, worker.kvxfer_negative_control = submit_store, submit_load, True
         return worker

@@ -22,6 +22,8 @@ from kvxfer.planner import (
 )
 from kvxfer.planner.render import explain, header_rows, run_length_histogram, stats, stats_frame, to_html, to_rich
 
+from .notebook import cell_html
+
 ROCM716 = Target(platform="rocm", runtime_version=hip_version(7, 16))
 
 
@@ -144,7 +146,7 @@ def _parse(html: str) -> _Tables:
 
 def test_html_has_the_explain_content(small):
     layout, plan = small
-    parsed = _parse(plan._repr_html_())
+    parsed = _parse(cell_html(plan))
     assert "script" not in parsed.tags
     header, ranges = parsed.tables
     assert [tuple(r) for r in header] == [(k.strip(), v) for k, v in header_rows(plan)]
