@@ -215,8 +215,10 @@ def lower(plan: TransferPlan, bound: Bounds, mode: str, out: DescriptorArrays | 
     dst_runs = _read_runs(plan, "dst_buf", n, None)
     found = bound.buffer_runs(src_runs[0], dst_runs[0], lambda: _check_buffers(bound, src_runs, dst_runs))
     sizes_out = out if isinstance(out, DescriptorArrays) else out[2] if out is not None and len(out) > 2 else None
-    one = (nb_values[:1], np.array([n], np.int64))  # runs of one size, whatever the column's runs
-    sizes = _sizes(*(one if nb_min == nb_max else (nb_values, nb_lengths)), n, mode, sizes_out)
+    if nb_min == nb_max:  # one size, in however many runs the column has it
+        sizes = _sizes(nb_values[:1], np.array([n], np.int64), n, mode, sizes_out)
+    else:
+        sizes = _sizes(nb_values, nb_lengths, n, mode, sizes_out)
     last = bound.last_starts(nb_max)
     sides = []
     for k, (side, runs) in enumerate((("src", src_runs), ("dst", dst_runs))):
@@ -392,11 +394,12 @@ class _PerRange:
     """The size of every range, expanded from its runs only if an exact bound needs it, once."""
 
     def __init__(self, runs: Runs):
-        self.runs, self._all = runs, None
+        self.runs = runs
+        self._all: np.ndarray | None = None
 
     def __call__(self, lo: int, hi: int) -> np.ndarray:
         if self._all is None:
-            self._all = np.repeat(*self.runs)
+            self._all = np.repeat(self.runs[0], self.runs[1])
         return self._all[lo:hi]
 
 

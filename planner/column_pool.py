@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ POOL_SLOTS = 8  # arrays kept per layout (two per plan: source and destination o
 POOL_BYTES = 128 << 20  # at most this much memory kept per layout (four C32-sized plans)
 
 
-def count_of(owners: list[np.ndarray], i: int) -> int:
+def count_of(owners: list[Any], i: int) -> int:
     """The reference count of ``owners[i]``: every check goes through this one expression."""
     return sys.getrefcount(owners[i])
 
@@ -62,7 +63,7 @@ class ColumnPool:
     holds the object (one more)."""
 
     def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES,
-                 count: Callable[[list[np.ndarray], int], int] = count_of):
+                 count: Callable[[list[Any], int], int] = count_of):
         """``count``: reads a pooled array's reference count (``count_of``; a test passes one that yields to
         other threads after reading, to widen the window between finding a free array and claiming it)."""
         self.slots, self.max_bytes, self._count = slots, max_bytes, count
