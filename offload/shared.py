@@ -181,7 +181,7 @@ class SharedRegion:
             try:
                 os.link(tmp, path, follow_symlinks=False)
             except FileExistsError:
-                raise SharedRegionError(name, f"{path} exists (another live region, or a stale one: remove_stale)") from None
+                raise SharedRegionError(name, f"{path} exists: {_taken_by(path)}") from None
             finally:
                 os.unlink(tmp)
             if attachers == 0:
@@ -306,6 +306,17 @@ def _owners(path: Path) -> list[tuple[int, int]] | None:
         return None
     count = _FIXED.unpack(head[:_FIXED.size])[4]
     return [_PID.unpack_from(head, _PIDS_AT + i * _PID.size) for i in range(min(max(count, 0), MAX_PIDS - 1) + 1)]
+
+
+def _taken_by(path: Path) -> str:
+    """What holds a region's name, worded as advice for the one who wanted it."""
+    owners = _owners(path)
+    if owners is None:
+        return ("not a kvxfer region (remove_stale leaves such files alone): remove it yourself if nothing uses it, or "
+                "choose another region name")
+    if any(_alive(pid, start) for pid, start in owners if pid > 0):
+        return "a live region of a running process; choose another region name"
+    return "a stale region (its processes are gone): remove_stale removes it"
 
 
 def find_stale(directory: StrPath = "/dev/shm") -> list[Path]:

@@ -7,6 +7,7 @@ otherwise, so the mapping is checked in the main suite too and against the real 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -21,10 +22,10 @@ from kvxfer.offload.vllm import (
     JobFailedError,
     UnsupportedFeatureError,
     WorkerCore,
-    _check_extra,
     build_worker,
     read_caches,
 )
+from kvxfer.offload.vllm_checks import check_extra
 
 torch = pytest.importorskip("torch")
 
@@ -148,6 +149,23 @@ def test_stores_and_loads_map_vllm_specs_with_skips_and_report_bytes_and_seconds
     core.shutdown()
 
 
+def test_a_chunk_stored_from_its_first_block_loads_from_the_logical_block_asked_for() -> None:
+    """block_indices is each group's first logical block: the offset inside the first chunk. Stored from logical
+    block 0 and loaded from logical block 1, a worker that dropped it on both sides would hand back blocks 0-2."""
+    tensors = _layers(2)
+    before = [t.clone() for t in tensors]
+    core = _core(_caches(tensors, [[0, 1]]), k=4)
+    assert core.submit_store(1, V.GPU([1, 2, 3, 4], [4], [0]), V.CPU([3]))  # logical blocks 0-3 -> chunk 3
+    core.wait({1})
+    assert core.submit_load(2, V.CPU([3]), V.GPU([9, 10, 11], [3], [1]))  # logical blocks 1-3 of chunk 3
+    core.wait({2})
+    assert [(r.job_id, r.success) for r in core.get_finished()] == [(1, True), (2, True)]
+    for t, b in zip(tensors, before):
+        assert torch.equal(t[9:12], b[2:5])
+        assert torch.equal(t[:9], b[:9]) and torch.equal(t[12:], b[12:])
+    core.shutdown()
+
+
 def test_block_ids_arrive_as_vllms_int32_arrays() -> None:
     spec = V.GPU([4, 5], [2], [0])
     assert spec.block_ids.dtype == np.int32
@@ -200,6 +218,17 @@ def test_shutdown_drains_and_writes_the_counters(tmp_path: Any) -> None:
     assert json.loads((tmp_path / "stats.json").read_text())["steps"] == 0
 
 
+def _counters_when(path: Any, ready: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The counters file once ``ready(counters)`` holds (it is written by a thread of its own), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = json.loads(path.read_text()) if path.exists() else None
+        if counters is not None and ready(counters):
+            return dict(counters)
+        assert time.monotonic() < deadline, f"{path}: {counters}"
+        time.sleep(0.01)
+
+
 def test_the_counters_file_is_current_after_each_step_that_finished_jobs(tmp_path: Any) -> None:
     """vLLM kills an engine process that takes over 5 s to stop, before the connector shuts down: the counters
     are on disk from the step that reported the job, whole (a reader never sees half a file)."""
@@ -212,7 +241,7 @@ def test_the_counters_file_is_current_after_each_step_that_finished_jobs(tmp_pat
     core.submit_store(1, V.GPU([3], [1], [0]), V.CPU([2]))
     core.wait([1])
     assert [r.job_id for r in core.get_finished()] == [1]
-    written = json.loads(path.read_text())
+    written = _counters_when(path, lambda c: c["stores"] == 1)  # written off the step, by the counters' thread
     assert (written["stores"], written["blocks_stored"], written["bytes_stored"]) == (1, 1, PAGE)
     assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary left beside it
     core.shutdown()
@@ -246,6 +275,17 @@ def test_canonical_head_sharded_and_replicated_mappings_become_kvxfer_sharing() 
 ])
 def test_canonical_mappings_kvxfer_cannot_lay_out_are_refused_naming_the_feature(mapping: Any, feature: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=feature):
+        read_caches(_caches(_layers(1), [[0]], {(0, 0): mapping}), rank=1, world_size=2, canonical=True)
+
+
+@pytest.mark.parametrize("mapping", [
+    _mapping(2 * PAGE, (_run(0, 0, PAGE, 1, PAGE, PAGE),)),  # rank 0's half of the canonical page
+    _mapping(2 * PAGE, (_run(0, 0, 32, PAGE // 32, 32, 64),)),  # rank 0's slice of every token
+], ids=["whole page", "per token"])
+def test_a_head_sharded_mapping_placed_at_another_ranks_offset_is_refused(mapping: Any) -> None:
+    # rank 1 of 2 whose one run starts where rank 0's slice sits: laid out as rank 1's, both ranks would store
+    # into the same bytes and load each other's heads
+    with pytest.raises(UnsupportedFeatureError, match="this canonical page mapping.*at TP rank 1 of 2"):
         read_caches(_caches(_layers(1), [[0]], {(0, 0): mapping}), rank=1, world_size=2, canonical=True)
 
 
@@ -286,10 +326,10 @@ def test_the_replicated_single_copy_layout_lets_every_rank_load_what_rank_0_stor
 
 
 def test_unknown_kvxfer_keys_and_bad_executor_configs_are_refused_at_start_up() -> None:
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_exector'\]: unknown kvxfer key"):
-        _check_extra({"kvxfer_exector": {"kind": "numpy"}})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_exector'\] = \{'kind': 'numpy'\}: unknown kvxfer key"):
+        check_extra({"kvxfer_exector": {"kind": "numpy"}})
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_executor'\]"):
-        _check_extra({"kvxfer_executor": {"kind": "warp-drive"}})
+        check_extra({"kvxfer_executor": {"kind": "warp-drive"}})
     with pytest.raises(ValueError, match="must be true or false"):
-        _check_extra({"kvxfer_shared_region": "yes"})
-    _check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})
+        check_extra({"kvxfer_shared_region": "yes"})
+    check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})
