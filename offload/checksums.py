@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvxfer.planner import Layout, Location
+from kvxfer.planner import Layout
 
 __all__ = ["ChecksumError", "HostChecksums"]
 
@@ -34,15 +34,13 @@ class ChecksumError(RuntimeError):
 
 
 def _extents(layout: Layout) -> list[Extent]:
-    """Per region of ``layout`` on the host side, the byte views of its chunk 0, adjacent whole-page cells merged."""
-    host = next(b.name for b in layout.buffers if b.location is Location.HOST)
+    """Per region of ``layout``, the byte views of its chunk 0 on the host side (its ``host`` placement, in the one
+    host buffer), adjacent whole-page cells merged."""
     out: set[Extent] = set()
     for r in layout.regions:
         if r.num_writers not in (None, 1):
             raise ValueError(f"region {r.name!r} rotates {r.num_writers} writers over the ranks: a rank loads pages "
                              "another rank wrote, so its checksums cannot be checked here")
-        if r.host.buffer != host:
-            continue
         k, page = r.host.blocks_per_chunk, r.host_page_bytes or r.page_bytes
         stride = r.host.stride_bytes or k * page
         if not r.fragments:

@@ -32,8 +32,9 @@ What vLLM hands over and what is refused at start-up (``UnsupportedFeatureError`
 spec. A job that fails is never reported as success. Under vLLM's ``OffloadingConnector``, which cannot take a
 failed job, ``get_finished`` raises ``JobFailedError`` naming the job and its cause, and the engine stops. Under
 ``KvxferOffloadingConnector`` (``kvxfer.offload.vllm_connector``) the worker reports it failed instead: a failed
-load's blocks go back to vLLM as load errors (recomputed with ``kv_load_failure_policy="recompute"``), a failed
-store's chunks are dropped from the host tier's index, and the engine goes on.
+load's blocks go back to vLLM as load errors (recomputed with ``kv_load_failure_policy="recompute"``) and its
+chunks are no longer offered as hits, a failed store's chunks are dropped from the host tier's index, and the
+engine goes on.
 
 Importing this module imports neither vLLM nor torch: the vLLM-facing classes are built on first access.
 """
@@ -78,9 +79,18 @@ _LAZY = {
         "errors (``get_block_ids_with_load_errors``; with several KV-cache groups, whose block ids vLLM cannot map\n"
         "back, the request as a failed receive), which vLLM recomputes under ``kv_load_failure_policy=\"recompute\"``\n"
         "(under \"fail\" the request ends with an error). A failed store is completed unsuccessfully in the scheduler's\n"
-        "offloading manager, which drops its chunks from the index. See ``kvxfer.offload.vllm_connector``."),
+        "offloading manager, which drops its chunks from the index; the chunks of a failed load are no longer offered as\n"
+        "hits. See ``kvxfer.offload.vllm_connector``."),
+    "FailedTransfers": (
+        "An ``OffloadingManager`` over vLLM's (``FailedTransfers(manager)``), told which jobs failed, as\n"
+        "``KvxferOffloadingConnector``'s scheduler side uses it: a failed store is completed with ``success=False`` (its\n"
+        "chunks leave the index), a failed load's keys miss from then on, until a store of them is prepared anew.\n"
+        "A job's keys are the ``keys_to_store`` of the ``prepare_store`` whose ``store_spec`` became a store job's\n"
+        "``dst_spec``, or the keys of the ``prepare_load`` whose spec became a load job's ``src_spec``: ``name_jobs(meta)``\n"
+        "learns them after each ``build_connector_meta`` (vLLM's ``OffloadingConnectorMetadata``), ``fail(job_ids)`` marks\n"
+        "them. Every other call is the manager's. Called from the scheduler's thread only, like the manager."),
     "KvxferWorkerMetadata": (
-        "vLLM's ``OffloadingWorkerMetadata`` plus ``failed_stores``: the ids of store jobs that failed on a worker\n"
+        "vLLM's ``OffloadingWorkerMetadata`` plus ``failed_jobs``: the ids of the jobs that failed on a worker\n"
         "since its last report (merged over the ranks by ``aggregate``), for the scheduler side of\n"
         "``KvxferOffloadingConnector``."),
 }

@@ -10,14 +10,16 @@ vLLM's connector asserts that every transfer succeeded. This one keeps vLLM's bo
   releases it as usual, and is recorded. A failed load's device blocks are returned by
   ``get_block_ids_with_load_errors`` (one KV-cache group), or its request as a failed receive (several groups,
   whose block ids vLLM cannot map back to requests); vLLM then recomputes them under
-  ``kv_load_failure_policy="recompute"``. A failed store's job id travels to the scheduler in the worker metadata
-  (``KvxferWorkerMetadata.failed_stores``, merged over the ranks).
-- Scheduler side. The offloading manager is wrapped (``StoreOutcomes``): it learns each store job's keys from the
-  specs it handed out, and completes a store that failed on any rank with ``success=False``, so vLLM's manager
-  removes its chunks instead of marking them loadable.
-
-Chunks whose load failed stay in the index (vLLM's manager has no call to drop loadable chunks): a later hit
-loads them again, and fails again if their bytes are still bad, until evicted; tokens stay right either way.
+  ``kv_load_failure_policy="recompute"``. Every failed job's id travels to the scheduler in the worker metadata
+  (``KvxferWorkerMetadata.failed_jobs``, merged over the ranks).
+- Scheduler side. The offloading manager is wrapped (``FailedTransfers``): it learns each job's keys from the
+  specs it handed out (``prepare_store``, ``prepare_load``). A store that failed on any rank is completed with
+  ``success=False``, so vLLM's manager removes its chunks instead of marking them loadable. The chunks of a load
+  that failed are no longer found (``lookup`` misses them; vLLM's manager has no call that drops loadable
+  chunks, so they stay until evicted, and a new store of the same key makes it loadable again): the retried
+  request recomputes instead of loading bytes that failed once, which would fail again when they are bad. That
+  also keeps vLLM 0.32 from admitting the retry as an async load, which it holds back until blocks for the request
+  are free twice over (the request stays among its in-flight prefills), forever in a full cache.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ _log = logging.getLogger("kvxfer.offload.vllm")
 
 
 def connector_classes(docs: Mapping[str, str]) -> dict[str, type]:
-    """KvxferOffloadingConnector and KvxferWorkerMetadata over vLLM's classes (imports vLLM), ``docs`` their
-    docstrings."""
+    """KvxferOffloadingConnector, KvxferWorkerMetadata and FailedTransfers over vLLM's classes (imports vLLM),
+    ``docs`` their docstrings."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # type: ignore[import-not-found, unused-ignore]
         OffloadingWorkerMetadata,
     )
@@ -44,6 +46,7 @@ def connector_classes(docs: Mapping[str, str]) -> dict[str, type]:
         OffloadingConnector,
     )
     from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        LookupResult,
         OffloadingManager,
         OffloadingWorker,
         TransferResult,
@@ -52,22 +55,22 @@ def connector_classes(docs: Mapping[str, str]) -> dict[str, type]:
     meta = _metadata_class(OffloadingWorkerMetadata, docs["KvxferWorkerMetadata"])
     reports = _reports_class(OffloadingWorker, TransferResult)
     worker = _connector_worker_class(OffloadingConnectorWorker, reports, meta)
-    manager = _manager_class(OffloadingManager)
+    manager = _manager_class(OffloadingManager, LookupResult.MISS, docs["FailedTransfers"])
     connector = _connector_class(OffloadingConnector, worker, manager, meta, docs["KvxferOffloadingConnector"])
-    return {"KvxferOffloadingConnector": connector, "KvxferWorkerMetadata": meta}
+    return {"KvxferOffloadingConnector": connector, "KvxferWorkerMetadata": meta, "FailedTransfers": manager}
 
 
 def _metadata_class(base: type, doc: str) -> type:
     @dataclass
     class KvxferWorkerMetadata(base):  # type: ignore[misc, valid-type]
         __doc__ = doc
-        failed_stores: set[int] = field(default_factory=set)
+        failed_jobs: set[int] = field(default_factory=set)
 
         def aggregate(self, other: Any) -> Any:
             # vLLM folds the ranks' metadata into the first one's: a rank without failures still carries this class
             merged = base.aggregate(self, other)
             return KvxferWorkerMetadata(completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
-                                        failed_stores=self.failed_stores | set(getattr(other, "failed_stores", ())))
+                                        failed_jobs=self.failed_jobs | set(getattr(other, "failed_jobs", ())))
 
     return KvxferWorkerMetadata
 
@@ -114,7 +117,7 @@ def _connector_worker_class(base: type, reports: type, meta: type) -> type:
             self.loads: dict[int, tuple[str, list[int]]] = {}  # load job -> (request, device blocks), until finished
             self.load_errors: set[int] = set()
             self.failed_recving: set[str] = set()
-            self.failed_stores: set[int] = set()
+            self.failed_jobs: set[int] = set()
 
         def register_kv_caches(self, kv_caches: Any) -> None:
             super().register_kv_caches(kv_caches)
@@ -132,91 +135,101 @@ def _connector_worker_class(base: type, reports: type, meta: type) -> type:
             load = self.loads.pop(job_id, None)
             if success:
                 return
+            self.failed_jobs.add(job_id)
             if load is None:
-                self.failed_stores.add(job_id)
-            elif self.by_request:
+                return
+            if self.by_request:
                 self.failed_recving.add(load[0])
             else:
                 self.load_errors.update(load[1])
 
         def build_connector_worker_meta(self) -> Any:
             out = super().build_connector_worker_meta()
-            if out is None:  # nothing completed: failed stores (always completed too) wait for the next report
+            if out is None:  # nothing completed: failed jobs (always completed too) wait for the next report
                 return None
-            failed, self.failed_stores = self.failed_stores, set()
-            return meta(completed_jobs=out.completed_jobs, transfer_stats=out.transfer_stats, failed_stores=failed)
+            failed, self.failed_jobs = self.failed_jobs, set()
+            return meta(completed_jobs=out.completed_jobs, transfer_stats=out.transfer_stats, failed_jobs=failed)
 
     return KvxferConnectorWorker
 
 
-def _manager_class(base: type) -> type:
-    class StoreOutcomes(base):  # type: ignore[misc, valid-type]
-        """The scheduler's offloading manager, which completes a failed store with ``success=False``.
-
-        A store job's keys are the ``keys_to_store`` of the ``prepare_store`` whose ``store_spec`` became the job's
-        ``dst_spec`` (``name_jobs``, after each ``build_connector_meta``); ``fail(job_ids)`` marks them, and
-        ``complete_store`` of exactly those keys goes to the manager as unsuccessful. Every other call is the
-        manager's. Called from the scheduler's thread only, like the manager.
-        """
+def _manager_class(base: type, miss: Any, doc: str) -> type:
+    class FailedTransfers(base):  # type: ignore[misc, valid-type]
+        __doc__ = doc
 
         def __init__(self, inner: Any):
             self.inner = inner
-            self._prepared: list[tuple[Any, frozenset[Any]]] = []  # (store_spec, keys) handed out this step
-            self._jobs: dict[int, frozenset[Any]] = {}  # store job -> its keys, until completed
-            self._failed: set[frozenset[Any]] = set()
+            self._handed: dict[int, tuple[Any, frozenset[Any]]] = {}  # id(spec) -> (spec, keys), this step's
+            self._jobs: dict[int, tuple[bool, frozenset[Any]]] = {}  # job -> (is a store, keys), until completed
+            self._failed_stores: set[frozenset[Any]] = set()
+            self._missing: set[Any] = set()  # keys of failed loads
 
-        def name_jobs(self, store_jobs: Mapping[int, Any]) -> None:
-            """Learn the keys of this step's store jobs (vLLM's ``OffloadingConnectorMetadata.store_jobs``)."""
-            by_spec = {id(spec): keys for spec, keys in self._prepared}
-            for job_id, job in store_jobs.items():
-                keys = by_spec.get(id(job.dst_spec))
-                if keys is not None:
-                    self._jobs[job_id] = keys
-            self._prepared.clear()
+        def name_jobs(self, meta: Any) -> None:
+            """Learn the keys of this step's jobs (vLLM's OffloadingConnectorMetadata ``store_jobs``/``load_jobs``)."""
+            for jobs, store in ((meta.store_jobs, True), (meta.load_jobs, False)):
+                for job_id, job in jobs.items():
+                    handed = self._handed.get(id(job.dst_spec if store else job.src_spec))
+                    if handed is not None:
+                        self._jobs[job_id] = (store, handed[1])
+            self._handed.clear()
 
         def fail(self, job_ids: Iterable[int]) -> None:
-            """Complete these store jobs (failed on some rank) unsuccessfully when vLLM completes them."""
+            """These jobs failed on some rank: a store completes unsuccessfully, a load's keys miss from now on."""
             for job_id in job_ids:
-                keys = self._jobs.get(job_id)
-                if keys is not None:
-                    self._failed.add(keys)
+                entry = self._jobs.get(job_id)
+                if entry is None:  # not a job of this step's specs (a reset cache discarded it)
+                    continue
+                store, keys = entry
+                if store:
+                    self._failed_stores.add(keys)
+                else:
+                    self._missing |= keys
+                    _log.warning("kvxfer: a load of %d chunk(s) failed; they are no longer offered as hits", len(keys))
+
+        def lookup(self, key: Any, req_context: Any) -> Any:
+            return miss if key in self._missing else self.inner.lookup(key, req_context)
 
         def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
             out = self.inner.prepare_store(keys, req_context)
             if out is not None and out.keys_to_store:
-                self._prepared.append((out.store_spec, frozenset(out.keys_to_store)))
+                self._handed[id(out.store_spec)] = (out.store_spec, frozenset(out.keys_to_store))
+                self._missing.difference_update(out.keys_to_store)
+            return out
+
+        def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
+            out = self.inner.prepare_load(keys, req_context)
+            self._handed[id(out)] = (out, frozenset(keys))
             return out
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
             done = frozenset(keys)
-            if done in self._failed:
-                self._failed.discard(done)
+            if done in self._failed_stores:
+                self._failed_stores.discard(done)
                 success = False
                 _log.warning("kvxfer: a store of %d chunk(s) failed; they are dropped from the host tier's index",
                              len(done))
-            self._jobs = {j: k for j, k in self._jobs.items() if k != done}
+            self._forget(done)
             self.inner.complete_store(keys, req_context, success)
 
-        def reset_cache(self) -> None:
-            self._prepared.clear()
-            self._jobs.clear()
-            self._failed.clear()
-            self.inner.reset_cache()
+        def complete_load(self, keys: Collection[Any], req_context: Any) -> Any:
+            self._forget(frozenset(keys))
+            return self.inner.complete_load(keys, req_context)
 
-        def lookup(self, key: Any, req_context: Any) -> Any:
-            return self.inner.lookup(key, req_context)
+        def _forget(self, keys: frozenset[Any]) -> None:
+            self._jobs = {j: v for j, v in self._jobs.items() if v[1] != keys}
+
+        def reset_cache(self) -> None:
+            self._handed.clear()
+            self._jobs.clear()
+            self._failed_stores.clear()
+            self._missing.clear()
+            self.inner.reset_cache()
 
         def get_load_source(self, key: Any, req_context: Any) -> Any:
             return self.inner.get_load_source(key, req_context)
 
-        def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
-            return self.inner.prepare_load(keys, req_context)
-
         def touch(self, keys: Collection[Any], req_context: Any) -> Any:
             return self.inner.touch(keys, req_context)
-
-        def complete_load(self, keys: Collection[Any], req_context: Any) -> Any:
-            return self.inner.complete_load(keys, req_context)
 
         def on_new_request(self, req_context: Any) -> Any:
             return self.inner.on_new_request(req_context)
@@ -239,7 +252,7 @@ def _manager_class(base: type) -> type:
         def shutdown(self) -> Any:
             return self.inner.shutdown()
 
-    return StoreOutcomes
+    return FailedTransfers
 
 
 def _connector_class(base: type, worker: type, manager: type, meta: type, doc: str) -> type:
@@ -259,13 +272,13 @@ def _connector_class(base: type, worker: type, manager: type, meta: type, doc: s
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             out = super().build_connector_meta(scheduler_output)
-            self.connector_scheduler.manager.name_jobs(out.store_jobs)
+            self.connector_scheduler.manager.name_jobs(out)
             return out
 
         def update_connector_output(self, connector_output: Any) -> None:
             meta_in = connector_output.kv_connector_worker_meta
-            if isinstance(meta_in, meta) and meta_in.failed_stores:
-                self.connector_scheduler.manager.fail(meta_in.failed_stores)
+            if isinstance(meta_in, meta) and meta_in.failed_jobs:
+                self.connector_scheduler.manager.fail(meta_in.failed_jobs)
             super().update_connector_output(connector_output)
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:

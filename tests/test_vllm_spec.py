@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,86 +25,12 @@ from kvxfer.offload.vllm import (
 )
 from kvxfer.offload.vllm_checks import check_extra
 
+from .vllm.doubles import vllm_types
+
 torch = pytest.importorskip("torch")
 
 
-def _vllm_types() -> SimpleNamespace:
-    try:
-        from vllm.v1.kv_offload.base import (
-            CanonicalKVCacheRef,
-            CanonicalKVCaches,
-            CanonicalKVCacheTensor,
-            CanonicalPageMapping,
-            CopyRun,
-            GPULoadStoreSpec,
-            TransferResult,
-        )
-        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-    except ImportError:
-        return _stand_ins()
-    return SimpleNamespace(Tensor=CanonicalKVCacheTensor, Ref=CanonicalKVCacheRef, Caches=CanonicalKVCaches,
-                           Mapping=CanonicalPageMapping, Run=CopyRun, GPU=GPULoadStoreSpec, CPU=CPULoadStoreSpec,
-                           Result=TransferResult, real=True)
-
-
-def _stand_ins() -> SimpleNamespace:
-    """The fields of vLLM 0.32's classes this module reads (for the main suite, where vLLM is absent)."""
-
-    @dataclass
-    class Tensor:
-        tensor: Any
-        page_size_bytes: int
-
-    @dataclass
-    class Ref:
-        tensor_idx: int
-        page_size_bytes: int
-        mapping: Any = None
-
-    @dataclass
-    class Caches:
-        tensors: list[Any]
-        group_data_refs: list[list[Any]]
-
-    @dataclass(frozen=True)
-    class Run:
-        local_offset: int
-        canonical_offset: int
-        fragment_size: int
-        num_fragments: int
-        local_stride: int
-        canonical_stride: int
-
-    @dataclass(frozen=True)
-    class Mapping:
-        canonical_page_size_bytes: int
-        local_page_size_bytes: int
-        runs: tuple[Any, ...]
-        num_writers: int
-        writer_index: int
-        parallelism_agnostic: bool
-
-    class CPU:
-        def __init__(self, block_ids: list[int]):
-            self.block_ids = np.array(block_ids, dtype=np.int32)
-
-    class GPU(CPU):
-        def __init__(self, block_ids: list[int], group_sizes: Any, block_indices: Any):
-            super().__init__(block_ids)
-            self.group_sizes, self.block_indices = group_sizes, block_indices
-
-    @dataclass
-    class Result:
-        job_id: int
-        success: bool
-        transfer_size: int | None = None
-        transfer_time: float | None = None
-
-    return SimpleNamespace(Tensor=Tensor, Ref=Ref, Caches=Caches, Mapping=Mapping, Run=Run, GPU=GPU, CPU=CPU,
-                           Result=Result, real=False)
-
-
-V = _vllm_types()
+V = vllm_types()
 NUM_BLOCKS, PAGE = 12, 256
 
 
@@ -333,3 +257,10 @@ def test_unknown_kvxfer_keys_and_bad_executor_configs_are_refused_at_start_up() 
     with pytest.raises(ValueError, match="must be true or false"):
         check_extra({"kvxfer_shared_region": "yes"})
     check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})
+
+
+def test_keys_neither_vllm_nor_kvxfer_reads_are_reported_with_the_closest_known_key() -> None:
+    warnings = check_extra({"blocks_per_chunks": 4, "cpu_bytes_to_use": 1 << 20, "my_spec_key": 1}, known=("my_spec_key",))
+    assert warnings == ["kv_connector_extra_config['blocks_per_chunks']: neither vLLM's offloading nor kvxfer reads "
+                        "this key, so it is ignored; did you mean 'blocks_per_chunk'?"]
+    assert check_extra({"spec_name": "KvxferOffloadingSpec", "secondary_tiers": [], "kvxfer_verify": True}) == []
