@@ -78,10 +78,10 @@ class HostChecksums:
         for offset, stride, shape, strides in self._extents:
             start = offset + chunk * stride
             if len(shape) == 1:
-                crc = zlib.crc32(self._memory[start:start + shape[0]], crc)
+                crc = zlib.crc32(self._memory[start:start + shape[0]].data, crc)
             else:
                 view = as_strided(self._memory[start:], shape=shape, strides=strides, writeable=False)
-                crc = zlib.crc32(np.ascontiguousarray(view), crc)
+                crc = zlib.crc32(np.ascontiguousarray(view).data, crc)
         return crc
 
     def _valid(self, chunks: Sequence[int] | np.ndarray) -> np.ndarray:

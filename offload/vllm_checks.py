@@ -57,12 +57,13 @@ def _positive_int(extra: Mapping[str, Any], key: str) -> None:
         raise ExtraConfigError(key, value, "must be a positive integer (vLLM would truncate a float or a string)")
 
 
-def check_extra(extra: Mapping[str, Any], known: Iterable[str] = ()) -> list[str]:
+def check_extra(extra: Mapping[str, Any], known: Iterable[str] = (), world_size: int = 1) -> list[str]:
     """Check the keys kvxfer reads and the types of vLLM's sizing keys; return one warning per key that neither
     vLLM's offloading, kvxfer nor ``known`` (keys a subclass reads) names. Raises ExtraConfigError: an unknown
     ``kvxfer_*`` key, a non-boolean ``kvxfer_shared_region``/``kvxfer_verify``, an unreadable ``kvxfer_executor``, a
-    ``kvxfer_stats_path`` that cannot be written (``check_stats_path``), a ``cpu_bytes_to_use`` that is not a
-    positive number, a ``blocks_per_chunk``/``block_size`` that is not a positive integer."""
+    ``kvxfer_stats_path`` that one of ``world_size`` ranks cannot write (``check_stats_path``), a
+    ``cpu_bytes_to_use`` that is not a positive number, a ``blocks_per_chunk``/``block_size`` that is not a positive
+    integer."""
     names = (*VLLM_KEYS, *KVXFER_KEYS, *known)
     warnings = []
     for key in extra:
@@ -84,7 +85,7 @@ def check_extra(extra: Mapping[str, Any], known: Iterable[str] = ()) -> list[str
     for key in ("blocks_per_chunk", "block_size"):
         _positive_int(extra, key)
     _check_executor(extra.get("kvxfer_executor"))
-    check_stats_path(extra.get("kvxfer_stats_path"))
+    check_stats_path(extra.get("kvxfer_stats_path"), world_size)
     return warnings
 
 
@@ -139,9 +140,20 @@ def check_stats_path(value: Any, world_size: int = 1) -> None:
     os.unlink(probe)
 
 
+def _cgroup_left() -> int | None:
+    """Bytes this process's cgroup (v2) may still take, when it has a limit."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        return None if limit == "max" else max(int(limit) - int(used), 0)
+    except (OSError, ValueError):
+        return None
+
+
 def available_memory(directory: str | None = None) -> tuple[int, str]:
-    """(bytes, what they are) this machine can give a new host tier now: /proc/meminfo's MemAvailable, and for a
-    shared region also the free space of its ``directory`` (a tmpfs), whichever is less."""
+    """(bytes, what they are) this machine can give a new host tier now: /proc/meminfo's MemAvailable, what the
+    process's cgroup limit leaves, and for a shared region the free space of its ``directory`` (a tmpfs), whichever
+    is least."""
     avail, what = -1, "MemAvailable"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -151,6 +163,9 @@ def available_memory(directory: str | None = None) -> tuple[int, str]:
         pass
     if avail < 0:
         avail, what = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical memory"
+    left = _cgroup_left()
+    if left is not None and left < avail:
+        avail, what = left, "left under this process's cgroup memory limit"
     if directory is not None:
         st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize

@@ -60,9 +60,9 @@ def connector_classes(docs: Mapping[str, str]) -> dict[str, type]:
     return {"KvxferOffloadingConnector": connector, "KvxferWorkerMetadata": meta, "FailedTransfers": manager}
 
 
-def _metadata_class(base: type, doc: str) -> type:
+def _metadata_class(base: Any, doc: str) -> type:
     @dataclass
-    class KvxferWorkerMetadata(base):  # type: ignore[misc, valid-type]
+    class KvxferWorkerMetadata(base):  # type: ignore[misc]
         __doc__ = doc
         failed_jobs: set[int] = field(default_factory=set)
 
@@ -75,8 +75,8 @@ def _metadata_class(base: type, doc: str) -> type:
     return KvxferWorkerMetadata
 
 
-def _reports_class(base: type, result: type) -> type:
-    class FailureReports(base):  # type: ignore[misc, valid-type]
+def _reports_class(base: Any, result: Any) -> type:
+    class FailureReports(base):  # type: ignore[misc]
         """The spec's OffloadingWorker, whose failed jobs are handed on as done (no bytes, so they count in no
         transfer statistics) after ``on_result(job_id, success)`` saw every finished job. Same threading as the
         worker it wraps (vLLM's worker thread)."""
@@ -106,9 +106,11 @@ def _reports_class(base: type, result: type) -> type:
     return FailureReports
 
 
-def _connector_worker_class(base: type, reports: type, meta: type) -> type:
-    class KvxferConnectorWorker(base):  # type: ignore[misc, valid-type]
+def _connector_worker_class(base: Any, reports: Any, meta: Any) -> type:
+    class KvxferConnectorWorker(base):  # type: ignore[misc]
         """vLLM's OffloadingConnectorWorker that records failed jobs (see the module) for the connector to report."""
+
+        worker: Any  # the spec's OffloadingWorker (vLLM's attribute), wrapped once the caches are registered
 
         def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any):
             super().__init__(spec, vllm_config, kv_cache_config)
@@ -153,8 +155,8 @@ def _connector_worker_class(base: type, reports: type, meta: type) -> type:
     return KvxferConnectorWorker
 
 
-def _manager_class(base: type, miss: Any, doc: str) -> type:
-    class FailedTransfers(base):  # type: ignore[misc, valid-type]
+def _manager_class(base: Any, miss: Any, doc: str) -> type:
+    class FailedTransfers(base):  # type: ignore[misc]
         __doc__ = doc
 
         def __init__(self, inner: Any):
@@ -255,13 +257,15 @@ def _manager_class(base: type, miss: Any, doc: str) -> type:
     return FailedTransfers
 
 
-def _connector_class(base: type, worker: type, manager: type, meta: type, doc: str) -> type:
-    class KvxferOffloadingConnector(base):  # type: ignore[misc, valid-type]
+def _connector_class(base: Any, worker: Any, manager: Any, meta: Any, doc: str) -> type:
+    class KvxferOffloadingConnector(base):  # type: ignore[misc]
         __doc__ = doc
+        connector_worker: Any  # vLLM's attributes: the worker side (worker role) and scheduler side (scheduler role)
+        connector_scheduler: Any
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
             super().__init__(vllm_config, role, kv_cache_config)
-            if self.connector_worker is not None:
+            if self.connector_worker is not None:  # vLLM's, built by the base class: rebuilt as kvxfer's over its spec
                 self.connector_worker = worker(self.connector_worker.spec, vllm_config, kv_cache_config)
             if self.connector_scheduler is not None:
                 self.connector_scheduler.manager = manager(self.connector_scheduler.manager)
@@ -284,8 +288,9 @@ def _connector_class(base: type, worker: type, manager: type, meta: type, doc: s
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             out = super().get_transfer_results(finished_req_ids)
             w = self.connector_worker
-            failed, w.failed_recving = w.failed_recving, set()
-            out.failed_recving |= failed
+            if w is not None:
+                failed, w.failed_recving = w.failed_recving, set()
+                out.failed_recving |= failed
             return out
 
         def get_block_ids_with_load_errors(self) -> set[int]:

@@ -18,11 +18,10 @@ from .vllm_checks import (
     check_executor_device,
     check_extra,
     check_host_memory,
-    check_stats_path,
     stats_path,
 )
 from .vllm_worker import WorkerCore, build_worker
-from .worker import ExecutorSpec
+from .worker import ExecutorSpec, OffloadWorker
 
 __all__ = ["spec_classes"]
 
@@ -57,10 +56,9 @@ def _max_model_len() -> int | None:
 
 
 def _check_spec(spec: Any) -> None:
-    """The start-up checks that need vLLM's sizing (after CPUOffloadingSpec.__init__): the counters path for every
-    rank, the chunk against max_model_len, the features kvxfer's host tier needs."""
+    """The start-up checks that need vLLM's sizing (after CPUOffloadingSpec.__init__): the chunk against
+    max_model_len, the features kvxfer's host tier needs."""
     config, extra = spec.config, spec.extra_config
-    check_stats_path(extra.get("kvxfer_stats_path"), config.parallel.world_size)
     if config.groups:
         check_blocks_per_chunk(extra, spec.blocks_per_chunk, config.groups[0].tokens_per_block, _max_model_len())
     if config.canonical_layout and not spec.kvxfer_shared_region:
@@ -87,23 +85,23 @@ def _check_worker(spec: Any, caches: CacheMap, device: str, creator: bool) -> No
         check_host_memory(spec.num_chunks * per_chunk, extra.get("cpu_bytes_to_use"), "/dev/shm" if shared else None)
 
 
-def _worker_class(base: type, doc: str) -> type:
-    class KvxferOffloadingWorker(WorkerCore, base):  # type: ignore[misc, valid-type]
+def _worker_class(base: Any, doc: str) -> type:
+    class KvxferOffloadingWorker(WorkerCore, base):  # type: ignore[misc]
         __doc__ = doc
 
     return KvxferOffloadingWorker
 
 
-def _spec_class(base: type, worker_cls: type, result: type, doc: str) -> type:
+def _spec_class(base: Any, worker_cls: type, result: type, doc: str) -> type:
     """KvxferOffloadingSpec over vLLM's CPUOffloadingSpec ``base``, building ``worker_cls`` workers."""
 
-    class KvxferOffloadingSpec(base):  # type: ignore[misc, valid-type]
+    class KvxferOffloadingSpec(base):  # type: ignore[misc]
         __doc__ = doc
         extra_keys: tuple[str, ...] = ()  # keys of kv_connector_extra_config a subclass reads (not warned about)
         kvxfer_shared_region: bool  # the host tier is one region shared by the engine's ranks
 
         def __init__(self, config: Any):
-            for warning in check_extra(config.extra_config, self.extra_keys):
+            for warning in check_extra(config.extra_config, self.extra_keys, config.parallel.world_size):
                 _log.warning("kvxfer: %s", warning)
             self.kvxfer_shared_region = bool(config.extra_config.get("kvxfer_shared_region", config.parallel.world_size > 1))
             super().__init__(config)
@@ -115,7 +113,8 @@ def _spec_class(base: type, worker_cls: type, result: type, doc: str) -> type:
 
         def make_executor(self) -> ExecutorSpec:
             """The executor (or config, or factory) the workers run: ``kvxfer_executor``."""
-            return self.extra_config.get("kvxfer_executor")
+            executor: ExecutorSpec = self.extra_config.get("kvxfer_executor")
+            return executor
 
         def get_worker(self, kv_caches: Any) -> Any:
             if getattr(self, "_worker", None) is None:
@@ -131,6 +130,12 @@ def _shared_spec(spec: Any) -> SharedSpec | None:
         return None
     return SharedSpec(name=_region_name(spec.config.engine_id), create=p.rank == 0,
                       attachers=p.world_size - 1 if p.rank == 0 else 0)
+
+
+def _checksums(worker: OffloadWorker, num_chunks: int) -> HostChecksums:
+    if worker.host is None:
+        raise RuntimeError("kvxfer_verify: the offload worker holds no host rows to check")
+    return HostChecksums(worker.layout, worker.host, num_chunks)
 
 
 def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> Any:
@@ -161,7 +166,7 @@ def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> A
     import torch
 
     try:
-        checksums = HostChecksums(worker.layout, worker.host, spec.num_chunks) if extra.get("kvxfer_verify") else None
+        checksums = _checksums(worker, spec.num_chunks) if extra.get("kvxfer_verify") else None
     except BaseException:
         worker.shutdown()
         raise

@@ -86,11 +86,13 @@ class WorkerCore:
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """Device blocks ``src_spec`` (vLLM's GPULoadStoreSpec) -> host chunks ``dst_spec.block_ids``. True once
         queued; raises kvxfer's SubmissionError naming the job and the field when the spec does not fit."""
-        if self._checksums is not None:
-            chunks = self._ids(dst_spec)
-            self._checksums.forget(chunks)  # rewritten from now on: a load must not pass on an old checksum
-            self._stored[job_id] = chunks
-        return self._submit(self.worker.submit_store, job_id, src_spec, src_spec, dst_spec)
+        if self._checksums is None:
+            return self._submit(self.worker.submit_store, job_id, src_spec, src_spec, dst_spec)
+        chunks = self._ids(dst_spec)
+        self._checksums.forget(chunks)  # rewritten from now on: a load must not pass on an old checksum
+        ok = self._submit(self.worker.submit_store, job_id, src_spec, src_spec, dst_spec)
+        self._stored[job_id] = chunks  # recorded when get_finished (this thread, later) reports the store
+        return ok
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """Host chunks ``src_spec.block_ids`` -> device blocks ``dst_spec`` (GPULoadStoreSpec); see submit_store.

@@ -52,7 +52,7 @@ ROWS: list[tuple[str, Act, type[BaseException], str]] = [
                                                                                            32, 480),
      ExtraConfigError, "holds 2048 tokens, more than the model's max_model_len 480"),
     ("vllm: cpu_bytes_to_use beyond the memory available", lambda env: check_host_memory(1 << 60, 1 << 60),
-     ExtraConfigError, "GiB is available (MemAvailable)"),
+     ExtraConfigError, "GiB is available ("),
     ("vllm: a CUDA executor on a CPU engine", lambda env: check_executor_device({"kind": "cuda-batch"}, "cpu"),
      ExtraConfigError, "this engine's KV caches are on cpu"),
     ("vllm: shared region name taken by a plain file", taken_by_a_plain_file, SharedRegionError,
