@@ -5,10 +5,11 @@ region) in three block patterns. Per pattern, medians of --repeat interleaved ca
 - ``old``: ``BoundMemory.lower(plan, out)`` of the baseline binding module (--baseline FILE), on RawMemory;
   ``old+nbytes`` adds the expansion of the plan's size column that the old DMA run then passed to the driver
   (``plan.nbytes``, once per plan: per job), which the new lowering does itself (it copies the sizes it checks);
-- ``new``: the same call of this checkout (each column read once: sizes copied, addresses checked as written);
+- ``new``: ``BoundMemory.descriptors(plan, arrays)`` of this checkout, into reused ``DescriptorArrays`` as the DMA
+  executors keep (each column read once, the addresses bounded as written, sizes of one value kept written);
 - ``new+owners``: the same with every buffer bound to a CPU torch tensor, so each run also asks every tensor the
   plan touches where it points (the check that refuses a tensor moved since bind);
-- ``owners``: that check alone.
+- ``owners``: that check alone (``BoundMemory.buffer_runs`` of a set already seen: the probes).
 Memory is never touched by lowering, so pages are 64 bytes (the tensors stay small); costs depend on counts.
 
     git show 7a517d5:executors/binding.py > /tmp/old_binding.py
@@ -50,6 +51,7 @@ def main() -> None:
     import torch
 
     from kvxfer.executors import RawMemory, bind
+    from kvxfer.executors.lowering import DescriptorArrays
     old = load_baseline(args.baseline) if args.baseline else None
     layout = presets.kv_layout(args.regions, 2 * args.blocks, 64, shared_host=False)
     target = Target(platform="cuda", runtime_version=13000)
@@ -66,13 +68,14 @@ def main() -> None:
     for pattern in ("contiguous", "runs8", "fragmented"):
         mapping = presets.mapping(pattern, args.blocks, 2 * args.blocks, "h2d", seed=1)
         plan = plan_transfer(layout, mapping, target)
-        out = (np.empty(plan.num_ranges, np.uint64), np.empty(plan.num_ranges, np.uint64))  # as DMA runs reuse theirs
+        out = (np.empty(plan.num_ranges, np.uint64), np.empty(plan.num_ranges, np.uint64))  # the old runs' arrays
+        arrays = DescriptorArrays().reserve(plan.num_ranges)  # as the DMA executors keep theirs
         src_bufs, dst_bufs = (plan.column_runs(f"{side}_buf")[0].astype(np.int64) for side in ("src", "dst"))
         touched = np.concatenate([src_bufs, dst_bufs])
         fns: dict[str, Callable[[], Any]] = {
-            "new": lambda: bound_raw.lower(plan, out),
-            "new+owners": lambda: bound_torch.lower(plan, out),
-            "owners": lambda: bound_torch._check_owners(src_bufs, dst_bufs),
+            "new": lambda: bound_raw.descriptors(plan, arrays),
+            "new+owners": lambda: bound_torch.descriptors(plan, arrays),
+            "owners": lambda: bound_torch.buffer_runs(src_bufs, dst_bufs, lambda: None),
         }
         if bound_old is not None:
             fns["old"] = lambda: bound_old.lower(plan, out)

@@ -7,9 +7,12 @@ per-job descriptor build, measured in the same run. Nothing here is asserted; se
 Columns (milliseconds per job, medians):
 - plan: ``plan_transfer`` from the scheduler's numpy id arrays (the dict hot path; layout built once, outside
   the timing);
-- lower: the executor's per-job work before the first copy, on memory bound once (NumPy: every range checked;
-  CUDA batch on the C shim: every range checked and turned into addresses);
-- baseline: the per-job descriptor fill of vLLM's CPU-offload worker (``vllm_style_descriptors``);
+- lower: the executor's per-job work before the first copy, on memory bound once (NumPy: the offsets read once
+  into its own memory and bounded; CUDA batch on the C shim: every range bounded as turned into addresses, in
+  reused descriptor arrays);
+- baseline: the per-job descriptor fill of vLLM's CPU-offload worker: vLLM's own ``compute_sub_block_ptrs``, called
+  per tensor as its worker calls it, when vLLM is importable (``.venv-vllm/bin/python``), else
+  ``vllm_style_descriptors``, written from its description (``--baseline`` picks);
 - ratio: (plan + lower) / baseline; targets: <= 0.5 contiguous and runs of 8, <= 0.8 fragmented.
 
 Every shape is checked before timing: the plan's ranges, expanded to pages, are exactly the baseline's
@@ -216,24 +219,49 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
     """(how, lower): ``lower(plan)`` does an executor's per-job host work before its first copy.
 
     Memory is bound here, once (``executor.bind``). Executors that copy through views of the bound memory
-    (NumPy) check every range per run (``bound.check(plan)``); the others also turn every range into absolute
-    addresses (``bound.lower(plan, out)``, into reused arrays as the DMA executors keep). That is what ``run``
-    does before its first copy. (The BEFORE table in NOTES.md was measured on the code before bind existed,
-    where every run resolved and checked every buffer.)
+    (NumPy) lower to offsets read once into memory of their own (``bound.offsets(plan)``); the others turn every
+    range into absolute addresses in reused descriptor arrays (``bound.descriptors(plan, arrays.reserve(n))``,
+    as the DMA executors do). That is what ``run`` does before its first copy. (The BEFORE table in NOTES.md was
+    measured on the code before bind existed, where every run resolved and checked every buffer.)
     """
     from kvxfer.executors import NumpyExecutor
+    from kvxfer.executors.lowering import DescriptorArrays
 
     bound = executor.bind(layout, bindings)
     if isinstance(executor, NumpyExecutor):
-        return "bind() once, then bound.check(plan) per job (views: no addresses)", bound.check
-    out: list[tuple[np.ndarray, ...]] = []
+        return "bind() once, then bound.offsets(plan) per job (views: offsets read once, no addresses)", bound.offsets
+    arrays = DescriptorArrays()  # reused address and size arrays, as the DMA executors keep
+    return ("bind() once, then bound.descriptors(plan, arrays) per job",
+            lambda plan: bound.descriptors(plan, arrays.reserve(plan.num_ranges)))
 
-    def reserve(n: int) -> tuple[np.ndarray, ...]:  # reused address and size arrays, as the DMA executors keep
-        if not out or len(out[0][0]) < n:
-            out[:] = [tuple(np.empty(n, np.uint64) for _ in range(3))]
-        return out[0]
 
-    return "bind() once, then bound.lower(plan, out) per job", lambda plan: bound.lower(plan, reserve(plan.num_ranges))
+def vllm_worker() -> Any:
+    """vLLM's own per-tensor descriptor fill (``compute_sub_block_ptrs`` of its CPU-offload worker), when vLLM is
+    importable (run this script with .venv-vllm's python), else None."""
+    try:
+        from vllm.v1.kv_offload.cpu import gpu_worker  # type: ignore[import-not-found, unused-ignore]
+    except Exception:
+        return None
+    return gpu_worker.compute_sub_block_ptrs
+
+
+def vllm_descriptors(fill: Any, views: list[tuple[Any, Any]], job: Job, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One job's descriptors through vLLM's own fill, as its ``_fill_direct_ops`` calls it: per tensor, the
+    source and destination pointers (``fill(ids, blocks_per_chunk, output, tensor, skip)``) and the sizes.
+    ``views``: per KV tensor, (device tensor ``[blocks, page]``, host tensor ``[chunks, k * page]``)."""
+    load = job.direction is Direction.H2D
+    src_ids, dst_ids = (job.cpu_chunks, job.gpu_ids) if load else (job.gpu_ids, job.cpu_chunks)
+    src_k, dst_k = (job.k, 1) if load else (1, job.k)
+    n = job.count
+    src, dst, size = (a[:n * len(views)] for a in out)
+    at = 0
+    for gpu, cpu in views:
+        fill(src_ids, src_k, src[at:at + n], cpu if load else gpu, job.skip if load else 0)
+        fill(dst_ids, dst_k, dst[at:at + n], gpu if load else cpu, 0 if load else job.skip)
+        size[at:at + n] = page
+        at += n
+    return src, dst, size
 
 
 def executors(shim_dir: Path) -> list[tuple[str, Any]]:
@@ -324,6 +352,7 @@ class Run:
     page: int
     tensors: int
     how: dict[str, str] = field(default_factory=dict)  # executor name -> which lowering was measured
+    vllm: Any = None  # vLLM's own descriptor fill, as the baseline (None: the description-based one)
 
     def lowering(self, layout: Layout, mem: dict[str, np.ndarray], plan: Any) -> dict[str, Callable[[], Any]]:
         fns = {}
@@ -339,16 +368,30 @@ def job_row(run: Run, n: int, k: int, pattern: str, direction: str) -> dict[str,
     layout = worker_layout(run.tensors, gpu_blocks, cpu_chunks, run.page, k)
     layout.prepare()  # per-layout work is done once, outside the per-job cost
     mem, tensors = memory_for(layout)
-    pool = DescriptorPool()
-    fns: dict[str, Callable[[], Any]] = {
-        "plan": lambda: plan_job(layout, job),
-        "baseline": lambda: vllm_style_descriptors(tensors, job, pool, [n], [job.skip])}
+    fns: dict[str, Callable[[], Any]] = {"plan": lambda: plan_job(layout, job), "baseline": baseline(run, layout, mem,
+                                                                                                     tensors, job)}
     plan = plan_job(layout, job)
     descriptors = fns["baseline"]()
     check_same_copies(plan_addresses(plan, mem), descriptors, run.page, f"{n} blocks k={k} {pattern} {direction}")
     ms = median_times(fns | run.lowering(layout, mem, plan), run.repeat, run.min_s)
     return ({"case": f"{run.tensors}x{n} k={k} {pattern} {direction}", "descriptors": len(descriptors[0]),
              "ranges": plan.num_ranges} | {f"{key}_ms": v for key, v in ms.items()})
+
+
+def baseline(run: Run, layout: Layout, mem: dict[str, np.ndarray], tensors: list[TensorAddrs],
+             job: Job) -> Callable[[], Any]:
+    """The baseline's per-job fill: vLLM's own (``run.vllm``), on torch views of the same memory, into pooled
+    int64 arrays as its worker keeps; else the description-based ``vllm_style_descriptors``."""
+    if run.vllm is None:
+        pool = DescriptorPool()
+        return lambda: vllm_style_descriptors(tensors, job, pool, [job.count], [job.skip])
+    import torch
+
+    views = [(torch.from_numpy(mem[r.device.buffer]).view(-1, r.page_bytes),
+              torch.from_numpy(mem[r.host.buffer]).view(-1, r.stride("host"))) for r in layout.regions]
+    out = tuple(np.empty(job.count * len(views), np.int64) for _ in range(3))
+    page = layout.regions[0].page_bytes
+    return lambda: vllm_descriptors(run.vllm, views, job, out, page)  # type: ignore[arg-type]
 
 
 def job_rows(run: Run, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -420,17 +463,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 2048], help="job sizes in blocks")
     ap.add_argument("--tensors", type=int, default=NUM_TENSORS, help="KV tensors per layout")
     ap.add_argument("--c32-blocks", type=int, default=C32_BLOCKS, help="blocks of the C32-sized restore (0: skip it)")
+    ap.add_argument("--baseline", choices=["vllm", "description"], default=None,
+                    help="vllm: vLLM's own descriptor fill (needs vLLM: run with .venv-vllm's python); description: "
+                         "the fill written from its description (default: vllm when importable)")
     args = ap.parse_args(argv)
+    fill = vllm_worker() if args.baseline != "description" else None
+    if args.baseline == "vllm" and fill is None:
+        raise SystemExit("--baseline vllm: vLLM is not importable here (run with .venv-vllm/bin/python)")
     repeat, min_s = (3, 0.01) if args.quick else (7, 0.04)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        run = Run(executors(Path(tmp)), repeat, min_s, args.page_bytes, args.tensors)
+        run = Run(executors(Path(tmp)), repeat, min_s, args.page_bytes, args.tensors, vllm=fill)
         rows = job_rows(run, tuple(args.sizes))
         c32 = c32_rows(run, args.c32_blocks) if args.c32_blocks else []
         for _, ex in run.execs:
             ex.close()
+    source = f"vLLM {__import__('vllm').__version__} compute_sub_block_ptrs" if fill else "vllm_style_descriptors"
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, numpy {np.__version__}, "
-          f"page_bytes {args.page_bytes}, {'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f} s")
+          f"page_bytes {args.page_bytes}, {'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f} s, "
+          f"baseline: {source}")
     print(format_tables(rows, c32, [n for n, _ in run.execs], run.how))
     return 0
 

@@ -3,10 +3,13 @@
 Bind once, run many: ``bound = executor.bind(layout, {name: memory})`` then ``executor.run(plan, bound,
 stream=None, after=None)``. Backends are listed once, in ``registry.BACKENDS``; their classes import on first use.
 
-Public submodules (``from kvxfer.executors import torch_layout``): ``config`` (choosing an executor), ``dma``
-(the ``Runtime`` protocol a DMA driver implements), ``nixl_files`` (files through NIXL), ``nixl_peer`` (a NIXL
-peer process and metadata exchange), ``options``, ``pinning``, ``torch_layout`` (layouts from tensors), and one
-module per backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_triton``).
+Public submodules (``from kvxfer.executors import torch_layout``): ``memory`` (resolving a binding),
+``binding`` (memory bound once), ``lowering`` (a plan's ranges read once, bounded and lowered onto bound
+memory), ``config`` (choosing an executor), ``dma`` (the ``Runtime`` protocol a DMA driver implements),
+``file_trust`` (opening files without trusting what is planted: links, foreign files, bounded locks),
+``nixl_memory`` (memory, registrations and files as NIXL sees them), ``nixl_peer`` (a NIXL peer process and
+metadata exchange), ``options``, ``pinning``, ``torch_layout`` (layouts from tensors), and one module per
+backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_triton``).
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from .base import (
     check_plan_target,
     stream_handle,
 )
-from .binding import BindingError, BoundMemory, Lowered, Memory, RawMemory, bind, resolve
+from .binding import BoundMemory, bind
+from .lowering import Lowered
+from .memory import BindingError, Memory, RawMemory, resolve
 from .ops_numpy import NumpyExecutor
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, TritonOptions
 from .registry import BACKENDS, ExecutorKind
@@ -33,10 +38,10 @@ from .registry import BACKENDS, ExecutorKind
 _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported on first use
     "ExecutorConfig": "config", "get_executor": "config", "choose_executor": "config", "AutoExecutor": "config",
     "pin_host_memory": "pinning", "PinnedRegion": "pinning", "RemoteBuffer": "nixl_memory", "PeerInfo": "nixl_memory",
-    "PeerInfoError": "nixl_memory", "FileBinding": "nixl_files",
+    "PeerInfoError": "nixl_memory", "FileBinding": "nixl_memory",
 }
-_SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip", "ops_nixl", "ops_numpy", "ops_triton",
-               "options", "pinning", "torch_layout")
+_SUBMODULES = ("binding", "config", "dma", "file_trust", "lowering", "memory", "nixl_memory", "nixl_peer", "ops_cuda",
+               "ops_hip", "ops_nixl", "ops_numpy", "ops_triton", "options", "pinning", "torch_layout")
 
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",

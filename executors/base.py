@@ -13,7 +13,8 @@ from typing import Any, Protocol, SupportsInt, TypeAlias
 
 from kvxfer.planner import Buffer, Case, Layout, Target, TransferPlan
 
-from .binding import BindingError, BoundMemory, Memory, bind, check_location, plan_buffers
+from .binding import BoundMemory, bind, plan_buffers
+from .memory import BindingError, Memory, check_location
 
 
 class TargetMismatchError(ValueError):

@@ -24,7 +24,8 @@ from pydantic import Field
 from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, TransferPlan
 
 from .base import After, Executor, Stream, Transfer, transfers_after
-from .binding import BindingError, BoundMemory, bind, resolve
+from .binding import BoundMemory, bind
+from .memory import BindingError, resolve
 from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
 from .registry import ExecutorKind, backend
 

@@ -37,7 +37,9 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory, Lowered, Memory, hold_for_stream
+from .binding import BoundMemory, hold_for_stream
+from .lowering import DescriptorArrays, Lowered
+from .memory import Memory
 
 __all__ = ["ATTR_DTYPE", "DmaExecutor", "DmaTransfer", "MemcpyAttributes", "MemLocation", "Runtime", "attribute_records",
            "check", "driver_result", "stream_handle"]
@@ -154,22 +156,6 @@ def driver_result(result: Any, call: str, error_name: Any) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest) or None
 
 
-class DescriptorBuffers:
-    """Reused address and size arrays (uint64) for the descriptors of one plan; they grow, never shrink."""
-
-    def __init__(self) -> None:
-        self.src = np.zeros(0, dtype=np.uint64)
-        self.dst = np.zeros(0, dtype=np.uint64)
-        self.sizes = np.zeros(0, dtype=np.uint64)
-
-    def reserve(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ``(src, dst, sizes)`` arrays, each at least ``n`` long (reallocated, not copied, when too short)."""
-        if len(self.src) < n:
-            size = max(n, 2 * len(self.src), 1024)
-            self.src, self.dst, self.sizes = (np.empty(size, dtype=np.uint64) for _ in range(3))
-        return self.src, self.dst, self.sizes
-
-
 @dataclass(eq=False, kw_only=True)
 class DmaTransfer(Transfer):
     """A plan issued on a copy stream. ``marks[i]`` completes with call i (the last is ``end``); ``keep``
@@ -227,7 +213,7 @@ class DmaExecutor(Executor):
         self.runtime = runtime
         self.max_descriptors = max_descriptors or None
         self._own_runtime = own_runtime  # a runtime made by the executor is closed with it
-        self._buffers = DescriptorBuffers()
+        self._buffers = DescriptorArrays()
         self._fail_idx = ctypes.c_size_t(SIZE_MAX)
         self._lock = threading.Lock()
         self._last: DmaTransfer | None = None
@@ -272,10 +258,14 @@ class DmaExecutor(Executor):
         if not self.runtime.api_available(plan.api):
             raise ExecutorError(plan.api.value, 0, None, f"the {self.target.label} runtime returned no entry point "
                                 "for it (NULL: unavailable in this driver)", 0)
+
+    def _check_calls(self, low: Lowered) -> None:
+        """Refuse calls longer than ``max_descriptors`` (PlanError naming the call), from the call offsets as read."""
         cap = self.max_descriptors
-        if cap and plan.num_calls and int(plan.call_sizes.max()) > cap:
-            i = int(np.argmax(plan.call_sizes > cap))
-            raise PlanError("call_sizes", int(plan.call_sizes[i]), f"call {i} exceeds this executor's cap of {cap} "
+        sizes = low.call_sizes
+        if cap and len(sizes) and int(sizes.max()) > cap:
+            i = int(np.argmax(sizes > cap))
+            raise PlanError("call_sizes", int(sizes[i]), f"call {i} exceeds this executor's cap of {cap} "
                             f"descriptors per call; re-plan with PlanOptions(max_descriptors<={cap})", i)
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
@@ -295,6 +285,7 @@ class DmaExecutor(Executor):
             if bound is not memory:  # bound for this run only: tell torch which stream uses it
                 hold_for_stream(bound, self._stream)
             low = bound.descriptors(plan, self._buffers.reserve(plan.num_ranges))
+            self._check_calls(low)
             self._inflight = [t for t in self._inflight if not _finished(t)]
             return self._submit(plan, bound, low, stream, on_device)
 
@@ -312,7 +303,7 @@ class DmaExecutor(Executor):
                 raise
             ready, start, end = events[:3]
             marks = (*events[3:], end)  # marks[i] completes with call i (calls complete in order on the stream)
-            transfer = DmaTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls,
+            transfer = DmaTransfer(nbytes=low.total_bytes, ranges=plan.num_ranges, calls=low.num_calls,
                                    domain=rt.domain, runtime=rt, start=start, end=end, marks=marks,
                                    keep=tuple(bound.owners()))
             weakref.finalize(transfer, _destroy_events, rt, tuple(events))

@@ -17,8 +17,8 @@ from typing import Any
 from kvxfer.planner import Buffer, CopyApi, Platform
 
 from .base import ExecutorError
-from .binding import Memory, check_location
 from .dma import DmaExecutor, Runtime, driver_result
+from .memory import Memory, check_location
 from .options import CudaOptions
 
 BATCH_V12080 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t,

@@ -17,8 +17,8 @@ from typing import Any
 from kvxfer.planner import Buffer, CopyApi, Platform, Target
 
 from .base import ExecutorError
-from .binding import Memory, check_location
 from .dma import DmaExecutor, Runtime, driver_result
+from .memory import Memory, check_location
 from .options import HipOptions
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")  # only devel installs ship the first

@@ -6,14 +6,18 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-A buffer bound to a ``FileBinding`` (nixl_files) is a file: this agent reads and writes it itself through a
+A buffer bound to a ``FileBinding`` (nixl_memory) is a file: this agent reads and writes it itself through a
 storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
 Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
 
 NIXL posts from the host and has no device events: ``run`` waits on the host for its ``after`` transfers and,
 when the plan's local memory is on a GPU, for the work queued on the caller's ``stream``; a NixlTransfer's
-``stream_wait`` waits on the host.
+``stream_wait`` waits on the host. A NixlTransfer holds its calls' handles in an ``Inflight``, which polls them
+with a deadline, drains the others when one fails, and never releases memory a call may still touch.
+
+The memory side (segments, remote buffers, peer descriptions, registrations, files) is ``nixl_memory``; the
+bootstrap of a second agent (metadata exchange, a peer process) is ``nixl_peer``.
 """
 from __future__ import annotations
 
@@ -41,15 +45,158 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BindingError, BoundMemory, Lowered, Memory
-from .nixl_files import FileBinding, register_files
-from .nixl_memory import PeerInfo, PeerInfoError, Registration, RemoteBuffer, Segment, register, segment_of
-from .nixl_transfer import Inflight, poll_until, reason
+from .binding import BoundMemory
+from .lowering import Lowered
+from .memory import BindingError, Memory
+from .nixl_memory import (
+    FileBinding,
+    PeerInfo,
+    PeerInfoError,
+    Registration,
+    RemoteBuffer,
+    Segment,
+    register,
+    register_files,
+    segment_of,
+)
 from .options import NixlOptions
 
 __all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "PeerInfo", "PeerInfoError", "RemoteBuffer"]
 
 INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
+
+# ---- one plan in flight: posting, polling with a deadline, release, precise failure ----------------------------
+SPIN_S = 2e-3  # busy-poll this long before sleeping: small transfers finish within it
+SLEEP_S = 2e-4
+
+
+def poll_until(ready: Callable[[], bool], timeout_s: float) -> bool:
+    """Call ``ready`` until it returns True (-> True) or ``timeout_s`` passes (-> False)."""
+    start = time.perf_counter()
+    while not ready():
+        waited = time.perf_counter() - start
+        if waited > timeout_s:
+            return False
+        if waited > SPIN_S:
+            time.sleep(SLEEP_S)
+    return True
+
+
+def reason(e: BaseException) -> str:
+    """A NIXL exception as text; the binding's exception class names the status (nixlNotFoundError, ...)."""
+    return f"{type(e).__name__}: {e}"
+
+
+class Inflight:
+    """The transfer handles of one run, by call index. Memory in ``keep`` stays referenced until they finish.
+
+    Any failure (rejected post, a transfer in ERR, a deadline passed) first gives the other calls at most
+    ``drain_s`` to stop touching memory, releases the handles that stopped, then raises ExecutorError; the
+    same error is raised again by every later ``poll``/``wait``, so a failed plan never reads as done. So
+    ``wait()`` returns or raises within ``timeout_s + drain_s``. Calls still in flight when the drain gives up
+    are never released: their memory stays referenced here and ``registrations`` are marked unusable.
+    """
+
+    def __init__(self, agent: Any, t0: float, timeout_s: float, keep: list[Any], notifs: tuple[bytes, ...], *,
+                 drain_s: float = 1.0, registrations: list[Any] | None = None, notify: bool = True):
+        self.agent, self.t0, self.timeout_s, self.keep, self.notifs = agent, t0, timeout_s, keep, notifs
+        self.drain_s, self.registrations = drain_s, list(registrations or [])
+        self.notify = notify  # False: the tags only name the calls (storage backends take no notifications)
+        self.stuck: dict[int, Any] = {}  # calls that outlived the drain: handles kept, memory kept
+        self.pending: dict[int, Any] = {}
+        self.posted = 0
+        self.error: ExecutorError | None = None
+        self.elapsed: float | None = None
+
+    def post(self, call: int, make: Callable[[], Any], what: str) -> None:
+        """Create the transfer with ``make()`` and post it; raises ExecutorError if NIXL rejects either step."""
+        try:
+            handle = make()
+        except Exception as e:  # the binding raises one class per nixl status
+            self._fail("initialize_xfer", call, f"{what}: {reason(e)}")
+        self.pending[call] = handle
+        self.posted += 1
+        try:
+            state = self.agent.transfer(handle, self.notifs[call] if self.notify else b"")
+        except Exception as e:
+            state = reason(e)
+        if state == "DONE":
+            self._release(call)
+        elif state != "PROC":
+            self._fail("transfer", call, f"{what}: posting returned {state}")
+
+    def _state(self, call: int) -> str:
+        try:
+            return str(self.agent.check_xfer_state(self.pending[call]))
+        except Exception as e:
+            return reason(e)
+
+    def _release(self, call: int) -> None:
+        self.pending.pop(call).release()
+
+    def poll(self) -> bool:
+        """True once every call is DONE; raises ExecutorError for a call in ERR (or any earlier failure)."""
+        if self.error is not None:
+            raise self.error
+        for call in sorted(self.pending):
+            state = self._state(call)
+            if state == "DONE":
+                self._release(call)
+            elif state != "PROC":
+                self._fail("check_xfer_state", call, f"transfer {self.notifs[call].decode()} ended in {state}")
+        if not self.pending and self.elapsed is None:
+            self.elapsed = time.perf_counter() - self.t0
+            self.keep = []
+        return not self.pending
+
+    def call_done(self, call: int) -> bool:
+        """True once call ``call`` is DONE (NIXL calls finish independently); raises like ``poll``."""
+        self.poll()
+        return call not in self.pending
+
+    def wait_call(self, call: int) -> None:
+        """Poll until call ``call`` is DONE; ExecutorError when ``timeout_s`` passes first."""
+        if not poll_until(lambda: self.call_done(call), self.timeout_s):
+            self._fail("check_xfer_state", call, f"transfer {self.notifs[call].decode()} still in progress after "
+                       f"{self.timeout_s}s")
+
+    def wait(self) -> float | None:
+        """Poll until done; ExecutorError when ``timeout_s`` passes first. Returns seconds since run()."""
+        if not poll_until(self.poll, self.timeout_s):
+            call = min(self.pending)
+            self._fail("check_xfer_state", call, f"transfer {self.notifs[call].decode()} still in progress after "
+                       f"{self.timeout_s}s ({len(self.pending)} calls unfinished)")
+        return self.elapsed
+
+    def _fail(self, what: str, call: int, why: str) -> None:
+        """Drain the other calls (at most ``drain_s``), release what stopped, record and raise the error."""
+        timed_out = "still in progress" in why  # that call may itself still be moving bytes: drain it too
+        failed = None if timed_out else self.pending.pop(call, None)
+        others = dict(self.pending)
+        drained = poll_until(lambda: all(self._state(c) != "PROC" for c in others), self.drain_s)
+        stopped = {c: h for c, h in others.items() if drained or self._state(c) != "PROC"}
+        self.stuck = {c: h for c, h in others.items() if c not in stopped}
+        leftover = []
+        for h in ([failed] if failed is not None else []) + list(stopped.values()):
+            try:
+                h.release()
+            except Exception as e:
+                leftover.append(reason(e))
+        self.pending = {}
+        note = f"; {len(others)} other calls " + ("drained" if not self.stuck else
+                                                  f"given {self.drain_s}s to drain, {len(self.stuck)} still running")
+        if leftover:
+            note += f"; release failed: {leftover[0]}"
+        if self.stuck:  # bytes may still move: keep the memory referenced, never reuse or deregister it
+            for reg in self.registrations:
+                reg.mark_unusable()
+            note += "; their memory stays referenced and its registration is marked unusable"
+        elif not leftover:
+            self.keep = []  # nothing in flight references the memory any more
+        self.error = ExecutorError(what, call, None, f"{why} ({self.posted} of {len(self.notifs)} calls posted"
+                                   f"{note if others or self.stuck else ''}); destination bytes may be partly written",
+                                   issued_chunks=self.posted)
+        raise self.error
 
 
 @dataclass(eq=False, kw_only=True)
@@ -103,6 +250,34 @@ class _Sides:
     remote_mem: str
     dev: np.ndarray  # per plan buffer: device id (0 where unused)
 
+
+
+def _reading(buffers: Sequence[Buffer], src: set[int], dst: set[int], remote: Mapping[int, RemoteBuffer]) -> bool:
+    """Whether the plan reads from the remote side (its sources are remote) rather than writing to it: one side
+    all remote, the other all local. BindingError names the first buffer on the wrong side."""
+    if not remote:
+        raise BindingError(buffers[min(src)].name, "local memory", "both sides of the plan are local; bind the source "
+                           "or the destination buffers to RemoteBuffers (NumpyExecutor copies locally)")
+    reading = bool(src & remote.keys())
+    (remote_side, rs), (local_side, ls) = ((src, "source"), (dst, "destination")) if reading else \
+        ((dst, "destination"), (src, "source"))
+    not_remote = sorted(remote_side - remote.keys())
+    if not_remote:
+        raise BindingError(buffers[not_remote[0]].name, "local memory", f"other {rs} buffers are remote; every {rs} "
+                           "buffer must be a RemoteBuffer (one side of a NIXL transfer is remote)")
+    not_local = sorted(local_side & remote.keys())
+    if not_local:
+        raise BindingError(buffers[not_local[0]].name, remote[not_local[0]], f"the {rs} side is remote, so every {ls} "
+                           "buffer must be local memory")
+    return reading
+
+
+def _one_mem(what: str, side: Mapping[int, Segment] | Mapping[int, RemoteBuffer]) -> str:
+    """The one NIXL memory type of one side's descriptors (BindingError when the side mixes types)."""
+    mems = sorted({s.mem for s in side.values()})
+    if len(mems) > 1:
+        raise BindingError(what, mems, "one side of a NIXL descriptor list has one memory type")
+    return mems[0]
 
 class NixlExecutor(Executor):
     """Runs each call of a plan as one NIXL transfer between this agent and one remote agent.
@@ -186,22 +361,21 @@ class NixlExecutor(Executor):
         RemoteBuffer bindings by name.
 
         Raises PeerInfoError naming the field for a malformed description (nothing is loaded), or when NIXL
-        refuses the metadata or it names another agent than the description does. The description is data:
-        nothing in it is executed; buffers it names that the peer did not register are refused by NIXL when a
-        transfer is posted."""
+        refuses the metadata or it names another agent than the description does. A refusal never unloads an
+        agent: the agent the metadata names may be a live peer (a replayed description under another name), so
+        whatever NIXL holds is left as it is and nothing of the description is returned (``remove_peer`` forgets
+        an agent). The description is data: nothing in it is executed; buffers it names that the peer did not
+        register are refused by NIXL when a transfer is posted."""
         peer_info = info if isinstance(info, PeerInfo) else PeerInfo.decode(info)
         with self._lock:
             try:
                 loaded = self.agent.add_remote_agent(peer_info.metadata)
             except Exception as e:  # the binding raises one class per nixl status
                 raise PeerInfoError("metadata", f"{len(peer_info.metadata)} bytes", f"refused by NIXL: {reason(e)}") from None
-            peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if peer != peer_info.agent:
-                try:
-                    self.agent.remove_remote_agent(peer)
-                except Exception:  # best effort: what matters is that nothing of it is used
-                    pass
-                raise PeerInfoError("agent", peer_info.agent, f"the NIXL metadata is agent {peer!r}'s")
+        peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if peer != peer_info.agent:
+            raise PeerInfoError("agent", peer_info.agent, f"the NIXL metadata is agent {peer!r}'s; agents already "
+                                "loaded are left as they are")
         return {n: RemoteBuffer(peer, seg.addr, seg.nbytes, seg.dev, seg.mem) for n, seg in peer_info.buffers}
 
     def remove_peer(self, peer: str) -> None:
@@ -271,7 +445,8 @@ class NixlExecutor(Executor):
 
     def _sides(self, plan: TransferPlan, bound: BoundMemory, low: Lowered) -> _Sides:
         """Check which side is remote and decide READ or WRITE, from the buffers ``low`` was checked with. Raises
-        BindingError."""
+        BindingError: both sides local, a side mixing local and remote buffers, local memory not registered with
+        this agent, remote buffers of several agents or of one unknown here, or one side mixing memory types."""
         src = set(low.src_runs[0].tolist())
         dst = set(low.dst_runs[0].tolist())
         dev = np.zeros(len(plan.buffers), dtype=np.uint64)
@@ -285,41 +460,31 @@ class NixlExecutor(Executor):
             else:
                 local[i] = seg = segment_of(mem, plan.buffers[i].name)
                 dev[i] = seg.dev
+        reading = _reading(plan.buffers, src, dst, remote)
+        self._check_registered(plan.buffers, local)
+        peer = self._peer(plan.buffers, remote)
+        local_mem, remote_mem = (_one_mem(what, d) for what, d in (("local", local), ("remote", remote)))
+        return _Sides("READ" if reading else "WRITE", peer, local_mem, remote_mem, dev)
 
-        def name(i: int) -> str:
-            return plan.buffers[i].name
-        if not remote:
-            raise BindingError(name(min(src)), "local memory", "both sides of the plan are local; bind the source or "
-                               "the destination buffers to RemoteBuffers (NumpyExecutor copies locally)")
-        reading = bool(src & remote.keys())
-        (remote_side, rs), (local_side, ls) = ((src, "source"), (dst, "destination")) if reading else \
-            ((dst, "destination"), (src, "source"))
-        not_remote = sorted(remote_side - remote.keys())
-        if not_remote:
-            raise BindingError(name(not_remote[0]), "local memory", f"other {rs} buffers are remote; every {rs} "
-                               "buffer must be a RemoteBuffer (one side of a NIXL transfer is remote)")
-        not_local = sorted(local_side & remote.keys())
-        if not_local:
-            raise BindingError(name(not_local[0]), remote[not_local[0]], f"the {rs} side is remote, so every {ls} "
-                               "buffer must be local memory")
-        op = "READ" if reading else "WRITE"
+    def _check_registered(self, buffers: Sequence[Buffer], local: Mapping[int, Segment]) -> None:
+        """Every local buffer's bytes lie in one usable registration of this executor (BindingError)."""
         for i, seg in local.items():
-            if not self._registered(Segment(seg.addr, plan.buffers[i].nbytes, seg.dev, seg.mem)):
-                raise BindingError(name(i), f"{seg.mem} at {seg.addr:#x}, {plan.buffers[i].nbytes} bytes",
+            if not self._registered(Segment(seg.addr, buffers[i].nbytes, seg.dev, seg.mem)):
+                raise BindingError(buffers[i].name, f"{seg.mem} at {seg.addr:#x}, {buffers[i].nbytes} bytes",
                                    f"not registered with agent {self.agent_name!r} (use register() or bind()), or "
                                    "its registration is unusable (a transfer over it never finished)")
+
+    def _peer(self, buffers: Sequence[Buffer], remote: Mapping[int, RemoteBuffer]) -> str:
+        """The one agent every remote buffer belongs to, known to this agent (BindingError otherwise)."""
         peers = sorted({r.agent for r in remote.values()})
+        first = buffers[min(remote)].name
         if len(peers) > 1:
-            raise BindingError(plan.buffers[min(remote)].name, f"agents {peers}",
-                               "one NIXL transfer targets one agent; plan each peer's buffers separately")
+            raise BindingError(first, f"agents {peers}", "one NIXL transfer targets one agent; plan each peer's buffers "
+                               "separately")
         if peers[0] != self.agent_name and not self.agent.check_remote_metadata(peers[0]):
-            raise BindingError(plan.buffers[min(remote)].name, f"RemoteBuffer(agent={peers[0]!r})",
+            raise BindingError(first, f"RemoteBuffer(agent={peers[0]!r})",
                                f"agent {peers[0]!r} is unknown to {self.agent_name!r} (add_peer its metadata first)")
-        mems = [{s.mem for s in d.values()} for d in (local, remote)]
-        for what, m in zip(("local", "remote"), mems):
-            if len(m) > 1:
-                raise BindingError(what, sorted(m), "one side of a NIXL descriptor list has one memory type")
-        return _Sides(op, peers[0], mems[0].pop(), mems[1].pop(), dev)
+        return peers[0]
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
             after: After = None) -> NixlTransfer:

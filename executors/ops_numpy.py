@@ -34,7 +34,9 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory, Lowered, Memory, check_host_view
+from .binding import BoundMemory
+from .lowering import Lowered
+from .memory import Memory, check_host_view
 
 SMALL_RANGE_BYTES = 16 << 10  # below this a range is moved in a group; at or above, by one slice assignment
 GATHER_BYTES = 1 << 18  # bytes one gather/scatter pair moves: the temporary stays in the cache

@@ -37,7 +37,9 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BindingError, BoundMemory, Lowered, Memory, check_location, hold_for_stream
+from .binding import BoundMemory, hold_for_stream
+from .lowering import Lowered
+from .memory import BindingError, Memory, check_location
 from .options import TritonOptions
 
 ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))

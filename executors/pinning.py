@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .binding import resolve
+from .memory import resolve
 
 MAX_CHUNK_BYTES = 64 << 30
 

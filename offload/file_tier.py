@@ -50,11 +50,12 @@ from kvxfer.executors import (
     ExecutorError,
     Stream,
     Transfer,
-    nixl_files,  # FileBinding and the trust helpers (CONTRACT: FileBinding stays in executors)
+    nixl_memory,  # FileBinding (CONTRACT: FileBinding stays in executors)
 )
+from kvxfer.executors import file_trust as nixl_files  # the trust helpers, under the name this module's code uses
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
 
-FileBinding = nixl_files.FileBinding
+FileBinding = nixl_memory.FileBinding
 
 MAGIC = b"KVXSUM02"
 OLD_MAGICS = (b"KVXSUM01",)

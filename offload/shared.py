@@ -10,10 +10,12 @@ crash still gets in. A region whose name is still there but whose recorded proce
 is stale: ``find_stale`` lists such regions and ``remove_stale`` unlinks them.
 
 Trust. A region file is created private to its owner (0600) without following links; ``attach`` never follows a
-link either, refuses a region owned by another user or writable by others unless ``allow_foreign``, waits at
-most ``lock_timeout_s`` for the attach lock, and checks every header field before mapping anything: a bad field
-raises one SharedRegionError naming the field and its value. Names are checked in one place (``tier.region_name``)
-for the SharedSpec model and this class alike.
+link either, waits at most ``lock_timeout_s`` (a finite number) for the attach lock, refuses a region owned by
+another user, writable by others or reachable by another name (a hard link) unless ``allow_foreign`` (the checks
+of ``kvxfer.executors.file_trust``), and checks every header field before mapping anything: a bad field raises
+one SharedRegionError naming the field and its value. Names are checked in one place (``tier.region_name``) for
+the SharedSpec model and this class alike. ``find_stale`` looks only at regular files with a region's header, and
+opens nothing in a way that could block; a name taken by anything else is reported as such by ``create``.
 
 Header (``data_offset`` bytes, a multiple of 4 KiB): magic, sizes, the attach count and table of (pid, start
 time) pairs (slot 0: the creator; a negative pid: detached), then the Geometry as JSON. Rows start at
@@ -25,6 +27,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.executors import nixl_files  # the trust helpers: open without links, foreign files, bounded locks
+from kvxfer.executors import file_trust  # open without links, refuse foreign or linked files, bounded locks
 
 from .tier import Geometry, region_name
 
@@ -46,6 +49,7 @@ _PIDS_AT = 64
 _JSON_AT = _PIDS_AT + MAX_PIDS * _PID.size
 PAGE = 4096
 LOCK_TIMEOUT_S = 10.0
+PID_MAX = 2**31 - 1  # pid_t is 32 bits: a recorded pid past it names no process (and os.kill refuses it)
 
 StrPath = str | os.PathLike[str]
 
@@ -89,13 +93,64 @@ def path_of(name: str, directory: StrPath = "/dev/shm") -> Path:
 
 def _open(name: str, path: Path, flags: int) -> int:
     try:
-        return nixl_files.open_file(path, flags, create=False)[0]
+        return file_trust.open_file(path, flags, create=False)[0]
     except FileNotFoundError:
         raise SharedRegionError(name, f"no such region at {path} (not created yet, or every rank already attached "
                                 "and the name was unlinked)") from None
     except OSError as e:
         why = "is a symbolic link: refused" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
         raise SharedRegionError(name, f"{path} {why}") from None
+
+
+def _trusted(name: str, path: Path, fd: int, allow_foreign: bool, lock_timeout_s: float) -> os.stat_result:
+    """Take the attach lock on region file ``fd`` (at most ``lock_timeout_s``), then its status once trusted
+    (``file_trust.untrusted``): checked under the lock, since a creator holds it while its file has two names.
+    SharedRegionError otherwise."""
+    if not file_trust.lock_file(fd, lock_timeout_s):
+        raise SharedRegionError(name, f"the attach lock on {path} is held by another process for more than "
+                                f"{lock_timeout_s} s (a stopped or hung attacher)")
+    st = os.fstat(fd)
+    why = file_trust.untrusted(st, allow_foreign)
+    if why is not None:
+        raise SharedRegionError(name, f"{path} is {why}; refused (attach(..., allow_foreign=True) accepts a region "
+                                "you trust)")
+    return st
+
+
+def _new_file(name: str, tmp: Path) -> int:
+    """A new private file at ``tmp`` (never one already there: it could be planted). SharedRegionError otherwise."""
+    try:
+        fd, created = file_trust.open_file(tmp, os.O_RDWR, create=True)
+    except OSError as e:
+        raise SharedRegionError(name, f"cannot create {tmp}: {e.strerror}") from None
+    if not created:  # never write through a file someone else put there
+        os.close(fd)
+        raise SharedRegionError(name, f"{tmp} exists already (a planted file, or one left by an earlier process with "
+                                "this pid; remove it if nothing uses it)")
+    return fd
+
+
+def _publish(name: str, tmp: Path, path: Path) -> None:
+    """Give the finished file at ``tmp`` the region's name, never over a file already there; ``tmp`` goes either
+    way. SharedRegionError says what holds the name."""
+    try:
+        os.link(tmp, path, follow_symlinks=False)
+    except FileExistsError:
+        raise SharedRegionError(name, f"{path} exists ({_holder(path)})") from None
+    finally:
+        os.unlink(tmp)
+
+
+def _holder(path: Path) -> str:
+    """What holds a region's name, with what to do about it: a live region, a stale one, or another file."""
+    owners = _owners(path)
+    if owners is None:
+        return ("not a kvxfer region: remove_stale leaves it alone; remove it if nothing uses it, or choose another "
+                "name")
+    live = [pid for pid, start in owners if pid > 0 and _alive(pid, start)]
+    if live:
+        return f"another live region, of processes {live[:8]}"
+    return "a stale region whose processes are all gone: remove_stale() removes it"
 
 
 @dataclass(frozen=True)
@@ -131,6 +186,9 @@ def _header(name: str, fd: int, size: int) -> _Header:
     for i, (pid, start) in enumerate(pids, start=1):
         if pid == 0 or start < 0:
             raise SharedRegionError(name, "must hold a process id and a start time", f"pids[{i}]", (pid, start))
+        if abs(pid) > PID_MAX:
+            raise SharedRegionError(name, f"the process id is past pid_t (at most {PID_MAX}): no process has it",
+                                    f"pids[{i}]", (pid, start))
     try:
         geometry = Geometry.model_validate_json(os.pread(fd, json_bytes, _JSON_AT))
     except ValueError as e:
@@ -160,32 +218,26 @@ class SharedRegion:
                fill: int | None = 0) -> SharedRegion:
         """Create and map the region, private to this user; ``attachers`` other processes will attach (0: the name
         is unlinked now). ``fill`` None leaves the rows as the file system gives them (zeros on tmpfs). Raises
-        SharedRegionError for a bad name or count, or when the name is taken."""
+        SharedRegionError for a bad name or count, or when the name is taken (saying by what)."""
         path = path_of(name, directory)
         if isinstance(attachers, bool) or not isinstance(attachers, int) or not 0 <= attachers < MAX_PIDS:
             raise SharedRegionError(name, f"must be an integer 0 ..{MAX_PIDS - 1}", "attachers", attachers)
         body = geometry.model_dump_json().encode()
         data_offset = -(-(_JSON_AT + len(body)) // PAGE) * PAGE
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = _new_file(name, tmp)
         try:
-            fd, created = nixl_files.open_file(tmp, os.O_RDWR, create=True)
-        except OSError as e:
-            raise SharedRegionError(name, f"cannot create {tmp}: {e.strerror}") from None
-        try:
-            if not created:  # never write through a file someone else put there
-                raise SharedRegionError(name, f"{tmp} exists already (a planted file, or a stale one: remove_stale)")
+            # held until the name stands alone: an attacher checks the file's links under this lock, and between
+            # the link and the unlink below the file has two names
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, data_offset + geometry.nbytes)
             os.pwrite(fd, _FIXED.pack(MAGIC, data_offset, len(body), attachers, 0), 0)
             os.pwrite(fd, _PID.pack(os.getpid(), _start_time(os.getpid())), _PIDS_AT)
             os.pwrite(fd, body, _JSON_AT)
-            try:
-                os.link(tmp, path, follow_symlinks=False)
-            except FileExistsError:
-                raise SharedRegionError(name, f"{path} exists: {_taken_by(path)}") from None
-            finally:
-                os.unlink(tmp)
+            _publish(name, tmp, path)
             if attachers == 0:
                 os.unlink(path)
+            fcntl.flock(fd, fcntl.LOCK_UN)
             region = cls._map(name, path, fd, data_offset, geometry)
         except BaseException:
             os.close(fd)
@@ -198,20 +250,17 @@ class SharedRegion:
     def attach(cls, name: str, directory: StrPath = "/dev/shm", *, allow_foreign: bool = False,
                lock_timeout_s: float = LOCK_TIMEOUT_S) -> SharedRegion:
         """Map the region created under ``name``; the attach that brings the live attachers to the expected count
-        unlinks the name. Raises SharedRegionError: no such region, a link, a region of another user or writable by
-        others (unless ``allow_foreign``), the lock held past ``lock_timeout_s``, a bad header field, or every
-        expected attacher already attached and alive."""
+        unlinks the name. Raises SharedRegionError: a ``lock_timeout_s`` that is not a finite number, no such
+        region, a symbolic link, a region of another user, writable by others or with another name (a hard link)
+        unless ``allow_foreign``, the lock held past ``lock_timeout_s``, a bad header field, or every expected
+        attacher already attached and alive."""
         path = path_of(name, directory)
+        why = file_trust.timeout_refusal(lock_timeout_s)
+        if why is not None:
+            raise SharedRegionError(name, why, "lock_timeout_s", lock_timeout_s)
         fd = _open(name, path, os.O_RDWR)
         try:
-            st = os.fstat(fd)
-            why = nixl_files.untrusted(st, allow_foreign)
-            if why is not None:
-                raise SharedRegionError(name, f"{path} is {why}; refused (attach(..., allow_foreign=True) accepts a region "
-                                        "you trust)")
-            if not nixl_files.lock_file(fd, lock_timeout_s):
-                raise SharedRegionError(name, f"the attach lock on {path} is held by another process for more than "
-                                        f"{lock_timeout_s} s (a stopped or hung attacher)")
+            st = _trusted(name, path, fd, allow_foreign, lock_timeout_s)
             h = _header(name, fd, st.st_size)
             counted = [p for p in h.pids if p[0] < 0 or _alive(*p)]  # detached, or alive: not killed
             if len(counted) >= h.expected:
@@ -268,7 +317,7 @@ def _detach(fd: int) -> None:
     """Mark this process's first attached record detached (best effort: a header no one can lock or read is left)."""
     me = (os.getpid(), _start_time(os.getpid()))
     try:
-        if not nixl_files.lock_file(fd, LOCK_TIMEOUT_S):
+        if not file_trust.lock_file(fd, LOCK_TIMEOUT_S):
             return
         raw = os.pread(fd, _JSON_AT, 0)
         count = min(max(_FIXED.unpack_from(raw)[4], 0), MAX_PIDS - 1)
@@ -292,11 +341,24 @@ def _unlink_if_same(path: Path, st: os.stat_result) -> None:
         pass
 
 
-def _owners(path: Path) -> list[tuple[int, int]] | None:
-    """The (pid, start time) pairs recorded in a region file (creator first), or None when it is not a region."""
+def _open_regular(path: Path) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file, else None (a link, a FIFO, a directory, a
+    device, or gone). Never blocks: O_NONBLOCK, so a FIFO does not wait for a writer."""
     try:
-        fd = nixl_files.open_file(path, os.O_RDONLY, create=False)[0]
+        fd = file_trust.open_file(path, os.O_RDONLY | os.O_NONBLOCK, create=False)[0]
     except OSError:
+        return None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _owners(path: Path) -> list[tuple[int, int]] | None:
+    """The (pid, start time) pairs recorded in a region file (creator first), or None when it is not a region (not
+    a regular file, no kvxfer magic, or a recorded pid past pid_t)."""
+    fd = _open_regular(path)
+    if fd is None:
         return None
     try:
         head = os.pread(fd, _JSON_AT, 0)
@@ -305,33 +367,34 @@ def _owners(path: Path) -> list[tuple[int, int]] | None:
     if len(head) < _JSON_AT or head[:8] != MAGIC:
         return None
     count = _FIXED.unpack(head[:_FIXED.size])[4]
-    return [_PID.unpack_from(head, _PIDS_AT + i * _PID.size) for i in range(min(max(count, 0), MAX_PIDS - 1) + 1)]
+    owners = [_PID.unpack_from(head, _PIDS_AT + i * _PID.size) for i in range(min(max(count, 0), MAX_PIDS - 1) + 1)]
+    return None if any(abs(pid) > PID_MAX for pid, _ in owners) else owners
 
 
-def _taken_by(path: Path) -> str:
-    """What holds a region's name, worded as advice for the one who wanted it."""
-    owners = _owners(path)
-    if owners is None:
-        return ("not a kvxfer region (remove_stale leaves such files alone): remove it yourself if nothing uses it, or "
-                "choose another region name")
-    if any(_alive(pid, start) for pid, start in owners if pid > 0):
-        return "a live region of a running process; choose another region name"
-    return "a stale region (its processes are gone): remove_stale removes it"
+def _stale_tmp(path: Path) -> bool:
+    """Whether ``path`` is a temporary region file (a regular file) left by a process that is gone; a name whose
+    pid no process could have is not one of kvxfer's."""
+    pid_text = path.name.rsplit(".", 2)[1]
+    pid = int(pid_text) if pid_text.isdigit() else 0
+    if not 0 < pid <= PID_MAX:
+        return False
+    fd = _open_regular(path)
+    if fd is None:
+        return False
+    os.close(fd)
+    return not _alive(pid, 0)
 
 
 def find_stale(directory: StrPath = "/dev/shm") -> list[Path]:
-    """Region files (and leftover temporary files) whose every recorded process is dead."""
+    """Region files (and leftover temporary files) whose every recorded process is dead. Only regular files
+    with a kvxfer region's header count: anything else under a kvxfer name (a FIFO, a directory, a link, another
+    program's file, a header naming impossible pids) is skipped, never opened in a way that could block."""
     out = []
-    for p in sorted(Path(directory).glob(f"{PREFIX}*")) + sorted(Path(directory).glob(f".{PREFIX}*.tmp")):
-        if p.name.endswith(".tmp"):
-            pid = int(p.name.rsplit(".", 2)[1]) if p.name.rsplit(".", 2)[1].isdigit() else 0
-            if pid and not _alive(pid, 0):
-                out.append(p)
-            continue
+    for p in sorted(Path(directory).glob(f"{PREFIX}*")):
         owners = _owners(p)
         if owners is not None and not any(_alive(pid, start) for pid, start in owners if pid > 0):
             out.append(p)
-    return out
+    return out + [p for p in sorted(Path(directory).glob(f".{PREFIX}*.tmp")) if _stale_tmp(p)]
 
 
 def remove_stale(directory: StrPath = "/dev/shm") -> list[Path]:

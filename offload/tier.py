@@ -96,7 +96,8 @@ class TPRank(Spec):
 class SharedSpec(Spec):
     """A host region several processes map: created by one (``create``), attached by name by the others.
     ``attachers`` is how many attach calls to expect; the name is unlinked after the last one. ``allow_foreign``:
-    attach a region owned by another user or writable by others (refused by default)."""
+    attach a region owned by another user, writable by others or with another name (a hard link): refused by
+    default."""
 
     name: str
     directory: str = "/dev/shm"

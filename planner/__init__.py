@@ -17,12 +17,13 @@ from . import diff, render
 from ._model import Spec
 from .alignment import check_alignment
 from .case import Case
+from .column_pool import ColumnPool
 from .diff import diff_plans, equivalent
 from .errors import LayoutError, MappingError, PlanError, TargetError
 from .files import PlanFileError, read_bytes, read_json, shorten, suggest
-from .frozen import is_frozen
+from .frozen import freeze, is_frozen
 from .layout import Layout
-from .plan import COLUMNS, SCHEMA_VERSION, TransferPlan, format_bytes
+from .plan import COLUMNS, MAX_RANGE_BYTES, SCHEMA_VERSION, TransferPlan, format_bytes
 from .planning import plan_transfer
 from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
 from .target import (
@@ -40,11 +41,12 @@ from .target import (
 _LAZY = ("golden", "presets", "viz")  # public submodules imported on first use
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "CopyApi", "CopyAttributes", "Direction", "Fragment",
-    "Layout", "LayoutError", "Location", "LocationHint", "MappingError", "Placement", "PlanError", "PlanFileError",
-    "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target", "TargetError", "TransferPlan",
-    "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent", "format_bytes", "golden", "hip_version",
-    "is_frozen", "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten", "suggest", "viz",
+    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "ColumnPool", "CopyApi", "CopyAttributes", "Direction",
+    "Fragment", "Layout", "LayoutError", "Location", "LocationHint", "MAX_RANGE_BYTES", "MappingError", "Placement",
+    "PlanError", "PlanFileError", "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target",
+    "TargetError", "TransferPlan", "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent",
+    "format_bytes", "freeze", "golden", "hip_version", "is_frozen", "plan_transfer", "presets", "read_bytes",
+    "read_json", "render", "shorten", "suggest", "viz",
 ]
 
 

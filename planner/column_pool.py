@@ -50,22 +50,26 @@ FREE = _unreferenced_count()  # the count of a pooled array nothing else refers 
 
 
 class ColumnPool:
-    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` and ``empty``
-    may be called from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
+    """Int64 arrays for plan columns, reused once no view of them is alive. Thread-safe: ``take`` may be called
+    from any thread; one lock guards the slot lists (finding, claiming and evicting an array).
 
     Each pooled array has a frozen twin over the same memory (``kvxfer.planner.frozen``), made once: the
     planner writes through the array ``take`` hands out, and a plan keeps the view of the twin handed out with
-    it, which no holder can make writeable again. An array is free when neither it nor its twin is referenced
-    from outside the pool (the twin holds the array itself: one reference more)."""
+    it, which no holder can make writeable again. An array is free when nothing outside the pool refers to it,
+    to its twin, or to the object the twin is made over (the twin's base, through which ``np.asarray`` makes
+    new views that refer to that object alone): the object holds the array (one reference more), the twin
+    holds the object (one more)."""
 
     def __init__(self, slots: int = POOL_SLOTS, max_bytes: int = POOL_BYTES):
         self.slots, self.max_bytes = slots, max_bytes
         self._owners: list[np.ndarray] = []
         self._twins: list[np.ndarray] = []  # the frozen twin of each owner, same index
+        self._bases: list[object] = []  # the object each twin views (its base), same index
         self._lock = threading.Lock()
 
     def _free(self, i: int) -> bool:
-        return _count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
+        return (_count(self._owners, i) == FREE + 1 and _count(self._twins, i) == FREE
+                and _count(self._bases, i) == FREE + 1)
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised int64 array of ``n`` elements, from the pool when it is large enough to pool."""
@@ -74,7 +78,7 @@ class ColumnPool:
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         """An uninitialised int64 array of ``n`` elements to write, and, when it comes from the pool, the frozen
         view of the same memory to hand over once it is written (None: freeze the array itself). The array is
-        reused only once neither view of it is referenced."""
+        reused only once nothing made from it is referenced."""
         if n < POOL_MIN or not FREE:
             return np.empty(n, dtype=np.int64), None
         with self._lock:  # find and claim (take a view) under one lock: two threads never share an array
@@ -96,11 +100,13 @@ class ColumnPool:
                 gone = min(free, key=lambda i: len(owners[i]))
                 owners.pop(gone)
                 self._twins.pop(gone)
+                self._bases.pop(gone)
                 if self.nbytes + fresh.nbytes > self.max_bytes:
                     return fresh[:n], None
             twin = freeze(fresh)
             owners.append(fresh)
             self._twins.append(twin)
+            self._bases.append(twin.base)
             return fresh[:n], twin[:n]
 
     @property

@@ -21,6 +21,7 @@ from .target import CopyAttributes as CopyAttributes  # defined with the target 
 from .target import LocationHint as LocationHint  # import both from here too
 
 SCHEMA_VERSION = 1
+MAX_RANGE_BYTES = 1 << 63  # no range is this large: offsets and ends of smaller ones cannot wrap uint64 once bounded
 COLUMNS: dict[str, np.dtype] = PLAN_COLUMNS
 
 
@@ -64,7 +65,7 @@ class TransferPlan:
     """
 
     __slots__ = ("direction", "target", "options", "api", "buffers", "regions", "region_page_bytes", "attrs", "passes_attrs",
-                 "requested_copies", "call_offsets", "aliases", "region_writers", "_store", "_dense", "_fingerprint")
+                 "requested_copies", "call_offsets", "aliases", "region_writers", "_store", "_dense", "_fingerprint", "_checked")
     direction: Direction
     target: Target
     options: PlanOptions
@@ -81,6 +82,7 @@ class TransferPlan:
     _store: dict[str, Column]
     _dense: dict[str, np.ndarray]
     _fingerprint: str | None
+    _checked: bool
 
     src_buf = PlanColumn("Source buffer index (int32) of every range, into ``buffers``.")
     src_offset = PlanColumn("Source byte offset (uint64) of every range within its buffer.")
@@ -110,9 +112,7 @@ class TransferPlan:
         unknown = sorted({n for pair in pairs for n in pair} - set(regions)) if pairs else []
         if unknown:
             raise PlanError("aliases", unknown, "not regions of the plan")
-        writers = tuple((int(w), int(i)) for w, i in region_writers or ())
-        if writers and len(writers) != len(regions):
-            raise PlanError("region_writers", len(writers), f"expected one per region ({len(regions)})")
+        writers = _writers(region_writers, len(regions))
         store: dict[str, Column] = {}
         for name, dtype in COLUMNS.items():
             col = columns[name]
@@ -125,7 +125,7 @@ class TransferPlan:
                     tuple(buffers), regions, rpb, tuple(attrs),
                     target.passes_attrs if passes_attrs is None else bool(passes_attrs),
                     _checked_int(requested_copies, "requested_copies"), pairs, writers, store,
-                    freeze(_checked(call_offsets, "call_offsets", np.dtype(np.int64))), check=True)
+                    freeze(_checked(call_offsets, "call_offsets", np.dtype(np.int64))), shape=True)
 
     @classmethod
     def planned(cls, *, direction: Direction, target: Target, options: PlanOptions, buffers: tuple[Buffer, ...],
@@ -135,8 +135,8 @@ class TransferPlan:
                 api: CopyApi, passes_attrs: bool) -> TransferPlan:
         """For the planner: a plan from fields it built, in their final types (non-negative integer columns, call
         offsets rising from 0; ``api`` and ``passes_attrs`` the target's). The plan takes ownership of the
-        arrays (nobody may write them afterwards) and freezes them; it checks only the columns' lengths and the
-        call offsets (``check_shape``). Executors check every range of every plan they run."""
+        arrays (nobody may write them afterwards) and freezes them. The plan counts as checked (``check``): the
+        planner's construction proves what ``check`` verifies, and executors still bound every value they use."""
         store: dict[str, Column] = {}
         for name, dtype in COLUMNS.items():
             col = columns[name]
@@ -146,16 +146,16 @@ class TransferPlan:
                 store[name] = freeze(col, dtype) if col.dtype.itemsize == dtype.itemsize else freeze(col.astype(dtype))
         plan = object.__new__(cls)
         plan._setup(direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs,
-                    requested_copies, aliases, region_writers, store, freeze(call_offsets), check=False)
+                    requested_copies, aliases, region_writers, store, freeze(call_offsets), shape=False, checked=True)
         return plan
 
     def _setup(self, direction: Direction, target: Target, options: PlanOptions, api: CopyApi,
                buffers: tuple[Buffer, ...], regions: tuple[str, ...], region_page_bytes: tuple[int, ...],
                attrs: tuple[CopyAttributes, ...], passes_attrs: bool, requested_copies: int,
                aliases: tuple[tuple[str, str], ...], region_writers: tuple[tuple[int, int], ...],
-               store: dict[str, Column], call_offsets: np.ndarray, check: bool) -> None:
+               store: dict[str, Column], call_offsets: np.ndarray, shape: bool, checked: bool = False) -> None:
         """Every field, from values already in their final form (the one place a plan's fields are set); then,
-        with ``check``, the shape (``check_shape``)."""
+        with ``shape``, the shape (``check_shape``). ``checked``: the verdict of ``check`` is known (True)."""
         set_ = object.__setattr__
         set_(self, "direction", direction)
         set_(self, "target", target)
@@ -173,7 +173,8 @@ class TransferPlan:
         set_(self, "call_offsets", call_offsets)
         set_(self, "_dense", {})
         set_(self, "_fingerprint", None)
-        if check:
+        set_(self, "_checked", checked)
+        if shape:
             self.check_shape()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -211,34 +212,44 @@ class TransferPlan:
     def check_shape(self) -> None:
         """Raise PlanError unless every column has ``num_ranges`` entries and ``call_offsets`` rises strictly
         from 0 to ``num_ranges`` (the constructor ensures both; ``planned`` takes them on trust). O(columns +
-        calls): executors call it on every run."""
-        n = len(self._store["nbytes"])
-        for name in COLUMNS:
-            if len(self._store[name]) != n:
-                raise PlanError(name, len(self._store[name]), f"column length differs from nbytes ({n})")
+        calls). A column whose length differs from the others' is named (``nbytes`` counts as one of them)."""
+        lengths = {name: len(self._store[name]) for name in COLUMNS}
+        counts = list(lengths.values())
+        n = max(set(counts), key=lambda v: (counts.count(v), v == lengths["nbytes"]))  # the length most columns have
+        for name, m in lengths.items():
+            if m != n:
+                raise PlanError(name, m, f"column length differs from the other columns' ({n})")
         co = self.call_offsets
         if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or (len(co) > 1 and bool((co[1:] <= co[:-1]).any())):
             raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
 
     def check(self) -> TransferPlan:
-        """Verify that every range lies inside its buffers and every index points into its table; returns self.
+        """Verify the plan, once: returns self, or raises PlanError naming the column, the range index and the value.
 
-        Plans from ``plan_transfer`` hold by construction; this guards plans read from files or built by hand.
-        Raises PlanError naming the column, the range index and the value.
+        The one validator of a plan's content: every column one length and call offsets rising from 0 to it;
+        every buffer, region and attribute index inside its table; no range empty or of 2^63 bytes or more; every
+        range inside its buffers' declared sizes (a wrapping sum included). The verdict is kept (a plan is
+        immutable): later calls return at once. Plans from ``plan_transfer`` hold by construction; this guards
+        plans read from files, unpickled or built by hand. Executors call it before they run a plan, and then
+        bound only the values they use (which a holder writing a column after the check would change).
         """
+        if self._checked:
+            return self
         self.check_shape()
         nbuf = len(self.buffers)
-        sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
         for col, limit in (("src_buf", nbuf), ("dst_buf", nbuf), ("region", len(self.regions)), ("attr", len(self.attrs))):
             values, lengths = self.column_runs(col)
             bad = (values < 0) | (values >= limit)
             if bad.any():
                 i = int(np.argmax(bad))
                 raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
+        nb_values, nb_lengths = self.column_runs("nbytes")
+        for bad, reason in ((nb_values == 0, "empty range"), (nb_values >= MAX_RANGE_BYTES, "range too large")):
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
+        sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
         nb = self.nbytes
-        if len(nb) and int(nb.min()) == 0:
-            i = int(np.argmin(nb))
-            raise PlanError("nbytes", 0, "empty range", i)
         for side in ("src", "dst"):
             off, buf = self.column(f"{side}_offset"), self.column(f"{side}_buf")
             end = off + nb  # uint64: a wrap shows up as end < off
@@ -247,7 +258,13 @@ class TransferPlan:
                 i = int(np.argmax(bad))
                 raise PlanError(f"{side}_offset", int(off[i]), f"range of {int(nb[i])} bytes runs past buffer "
                                 f"{self.buffers[int(buf[i])].name!r} of {int(sizes[buf[i]])} bytes", i)
+        object.__setattr__(self, "_checked", True)
         return self
+
+    @property
+    def checked(self) -> bool:
+        """Whether ``check`` has passed for this plan (or the planner built it, which proves the same)."""
+        return self._checked
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -435,22 +452,22 @@ class TransferPlan:
 
 
 def _restore(fields: tuple[Any, ...]) -> TransferPlan:
-    """A plan from ``TransferPlan.__reduce__``'s fields (a pickle or a copy): arrays unpickled or deep-copied
-    are frozen, run-length columns rebuilt, and the shape checked as the constructor checks it."""
+    """A plan from ``TransferPlan.__reduce__``'s fields (a pickle or a copy): every array is copied into memory
+    the new plan alone holds, then frozen (an unpickler may hand over arrays over buffers its caller keeps
+    writing: pickle protocol 5's out-of-band buffers, shared memory), run-length columns rebuilt, and the shape
+    checked as the constructor checks it. The copy is not checked yet (``check`` runs before it is executed)."""
     (direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs, requested_copies,
      aliases, region_writers, store, call_offsets) = fields
     frozen: dict[str, Column] = {}
     for name, col in store.items():
         if isinstance(col, Runs):
-            values, lengths = np.array(col.values), np.array(col.lengths, dtype=np.int64)
-            values.flags.writeable = lengths.flags.writeable = False
-            frozen[name] = Runs(values, lengths)
+            frozen[name] = Runs(freeze(np.array(col.values)), freeze(np.array(col.lengths, dtype=np.int64)))
         else:
-            frozen[name] = freeze(np.ascontiguousarray(col))
+            frozen[name] = freeze(np.array(col))
     plan = object.__new__(TransferPlan)
     plan._setup(direction, target, options, api, buffers, regions, region_page_bytes, attrs, passes_attrs,
                 requested_copies, aliases, region_writers, frozen,
-                freeze(np.ascontiguousarray(call_offsets, dtype=np.int64)), check=True)
+                freeze(np.array(call_offsets, dtype=np.int64)), shape=True)
     return plan
 
 
@@ -470,3 +487,23 @@ def _checked_int(value: Any, field: str) -> int:
         return check_int(value, field, None)
     except PlanFileError as e:
         raise PlanError(e.field, e.value, e.reason, e.index) from None
+
+
+def _writers(region_writers: Sequence[Sequence[int]] | None, num_regions: int) -> tuple[tuple[int, int], ...]:
+    """``region_writers`` as (num_writers, writer_index) pairs, one per region (or none): integers with
+    1 <= num_writers < 2^63 and 0 <= writer_index < num_writers. PlanError naming the pair otherwise."""
+    out: list[tuple[int, int]] = []
+    for i, pair in enumerate(region_writers or ()):
+        try:
+            w, k = pair
+        except (TypeError, ValueError):
+            raise PlanError("region_writers", pair, "expected a (num_writers, writer_index) pair", i) from None
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (w, k)):
+            raise PlanError("region_writers", pair, "expected a pair of integers", i)
+        w, k = int(w), int(k)
+        if not 1 <= w < 1 << 63 or not 0 <= k < w:
+            raise PlanError("region_writers", (w, k), "expected 1 <= num_writers < 2^63 and 0 <= writer_index < num_writers", i)
+        out.append((w, k))
+    if out and len(out) != num_regions:
+        raise PlanError("region_writers", len(out), f"expected one per region ({num_regions})")
+    return tuple(out)

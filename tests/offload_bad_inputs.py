@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.executors import BindingError, NumpyExecutor
-from kvxfer.executors.nixl_files import FileBinding
+from kvxfer.executors.nixl_memory import FileBinding
 from kvxfer.offload import (
     DeviceKV,
     FileTier,
@@ -84,6 +84,31 @@ def planted_link(path: Path) -> None:
 
 def cut(path: Path) -> None:
     os.truncate(path, path.stat().st_size - 100)
+
+
+def second_name(path: Path) -> None:
+    """Give the region file another name (a hard link): a write through one name changes the file under both."""
+    os.link(path, path.with_name("kvxfer-alias"))
+
+
+def pid_past_pid_t(path: Path) -> None:
+    """One recorded attacher whose pid no process can have (pid_t is 32 bits)."""
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<q", raw, 32, 1)  # attached count
+    struct.pack_into("<qq", raw, 64 + 16, 2**31, 0)  # pids[1]
+    path.write_bytes(bytes(raw))
+
+
+def name_taken_by_another_file(env: Any) -> Any:
+    (Path(env.folder) / "kvxfer-taken").write_bytes(b"not a region")
+    return SharedRegion.create("taken", GEOMETRY, attachers=1, directory=env.folder)
+
+
+def hard_link_to_a_file(path: Path) -> None:
+    target = path.with_name("precious")
+    target.write_bytes(b"keep me")
+    target.chmod(0o600)
+    os.link(target, path)
 
 
 FILE_LAYOUT = tier_layout(1, 4, 4096)
@@ -156,6 +181,10 @@ def records_writable_by_others(folder: Path) -> None:
     (folder / "file0.kv.kvxsum").chmod(0o666)
 
 
+def records_with_a_second_name(folder: Path) -> None:
+    hard_link_to_a_file(folder / "file0.kv.kvxsum")
+
+
 def memory_as_a_file(env: Any) -> Any:
     mem = np.zeros(FILE_LAYOUT.buffers[0].nbytes, np.uint8)
     return FileTier(LocalFiles(), FILE_LAYOUT, {}, {"file0": mem})
@@ -197,13 +226,22 @@ ROWS: list[tuple[str, Act, type[BaseException], str]] = [
     ("region expecting -1 attachers", region(header(24, "<q", -1)), SharedRegionError, "expected attachers = -1"),
     ("region geometry that is not JSON", region(header(1088, "<5s", b"{no}!")), SharedRegionError, "geometry"),
     ("region rows cut short", region(cut), SharedRegionError, "size = "),
+    ("region file with a second name (hard link)", region(second_name), SharedRegionError, "a file with 2 names"),
+    ("region attach lock waited on for nan seconds", lambda env: SharedRegion.attach("any", env.folder, lock_timeout_s=float("nan")),
+     SharedRegionError, "lock_timeout_s = nan: must be a finite number"),
+    ("region header with a pid past pid_t", region(pid_past_pid_t), SharedRegionError, "pids[1] = (2147483648, 0)"),
+    ("region name taken by a file that is no region", name_taken_by_another_file, SharedRegionError,
+     "not a kvxfer region: remove_stale leaves it alone"),
     # files
     ("spill file through a planted link", file_binding(link_to_a_file), BindingError, "symbolic link"),
     ("spill file writable by others", file_binding(other_writable), BindingError, "writable by others"),
+    ("spill file with a second name (hard link)", file_binding(hard_link_to_a_file), BindingError, "a file with 2 names"),
     ("integrity records of an older format", tier(old_records), BindingError, "older format"),
     ("integrity records moved from another file", tier(records_from_elsewhere), BindingError, "files moved or swapped"),
     ("integrity records writable by others", tier(records_writable_by_others), BindingError,
      "integrity records writable by others"),
+    ("integrity records with a second name (hard link)", tier(records_with_a_second_name), BindingError,
+     "integrity records a file with 2 names"),
     ("integrity chunk not a multiple of the file alignment", tier(layout=tier_layout(1, 4, 4096, align_bytes=4096),
                                                                   chunk_bytes=1000), BindingError, "chunk_bytes 1000"),
     ("tier memory bound to a file buffer", memory_as_a_file, BindingError, "the layout places this buffer in file"),

@@ -194,6 +194,17 @@ def built_plan(column: str, value: Any, index: int = 1) -> Callable[[Env], Any]:
     return act
 
 
+def plan_with(**fields: Any) -> Callable[[Env], Any]:
+    """Build PLAN again by hand with ``fields`` of the constructor replaced (``columns`` merged), and run it."""
+    def act(env: Env) -> None:
+        kw: dict[str, Any] = dict(direction=PLAN.direction, target=PLAN.target, options=PLAN.options,
+                                  buffers=PLAN.buffers, regions=PLAN.regions, attrs=PLAN.attrs,
+                                  requested_copies=PLAN.requested_copies, call_offsets=PLAN.call_offsets.tolist())
+        cols = {c: PLAN.column(c).tolist() for c in COLUMNS} | fields.pop("columns", {})
+        env.run(TransferPlan(**kw, columns=cols, **fields))
+    return act
+
+
 def chunked_mapping(s: list[int], d: list[int]) -> Callable[[Env], Any]:
     """A dict of numpy ids (the hot path) on a layout whose host side holds chunks of 2 blocks, planned and run
     on sentinel buffers of its own."""
@@ -410,6 +421,17 @@ CATALOGUE: list[Bad] = [
     Bad("store over bytes a long earlier read covers", one_buffer_store(), LayoutError, "overlap source bytes"),
     Bad("writes overlapping across another buffer's range", writes_across_buffers(), LayoutError,
         "that region 'a' also writes"),
+    # ---- the plan constructor's other fields (issue 28, item 13) ---------------------------------------------------
+    Bad("plan built with a writer count past int64", plan_with(region_writers=[(2**64, 0)] * len(PLAN.regions)),
+        PlanError, "region_writers[0] = (18446744073709551616, 0)"),
+    Bad("plan built with a word as a writer count", plan_with(region_writers=[("a", 0)] * len(PLAN.regions)),
+        PlanError, "region_writers[0] = ('a', 0): expected a pair of integers"),
+    Bad("plan built with a writer index equal to its writers", plan_with(region_writers=[(2, 2)] * len(PLAN.regions)),
+        PlanError, "region_writers[0] = (2, 2)"),
+    Bad("plan built with a writer entry that is not a pair", plan_with(region_writers=[7] * len(PLAN.regions)),
+        PlanError, "region_writers[0] = 7: expected a (num_writers, writer_index) pair"),
+    Bad("plan built with a size column one short", plan_with(columns={"nbytes": PLAN.nbytes.tolist()[:-1]}),
+        PlanError, f"nbytes = {PLAN.num_ranges - 1}: column length differs from the other columns' ({PLAN.num_ranges})"),
     Bad("region writer index equal to its writers", lambda env: Region(
         name="r", page_bytes=8, device={"buffer": "g"}, host={"buffer": "h"}, num_writers=2, writer_index=2),
         LayoutError, "writer_index = 2: must be below num_writers 2"),

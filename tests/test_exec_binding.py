@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, resolve
-from kvxfer.executors.binding import check_location
+from kvxfer.executors.memory import check_location
 from kvxfer.planner import COLUMNS, Buffer, Location, PlanError, TransferPlan, plan_transfer, presets
 
 
@@ -74,7 +74,7 @@ def test_matrix_flattens_and_odd_bindings_are_binding_errors():
         NumpyExecutor().run(plan, list(bufs.values()))
 
 
-def test_torch_tensor_over_immutable_bytes_is_read_only():
+def test_torch_tensorover_immutable_bytes_is_read_only():
     torch = pytest.importorskip("torch")
     layout, plan = _one_range_plan(page=16, blocks=4)
     bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}
@@ -123,7 +123,7 @@ def test_malformed_plan_range_past_buffer_is_refused():
         TransferPlan.from_dict(d)
     bad = _hand_made(plan, dst_offset=[dst.nbytes - 8])  # a plan built by hand reaches the executor
     bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}
-    with pytest.raises(PlanError, match=rf"dst_offset\[0\] = {dst.nbytes - 8}: range of 64 bytes runs past buffer '{dst.name}' of {dst.nbytes} bytes \(malformed plan\)"):
+    with pytest.raises(PlanError, match=rf"dst_offset\[0\] = {dst.nbytes - 8}: range of 64 bytes runs past buffer '{dst.name}' of {dst.nbytes} bytes$"):
         NumpyExecutor().bind(layout, bufs).lower(bad)
 
 
@@ -213,30 +213,30 @@ def _map_pages(n: int) -> tuple[ctypes.CDLL, int]:
 @pytest.mark.parametrize("offset", [0, 8, 16, 24, 31])
 def test_bytes_data_just_past_a_page_boundary_is_recognised_as_immutable(offset):
     """The header of a bytes object whose data starts within 32 bytes of a page lies on the page before."""
-    from kvxfer.executors.binding import _over_immutable_bytes
+    from kvxfer.executors.memory import over_immutable_bytes
     libc, base = _map_pages(2)
     try:
         data = base + 4096 + offset
         header = data - (bytes.__basicsize__ - bytes.__itemsize__)  # a bytes object's layout, written by hand
         ctypes.memmove(header + object.__basicsize__ - 8, struct.pack("<QQ", id(bytes), 100), 16)
-        assert _over_immutable_bytes(data, 64) and _over_immutable_bytes(data, 100)
-        assert not _over_immutable_bytes(data, 101)  # more bytes than the object holds: not that object
+        assert over_immutable_bytes(data, 64) and over_immutable_bytes(data, 100)
+        assert not over_immutable_bytes(data, 101)  # more bytes than the object holds: not that object
         libc.munmap(base, 4096)  # the page before is gone: reading the header there must not fault
         fields = header + object.__basicsize__ - 8  # type and size: all that is read
-        assert _over_immutable_bytes(data, 64) is (fields >= base + 4096)
+        assert over_immutable_bytes(data, 64) is (fields >= base + 4096)
     finally:
         libc.munmap(base + 4096, 4096)
 
 
 def test_bytes_data_far_from_a_page_boundary_is_recognised_as_immutable_without_the_slow_read():
-    from kvxfer.executors import binding
+    from kvxfer.executors import memory
     libc, base = _map_pages(1)
     try:
         data = base + 512
         ctypes.memmove(data - 24, struct.pack("<QQ", id(bytes), 64), 16)
-        assert binding._over_immutable_bytes(data, 64)
+        assert memory.over_immutable_bytes(data, 64)
         ctypes.memmove(data - 24, struct.pack("<QQ", id(bytearray), 64), 16)
-        assert not binding._over_immutable_bytes(data, 64)  # another type: writable memory
+        assert not memory.over_immutable_bytes(data, 64)  # another type: writable memory
     finally:
         libc.munmap(base, 4096)
 
@@ -244,10 +244,10 @@ def test_bytes_data_far_from_a_page_boundary_is_recognised_as_immutable_without_
 def test_torch_tensors_over_bytes_objects_of_many_sizes_are_read_only():
     """torch.frombuffer over bytes objects wherever the allocator put them: every one is refused as a destination."""
     torch = pytest.importorskip("torch")
-    from kvxfer.executors.binding import _over_immutable_bytes
+    from kvxfer.executors.memory import over_immutable_bytes
     objects = [bytes(range(n % 256)) * (1 + n // 256) + b"x" for n in range(1, 400)]  # many sizes: many placements
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for b in objects:
             t = torch.frombuffer(b, dtype=torch.uint8)
-            assert _over_immutable_bytes(t.data_ptr(), len(b)) and resolve(t, "t").writable is False
+            assert over_immutable_bytes(t.data_ptr(), len(b)) and resolve(t, "t").writable is False

@@ -12,8 +12,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, binding
-from kvxfer.executors.binding import LONG_RUN, lowering_strategy
+from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, lowering
+from kvxfer.executors.lowering import LONG_RUN, lowering_strategy
 from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import COLUMNS, Location, PlanError, Target, TransferPlan, cuda_version, plan_transfer, presets
 
@@ -69,7 +69,7 @@ CASES = {  # name -> (run lengths, scale): the strategy each must take is assert
     "unequal runs, long": (RUNS["4, 2, 2, 8"], LONG_RUN, "long runs"),
     "other unequal runs": (RUNS["1, 8, 6, 1"], 1, "repeat"),
     "equal runs": (RUNS["4, 4, 4, 4"], 1, "grid"),
-    "equal runs, long": (RUNS["4, 4, 4, 4"], LONG_RUN, "grid"),
+    "equal runs, long": (RUNS["4, 4, 4, 4"], LONG_RUN, "long runs"),
 }
 
 
@@ -98,7 +98,7 @@ def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name, monkeypatch
     assert low.nbytes.tolist() == plan.nbytes.tolist()
     assert out[0][n:].tolist() == [7, 7, 7] and np.shares_memory(low.src, out[0])
     sizes = np.full(n + 3, 7, np.uint64)  # a third array takes the sizes (the DMA executors reuse all three)
-    monkeypatch.setattr(binding, "FRESH_RANGES", 0)  # as large plans do (small ones take a fresh array)
+    monkeypatch.setattr(lowering, "FRESH_RANGES", 0)  # as large plans do (small ones take a fresh array)
     low3 = bound.descriptors(plan, (*out, sizes))
     assert low3.nbytes.tolist() == plan.nbytes.tolist() and sizes[n:].tolist() == [7, 7, 7]
     assert np.shares_memory(low3.nbytes, sizes)
@@ -109,8 +109,10 @@ def test_lowering_is_base_plus_offset_whatever_the_run_lengths(name, monkeypatch
     offsets = bound.offsets(plan)  # the check-only lowering keeps offsets
     assert offsets.src.tolist() == plan.src_offset.tolist() and offsets.dst.tolist() == plan.dst_offset.tolist()
     assert offsets.nbytes.tolist() == plan.nbytes.tolist() and len(offsets.nbytes) == n
-    # a plan's columns are frozen, so offsets are handed on without a copy, and stay read-only for whoever holds them
-    assert np.shares_memory(offsets.src, plan.column("src_offset"))
+    # offsets are read once into the executor's own memory (a plan's column may still be written through torch),
+    # and stay read-only for whoever holds them
+    assert not np.shares_memory(offsets.src, plan.column("src_offset"))
+    assert not np.shares_memory(offsets.dst, plan.column("dst_offset"))
     for col in (offsets.src, offsets.dst, offsets.nbytes):
         with pytest.raises(ValueError):
             col.flags.writeable = True

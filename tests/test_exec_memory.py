@@ -269,6 +269,227 @@ def test_a_size_changed_after_its_first_read_is_the_size_checked_and_used(execut
     executor.close()
 
 
+# ---- frozen in fact: a column written through torch, unpickled plans, numpy arrays that move ----------------
+def _writable_view(col: np.ndarray):
+    """A torch tensor over a plan column's memory: torch has no read-only tensors, so it writes what numpy won't."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The given NumPy array is not writable"
+        return torch.from_numpy(col)
+
+
+class RestoresAfterAdd(np.ndarray):
+    """An ``out`` array for ``descriptors`` that runs a callback right after the first ufunc writes into it: a
+    racing thread's write landing between the addition that makes the addresses and anything after it."""
+
+    hook: dict  # {"then": callable or None}, shared by the views lowering takes of it
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.hook = getattr(obj, "hook", {"then": None})
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        plain = tuple(np.asarray(o) if isinstance(o, RestoresAfterAdd) else o for o in (out or ()))
+        inputs = tuple(np.asarray(x) if isinstance(x, RestoresAfterAdd) else x for x in inputs)
+        result = getattr(ufunc, method)(*inputs, out=plain or None, **kw)
+        then, self.hook["then"] = self.hook["then"], None
+        if then is not None:
+            then()
+        return result
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_an_offset_written_through_torch_between_the_addition_and_the_bound_is_never_used(side):
+    """The addresses used are the addresses bounded: a checked plan's frozen column, written through torch to run
+    64 bytes past its buffer and written back right after the addresses are made, is refused."""
+    plan = _plan()
+    memory = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers}
+    bound = bind(LAYOUT, memory, check=lambda buf, mem: None)  # host arrays stand in for device memory
+    col = plan.column(f"{side}_offset")
+    i = plan.num_ranges - 1
+    buf = plan.buffers[int(plan.column(f"{side}_buf")[i])]
+    good, t = int(col[i]), _writable_view(col)
+    t[i] = buf.nbytes - int(plan.nbytes[i]) + 64
+    out = [np.empty(plan.num_ranges, np.uint64).view(RestoresAfterAdd) for _ in range(2)]
+    out[0 if side == "src" else 1].hook["then"] = lambda: t.__setitem__(i, good)
+    with pytest.raises(PlanError, match=rf"^{side}_offset\[{i}\] = {buf.nbytes - int(plan.nbytes[i]) + 64}: range .* runs past"):
+        bound.descriptors(plan, out)
+
+
+def test_offsets_are_read_once_into_memory_no_plan_column_shares(executor):
+    """The NumPy executor copies with the offsets it bounded: a column written through torch after lowering read
+    it changes nothing the run does; written before, to leave its buffer, the run is refused and nothing moves."""
+    plan = _plan()
+    arena, bindings, guard = _arena(seed=2)
+    want = {k: v.copy() for k, v in bindings.items()}
+    NumpyExecutor().run(plan, want)
+    bound = executor.bind(LAYOUT, bindings)
+    col = plan.column("dst_offset")
+    t, i = _writable_view(col), plan.num_ranges - 1
+    good = int(col[i])
+    before = arena.copy()
+    t[i] = plan.buffers[int(plan.dst_buf[i])].nbytes  # starts at the end of its buffer
+    with pytest.raises(PlanError, match=rf"dst_offset\[{i}\]"):
+        executor.run(plan, bound).wait()
+    assert np.array_equal(arena, before), "a refused run moved bytes"
+    t[i] = good
+    executor.run(plan, bound).wait()
+    assert all(np.array_equal(bindings[k], want[k]) for k in want)
+    low = bound.offsets(plan)
+    assert not np.shares_memory(low.dst, col) and not np.shares_memory(low.src, plan.column("src_offset"))
+    executor.close()
+
+
+@pytest.mark.parametrize("holder", ["bytearray", "shared memory"])
+def test_an_unpickled_plan_owns_its_columns_whatever_buffers_the_unpickler_was_given(holder):
+    """Pickle protocol 5 hands large columns out of band: the caller's buffers (a bytearray, shared memory) stay
+    theirs to write, so the plan copies them; writing them afterwards changes nothing in the plan."""
+    import pickle
+    from multiprocessing import shared_memory
+
+    plan = plan_transfer(presets.kv_layout(4, 8192, 64), presets.mapping("fragmented", 4096, 8192), Target())
+    assert plan.column("src_offset").nbytes >= 1 << 16  # large enough to travel out of band
+    pieces: list = []
+    data = pickle.dumps(plan, protocol=5, buffer_callback=pieces.append)
+    assert pieces, "nothing went out of band"
+    shms, held = [], []
+    for p in pieces:
+        raw = p.raw()
+        if holder == "bytearray":
+            held.append(bytearray(raw))
+        else:
+            shm = shared_memory.SharedMemory(create=True, size=raw.nbytes)
+            shm.buf[:raw.nbytes] = raw
+            shms.append(shm)
+            held.append(shm.buf[:raw.nbytes])
+    try:
+        copy = pickle.loads(data, buffers=held)
+        assert copy == plan
+        want = {c: copy.column(c).copy() for c in COLUMNS}
+        for h in held:
+            h[:] = bytes(len(h))  # the holder zeroes its buffers
+        del h
+        assert all(np.array_equal(copy.column(c), want[c]) for c in COLUMNS), "the holder's writes reached the plan"
+        assert copy.fingerprint == plan.fingerprint
+    finally:
+        del held[:]
+        for shm in shms:
+            shm.close()
+            shm.unlink()
+
+
+MOVES_NUMPY = {  # an array that owns its memory moves it: resize (refcheck=False) and __setstate__
+    "resize twice, back to the bound size": lambda a: (a.resize(2 * a.size, refcheck=False), a.resize(a.size // 2, refcheck=False)),
+    "__setstate__ of another array": lambda a: a.__setstate__(np.zeros(a.size, a.dtype).__reduce__()[2]),
+}
+
+
+@pytest.mark.parametrize("how", list(MOVES_NUMPY))
+def test_a_numpy_array_bound_cannot_move_unnoticed(executor, how):
+    """numpy frees an array's memory on resize and __setstate__ whatever views it: the binding keeps a weak
+    reference (numpy then refuses to resize), and each run compares the array's data pointer (never its size),
+    so a run over an array that moved is refused and nothing is written."""
+    plan = _plan()
+    bindings = {b.name: np.random.default_rng(4).integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}
+    bound = executor.bind(LAYOUT, bindings)
+    executor.run(plan, bound).wait()
+    dst = plan.buffers[int(plan.dst_buf[0])].name
+    try:
+        MOVES_NUMPY[how](bindings[dst])
+    except ValueError as e:  # numpy refused: the memory did not move
+        assert "resize" in str(e) and how.startswith("resize")
+        executor.run(plan, bound).wait()
+        executor.close()
+        return
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = ndarray.* no longer the memory bound"):
+        executor.run(plan, bound)
+    executor.close()
+
+
+def test_a_numpy_array_can_be_resized_again_once_unbound():
+    a = np.zeros(4096, np.uint8)
+    layout = presets.kv_layout(1, 64, 64, shared_host=False)
+    memory = {b.name: (a if i == 0 else np.zeros(b.nbytes, np.uint8)) for i, b in enumerate(layout.buffers)}
+    bound = bind(layout, memory, check=lambda buf, mem: None)
+    with pytest.raises(ValueError, match="resize"):
+        a.resize(8192, refcheck=False)
+    bound.close()
+    del bound
+    gc.collect()
+    a.resize(8192, refcheck=False)
+    assert a.size == 8192
+
+
+def test_a_view_made_through_a_pooled_columns_frozen_base_keeps_its_memory_out_of_the_pool():
+    """np.asarray of the object a pooled column's frozen twin is made over views the same memory: while such a
+    view lives, later plans of the layout get other memory, so the view never shows another plan's offsets."""
+    layout = presets.kv_layout(4, 8192, 64)
+    first = plan_transfer(layout, presets.mapping("fragmented", 4096, 8192, seed=1))
+    col = first.column("src_offset")
+    view = np.asarray(col.base.base)[:len(col)]  # through the base object itself, not through the column
+    want = view.copy()
+    del first, col
+    gc.collect()
+    for seed in (2, 3, 4):
+        plan_transfer(layout, presets.mapping("fragmented", 4096, 8192, seed=seed))
+    assert np.array_equal(view, want), "a later plan was written into memory a live view shows"
+
+
+def test_each_plan_is_bounded_with_its_own_largest_range_size():
+    """The last start offsets are kept for the largest size last asked: a plan with larger ranges must not be
+    bounded with a smaller plan's. A 4-page range moved (after its check) to end 12 KiB past its buffer is refused
+    after a 1-page plan ran on the same binding."""
+    layout = presets.kv_layout(2, 16, 4096, shared_host=False)
+    memory = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}
+    bound = bind(layout, memory, check=lambda buf, mem: None)
+    small = plan_transfer(layout, {"direction": "h2d", "src_ids": [3], "dst_ids": [5]})
+    big = plan_transfer(layout, {"direction": "h2d", "src_ids": [0, 1, 2, 3], "dst_ids": [4, 5, 6, 7]})
+    assert set(big.nbytes.tolist()) == {4 * 4096} and set(small.nbytes.tolist()) == {4096}
+    bound.descriptors(small)
+    bound.descriptors(big)
+    col = big.column("dst_offset")
+    i = 0
+    buf = big.buffers[int(big.dst_buf[i])]
+    _writable_view(col)[i] = buf.nbytes - 4096  # a 4-page range there ends 12 KiB past the buffer
+    bound.descriptors(small)
+    with pytest.raises(PlanError, match=rf"dst_offset\[{i}\] = {buf.nbytes - 4096}: range of 16384 bytes runs past"):
+        bound.descriptors(big)
+
+
+@pytest.mark.parametrize("mode", ["descriptors", "offsets", "check"])
+def test_a_range_written_past_its_buffer_in_a_late_block_of_a_large_plan_is_refused_at_its_index(mode, monkeypatch):
+    """Large plans are lowered in blocks of whole buffer runs: a range in the last block, written (after the check)
+    to run past its buffer, is refused and named by its index in the plan, not in its block."""
+    from kvxfer.executors import RawMemory, lowering
+
+    monkeypatch.setattr(lowering, "BLOCK", 64)  # blocks of a few runs, on a plan small enough for a test
+    layout = presets.kv_layout(8, 256, 64, shared_host=False)
+    bound = bind(layout, {b.name: RawMemory((1 << 40) + (k << 32), b.nbytes) for k, b in enumerate(layout.buffers)})
+    plan = plan_transfer(layout, presets.mapping("fragmented", 64, 256))
+    assert plan.num_ranges == 8 * 64
+    i = plan.num_ranges - 5
+    buf = plan.buffers[int(plan.dst_buf[i])]
+    _writable_view(plan.column("dst_offset"))[i] = buf.nbytes - 32
+    with pytest.raises(PlanError, match=rf"^dst_offset\[{i}\] = {buf.nbytes - 32}: range of 64 bytes runs past"):
+        getattr(bound, mode)(plan)
+
+
+@pytest.mark.parametrize("mode", ["descriptors", "offsets"])
+def test_an_offset_that_wraps_its_base_is_refused(mode):
+    """base + offset past 2^64 wraps to an address below the base: refused (an offset written after the check)."""
+    layout = presets.kv_layout(1, 64, 64, shared_host=False)
+    base = 1 << 40
+    from kvxfer.executors import RawMemory
+    bound = bind(layout, {b.name: RawMemory(base + (k << 32), b.nbytes) for k, b in enumerate(layout.buffers)})
+    plan = plan_transfer(layout, {"direction": "h2d", "src_ids": [1, 5, 9], "dst_ids": [2, 6, 10]})
+    col = plan.column("dst_offset")
+    b = int(bound.base[int(plan.dst_buf[1])])
+    _writable_view(col.view(np.int64))[1] = (2**64 - b + 8) - 2**64  # the same bits as the uint64 2^64 - base + 8
+    assert int(col[1]) == 2**64 - b + 8
+    with pytest.raises(PlanError, match=r"dst_offset\[1\]"):
+        getattr(bound, mode)(plan)
+
+
 @pytest.mark.gpu
 def test_cuda_tensors_that_moved_are_refused_and_kept_alive():
     if not torch.cuda.is_available():

@@ -120,6 +120,28 @@ def test_removed_peer_is_unknown():
     b.close()
 
 
+def test_a_live_peers_description_replayed_under_another_name_is_refused_and_the_peer_still_works():
+    import json
+
+    from kvxfer.executors import PeerInfoError
+
+    a, b = NixlExecutor(name="a-replay", **TIMEOUT), NixlExecutor(name="b-replay", **TIMEOUT)
+    host = {"cpu": np.zeros(LAYOUT.buffers[0].nbytes, np.uint8)}
+    dev = {n: np.zeros(b_.nbytes, np.uint8) for b_ in LAYOUT.buffers for n in [b_.name] if n in DEVICE}
+    blob = b.describe(b.register(host))
+    remote = a.add_peer(blob)
+    a.register(dev)
+    replayed = json.dumps({**json.loads(blob), "agent": "mallory"}).encode()  # b's metadata, another name
+    with pytest.raises(PeerInfoError, match="the NIXL metadata is agent 'b-replay''s"):
+        a.add_peer(replayed)
+    host["cpu"][:] = 7
+    plan = plan_transfer(LAYOUT, presets.mapping("contiguous", 8, BLOCKS, "h2d"))
+    a.run(plan, {**dev, **remote}).wait()  # b is still loaded: the refusal unloaded nothing
+    assert all((dev[n] != 0).any() for n in DEVICE)
+    a.close()
+    b.close()
+
+
 def test_unregistered_local_buffer(pair):
     engine, dev, _ = pair["engine"]
     _, _, remote_host = pair["tier"]

@@ -120,10 +120,12 @@ def test_an_oversized_description_is_refused_before_it_is_parsed():
         PeerInfo.decode(b" " * (MAX_PEER_INFO_BYTES + 1))
 
 
-def test_metadata_nixl_refuses_or_that_names_another_agent_is_refused_and_forgotten():
+def test_metadata_nixl_refuses_or_that_names_another_agent_is_refused_and_unloads_no_agent():
     engine = NixlExecutor(agent=PeerAgent("engine"))
     with pytest.raises(PeerInfoError, match=r"^peer info metadata = '3 bytes': refused by NIXL: RuntimeError: nixlInvalidParamError"):
         engine.add_peer(_blob(metadata=base64.b64encode(b"xyz").decode()))
-    with pytest.raises(PeerInfoError, match=r"^peer info agent = 'tier': the NIXL metadata is agent 'other''s"):
-        engine.add_peer(_blob(metadata=base64.b64encode(b"meta:other").decode()))
-    assert ("remove", "other") in engine.agent.log
+    engine.add_peer(_blob(agent="other", metadata=base64.b64encode(b"meta:other").decode()))  # a live peer
+    with pytest.raises(PeerInfoError, match=r"^peer info agent = 'tier': the NIXL metadata is agent 'other''s; agents "
+                                            r"already loaded are left as they are"):
+        engine.add_peer(_blob(metadata=base64.b64encode(b"meta:other").decode()))  # its description replayed
+    assert not [e for e in engine.agent.log if e[0] == "remove"]  # 'other' stays loaded

@@ -225,7 +225,7 @@ def test_close_waits_for_transfers_before_deregistering():
 
 
 class VirtualClock:
-    """Stands in for the ``time`` module of nixl_transfer: time passes only as the code under test reads the clock
+    """Stands in for the ``time`` module of ops_nixl: time passes only as the code under test reads the clock
     (one step per read) or sleeps, so how long a wait lasts is counted exactly, whatever the machine's load."""
 
     STEP = 1e-5
@@ -242,9 +242,9 @@ class VirtualClock:
 
 
 def test_wait_is_bounded_by_timeout_plus_one_drain_and_stuck_memory_stays_registered(monkeypatch):
-    from kvxfer.executors import nixl_transfer
+    from kvxfer.executors import ops_nixl
     clock = VirtualClock()
-    monkeypatch.setattr(nixl_transfer, "time", clock)
+    monkeypatch.setattr(ops_nixl, "time", clock)
     agent = ScriptedAgent(states={0: ["PROC"], 1: ["PROC"], 2: ["PROC"]})  # never finishes (a stopped peer)
     ex, bindings, plan = _setup(agent, poll_timeout_s=0.2, drain_timeout_s=0.1)
     reg = ex._registrations[0]
@@ -254,7 +254,7 @@ def test_wait_is_bounded_by_timeout_plus_one_drain_and_stuck_memory_stays_regist
                                             r"memory stays referenced and its registration is marked unusable"):
         t.wait()
     waited = clock.now - start
-    assert 0.2 + 0.1 <= waited <= 0.2 + 0.1 + 2 * nixl_transfer.SLEEP_S  # the timeout, then one bounded drain
+    assert 0.2 + 0.1 <= waited <= 0.2 + 0.1 + 2 * ops_nixl.SLEEP_S  # the timeout, then one bounded drain
     assert not any(h.released for h in agent.handles)  # never released under a transfer in flight
     assert t.flight.keep and not reg.usable
     with pytest.raises(BindingError, match="registration is unusable"):

@@ -99,6 +99,60 @@ def test_stale_regions_of_dead_owners_are_found_and_removed(shm):
     assert len(remove_stale(shm)) == 2 and not list(Path(shm).iterdir())
 
 
+def test_the_stale_scan_skips_what_is_no_region_without_blocking_or_raising(shm):
+    """A FIFO (a blocking open would wait for a writer forever), a folder, a link, another program's file and
+    names or headers with pids past pid_t sit under kvxfer names: none is opened so that it blocks, none raises,
+    none is listed or removed; the one stale region beside them is."""
+    import os
+    import struct
+    import subprocess
+    import sys
+
+    g = make_geometry(TENSORS, HostTier(num_chunks=1), TPRank())
+    for name, pid in (("dead", 2**22 + 12345), ("huge", 2**31), ("negative", -(2**40))):
+        SharedRegion.create(name, g, attachers=1, directory=shm).close()
+        path = Path(shm) / f"kvxfer-{name}"
+        raw = bytearray(path.read_bytes())
+        struct.pack_into("<q", raw, 64, pid)  # the creator's pid: one no process has, past pid_t, or far below it
+        path.write_bytes(bytes(raw))
+    os.mkfifo(Path(shm) / "kvxfer-fifo")
+    (Path(shm) / "kvxfer-folder").mkdir()
+    (Path(shm) / "kvxfer-other").write_bytes(b"another program's file")
+    (Path(shm) / "kvxfer-link").symlink_to(Path(shm) / "kvxfer-dead")
+    (Path(shm) / f".kvxfer-x.{2**40}.tmp").write_bytes(b"")  # no process has that pid: not kvxfer's
+    (Path(shm) / ".kvxfer-y.4206649.tmp").mkdir()
+    code = (f"from kvxfer.offload import find_stale, remove_stale; print(sorted(p.name for p in find_stale({shm!r}))); "
+            f"print(sorted(p.name for p in remove_stale({shm!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)  # no hang
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['kvxfer-dead']"] * 2
+    assert sorted(p.name for p in Path(shm).iterdir()) == sorted([
+        "kvxfer-huge", "kvxfer-negative", "kvxfer-fifo", "kvxfer-folder", "kvxfer-other", "kvxfer-link",
+        f".kvxfer-x.{2**40}.tmp", ".kvxfer-y.4206649.tmp"])
+
+
+def test_a_taken_region_name_is_reported_with_advice_that_is_true(shm):
+    g = make_geometry(TENSORS, HostTier(num_chunks=1), TPRank())
+    (Path(shm) / "kvxfer-taken").write_bytes(b"another program's file")
+    with pytest.raises(SharedRegionError, match="not a kvxfer region: remove_stale leaves it alone; remove it if "
+                                                "nothing uses it, or choose another name"):
+        SharedRegion.create("taken", g, directory=shm)
+    assert remove_stale(shm) == [] and (Path(shm) / "kvxfer-taken").exists()  # the advice holds: it stays
+    live = SharedRegion.create("live", g, attachers=1, directory=shm)
+    with pytest.raises(SharedRegionError, match=r"another live region, of processes \["):
+        SharedRegion.create("live", g, directory=shm)
+    live.close()
+    path = Path(shm) / "kvxfer-live"
+    raw = bytearray(path.read_bytes())
+    raw[64:72] = (2**22 + 12345).to_bytes(8, "little")  # its creator gone
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SharedRegionError, match=r"a stale region whose processes are all gone: remove_stale\(\) removes it"):
+        SharedRegion.create("live", g, directory=shm)
+    assert remove_stale(shm) == [path]  # the advice holds: removed, and the name is free again
+    SharedRegion.create("live", g, directory=shm).close()
+    assert not [p for p in Path(shm).iterdir() if p.name.endswith(".tmp")]
+
+
 def test_pinning_is_row_aligned_and_rolls_back(shm):
     g = make_geometry(TENSORS, HostTier(num_chunks=10, layout=HostLayout.CANONICAL), TPRank(size=2))
     r = SharedRegion.create("pin", g, directory=shm)
@@ -336,11 +390,11 @@ def _craft(shm, name, change):
     return path
 
 
-def _put(offset, fmt, value):
+def _put(offset, fmt, *values):
     import struct
 
     def change(raw):
-        struct.pack_into(fmt, raw, offset, value)
+        struct.pack_into(fmt, raw, offset, *values)
     return change
 
 
@@ -359,6 +413,7 @@ BAD_HEADERS = [
     ("geometry", _put(1088, "<9s", b'{"x": 1} ')),
     ("size", lambda raw: raw.__delitem__(slice(len(raw) - 100, None))),  # rows cut short
     ("size", lambda raw: raw.__delitem__(slice(500, None))),  # inside the header
+    ("pids[1]", lambda raw: (_put(32, "<q", 1)(raw), _put(80, "<qq", 2**31, 0)(raw))),  # a pid past pid_t
 ]
 
 
@@ -393,18 +448,21 @@ def test_attach_waits_a_bounded_time_for_a_lock_holder(shm):
     r.close()
 
 
-def test_two_names_for_one_region_never_admit_more_attachers_than_expected(shm):
+def test_two_names_for_one_region_are_refused_and_even_when_allowed_never_admit_more_attachers(shm):
     import os
     import threading
 
     creator = SharedRegion.create("twice", _geometry(), attachers=2, directory=shm)
     os.link(Path(shm) / "kvxfer-twice", Path(shm) / "kvxfer-alias")  # a second name for the same file
+    for name in ("twice", "alias"):  # a file with two names is not trusted unless the caller vouches for it
+        with pytest.raises(SharedRegionError, match="a file with 2 names"):
+            SharedRegion.attach(name, shm)
     start, got, refused = threading.Barrier(6), [], []
 
     def attach(name):
         start.wait()
         try:
-            got.append(SharedRegion.attach(name, shm))
+            got.append(SharedRegion.attach(name, shm, allow_foreign=True))
         except SharedRegionError as e:
             refused.append(str(e))
     threads = [threading.Thread(target=attach, args=(n,), daemon=True) for n in ("twice", "alias") * 3]

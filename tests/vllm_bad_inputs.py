@@ -1,13 +1,12 @@
 """Bad inputs of kvxfer's vLLM backend for the catalogue in test_bad_inputs.py: the start-up checks of
-``kv_connector_extra_config`` (kvxfer.offload.vllm_checks, which need no vLLM) and a shared region's name taken by
-a file that is not a kvxfer region. Each row is ``(name, act, error, fragment)`` as in offload_bad_inputs.py."""
+``kv_connector_extra_config`` (kvxfer.offload.vllm_checks, which need no vLLM; a shared region's name taken by
+another file is offload_bad_inputs.py's). Each row is ``(name, act, error, fragment)`` as in offload_bad_inputs.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvxfer.offload import HostTier, KVTensor, SharedRegion, SharedRegionError, TPRank, make_geometry
 from kvxfer.offload.vllm_checks import (
     ExtraConfigError,
     check_blocks_per_chunk,
@@ -24,12 +23,6 @@ def extra(**keys: Any) -> Act:
     def act(env: Any) -> Any:
         return check_extra({k: v(Path(env.folder)) if callable(v) else v for k, v in keys.items()})
     return act
-
-
-def taken_by_a_plain_file(env: Any) -> Any:
-    (Path(env.folder) / "kvxfer-vllm-engine0").write_bytes(b"someone else's file")
-    geometry = make_geometry((KVTensor(name="t", buffer="d", page_bytes=256),), HostTier(num_chunks=2), TPRank())
-    return SharedRegion.create("vllm-engine0", geometry, directory=env.folder)
 
 
 ROWS: list[tuple[str, Act, type[BaseException], str]] = [
@@ -55,6 +48,4 @@ ROWS: list[tuple[str, Act, type[BaseException], str]] = [
      ExtraConfigError, "GiB is available ("),
     ("vllm: a CUDA executor on a CPU engine", lambda env: check_executor_device({"kind": "cuda-batch"}, "cpu"),
      ExtraConfigError, "this engine's KV caches are on cpu"),
-    ("vllm: shared region name taken by a plain file", taken_by_a_plain_file, SharedRegionError,
-     "not a kvxfer region (remove_stale leaves such files alone)"),
 ]
