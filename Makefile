@@ -124,6 +124,7 @@ $(VLLM_VENV)/.installed: $(VLLM_REQ) pyproject.toml Makefile
 
 venv-vllm: $(VLLM_VENV)/.installed
 
-# real engine runs (a small Llama written by the tests) plus the spec's unit tests, in .venv-vllm
+# real engine runs (a small Llama written by the tests) plus the spec's unit tests, in .venv-vllm; -v names each
+# test as it starts (an engine batch takes minutes on 2 cores), --durations lists the slowest at the end
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -v --durations=12 -p no:cacheprovider $(VLLM_TESTS)

@@ -6,8 +6,9 @@ Imports kvxfer.planner and kvxfer.executors only (the file tier's NIXL executor 
 ``attach_files``). Modules: ``worker`` (OffloadWorker), ``jobs`` (results, errors, conflicts), ``lanes`` (in-order
 execution), ``spill`` (the worker's file tier), ``file_tier`` (FileTier: files, records, durability), ``shared``
 (host regions across processes), ``tier`` (the host tier's shape), ``build`` (create_worker), ``simple``.
-``vllm``: vLLM's offloading spec over this worker (``kvxfer.offload.vllm``), a submodule loaded on first access;
-importing it does not import vLLM.
+``checksums`` (a CRC per host chunk). ``vllm``: vLLM's offloading spec and connector over this worker
+(``kvxfer.offload.vllm``, with its ``vllm_*`` modules), a submodule loaded on first access; importing it does not
+import vLLM.
 """
 import importlib
 from typing import Any

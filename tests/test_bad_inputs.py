@@ -44,6 +44,7 @@ from kvxfer.planner import (
 )
 
 from .offload_bad_inputs import ROWS as OFFLOAD_ROWS
+from .vllm_bad_inputs import ROWS as VLLM_ROWS
 
 LAYOUT = presets.kv_layout(2, 16, 64)
 MAPPING = presets.mapping("runs8", 8, 16)
@@ -449,6 +450,8 @@ CATALOGUE: list[Bad] = [
     Bad("kvxfer bench --out a folder", bench_out("."), CLI_EXIT, "is a folder; name the file to write"),
     # ---- offload: the worker, shared regions, files (rows built in tests/offload_bad_inputs.py) ------------------
     *(Bad(*row) for row in OFFLOAD_ROWS),
+    # ---- kvxfer's vLLM backend: start-up checks (rows built in tests/vllm_bad_inputs.py) ----------------------
+    *(Bad(*row) for row in VLLM_ROWS),
     # ---- the planner's front end and the plan constructor (restructured planner; issue 22, items 6, 7) --------
     Bad("plan built with a buffer index past int32", built_plan("src_buf", 2**32), PlanError, "src_buf[1] = 4294967296"),
     Bad("plan built with an attribute index past uint16", built_plan("attr", 65536), PlanError, "attr[1] = 65536"),

@@ -7,9 +7,8 @@ otherwise, so the mapping is checked in the main suite too and against the real 
 from __future__ import annotations
 
 import json
+import time
 import uuid
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,90 +21,16 @@ from kvxfer.offload.vllm import (
     UnsupportedFeatureError,
     WorkerCore,
     build_worker,
-    check_extra,
     read_caches,
 )
+from kvxfer.offload.vllm_checks import check_extra
+
+from .vllm.doubles import vllm_types
 
 torch = pytest.importorskip("torch")
 
 
-def _vllm_types() -> SimpleNamespace:
-    try:
-        from vllm.v1.kv_offload.base import (
-            CanonicalKVCacheRef,
-            CanonicalKVCaches,
-            CanonicalKVCacheTensor,
-            CanonicalPageMapping,
-            CopyRun,
-            GPULoadStoreSpec,
-            TransferResult,
-        )
-        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-    except ImportError:
-        return _stand_ins()
-    return SimpleNamespace(Tensor=CanonicalKVCacheTensor, Ref=CanonicalKVCacheRef, Caches=CanonicalKVCaches,
-                           Mapping=CanonicalPageMapping, Run=CopyRun, GPU=GPULoadStoreSpec, CPU=CPULoadStoreSpec,
-                           Result=TransferResult, real=True)
-
-
-def _stand_ins() -> SimpleNamespace:
-    """The fields of vLLM 0.32's classes this module reads (for the main suite, where vLLM is absent)."""
-
-    @dataclass
-    class Tensor:
-        tensor: Any
-        page_size_bytes: int
-
-    @dataclass
-    class Ref:
-        tensor_idx: int
-        page_size_bytes: int
-        mapping: Any = None
-
-    @dataclass
-    class Caches:
-        tensors: list[Any]
-        group_data_refs: list[list[Any]]
-
-    @dataclass(frozen=True)
-    class Run:
-        local_offset: int
-        canonical_offset: int
-        fragment_size: int
-        num_fragments: int
-        local_stride: int
-        canonical_stride: int
-
-    @dataclass(frozen=True)
-    class Mapping:
-        canonical_page_size_bytes: int
-        local_page_size_bytes: int
-        runs: tuple[Any, ...]
-        num_writers: int
-        writer_index: int
-        parallelism_agnostic: bool
-
-    class CPU:
-        def __init__(self, block_ids: list[int]):
-            self.block_ids = np.array(block_ids, dtype=np.int32)
-
-    class GPU(CPU):
-        def __init__(self, block_ids: list[int], group_sizes: Any, block_indices: Any):
-            super().__init__(block_ids)
-            self.group_sizes, self.block_indices = group_sizes, block_indices
-
-    @dataclass
-    class Result:
-        job_id: int
-        success: bool
-        transfer_size: int | None = None
-        transfer_time: float | None = None
-
-    return SimpleNamespace(Tensor=Tensor, Ref=Ref, Caches=Caches, Mapping=Mapping, Run=Run, GPU=GPU, CPU=CPU,
-                           Result=Result, real=False)
-
-
-V = _vllm_types()
+V = vllm_types()
 NUM_BLOCKS, PAGE = 12, 256
 
 
@@ -145,6 +70,23 @@ def test_stores_and_loads_map_vllm_specs_with_skips_and_report_bytes_and_seconds
     assert core.get_finished() == []  # each job reported once
     s = core.stats
     assert (s.stores, s.loads, s.blocks_stored, s.blocks_loaded, s.bytes_loaded) == (1, 1, 3, 3, 3 * 2 * PAGE)
+    core.shutdown()
+
+
+def test_a_chunk_stored_from_its_first_block_loads_from_the_logical_block_asked_for() -> None:
+    """block_indices is each group's first logical block: the offset inside the first chunk. Stored from logical
+    block 0 and loaded from logical block 1, a worker that dropped it on both sides would hand back blocks 0-2."""
+    tensors = _layers(2)
+    before = [t.clone() for t in tensors]
+    core = _core(_caches(tensors, [[0, 1]]), k=4)
+    assert core.submit_store(1, V.GPU([1, 2, 3, 4], [4], [0]), V.CPU([3]))  # logical blocks 0-3 -> chunk 3
+    core.wait({1})
+    assert core.submit_load(2, V.CPU([3]), V.GPU([9, 10, 11], [3], [1]))  # logical blocks 1-3 of chunk 3
+    core.wait({2})
+    assert [(r.job_id, r.success) for r in core.get_finished()] == [(1, True), (2, True)]
+    for t, b in zip(tensors, before):
+        assert torch.equal(t[9:12], b[2:5])
+        assert torch.equal(t[:9], b[:9]) and torch.equal(t[12:], b[12:])
     core.shutdown()
 
 
@@ -208,6 +150,17 @@ def test_shutdown_drains_and_writes_the_counters(tmp_path: Any) -> None:
     assert json.loads((tmp_path / "stats.json").read_text())["steps"] == 0
 
 
+def _counters_when(path: Any, ready: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The counters file once ``ready(counters)`` holds (it is written by a thread of its own), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = json.loads(path.read_text()) if path.exists() else None
+        if counters is not None and ready(counters):
+            return dict(counters)
+        assert time.monotonic() < deadline, f"{path}: {counters}"
+        time.sleep(0.01)
+
+
 def test_the_counters_file_is_current_after_each_step_that_finished_jobs(tmp_path: Any) -> None:
     """vLLM kills an engine process that takes over 5 s to stop, before the connector shuts down: the counters
     are on disk from the step that reported the job, whole (a reader never sees half a file)."""
@@ -220,7 +173,7 @@ def test_the_counters_file_is_current_after_each_step_that_finished_jobs(tmp_pat
     core.submit_store(1, V.GPU([3], [1], [0]), V.CPU([2]))
     core.wait([1])
     assert [r.job_id for r in core.get_finished()] == [1]
-    written = json.loads(path.read_text())
+    written = _counters_when(path, lambda c: c["stores"] == 1)  # written off the step, by the counters' thread
     assert (written["stores"], written["blocks_stored"], written["bytes_stored"]) == (1, 1, PAGE)
     assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary left beside it
     core.shutdown()
@@ -254,6 +207,17 @@ def test_canonical_head_sharded_and_replicated_mappings_become_kvxfer_sharing() 
 ])
 def test_canonical_mappings_kvxfer_cannot_lay_out_are_refused_naming_the_feature(mapping: Any, feature: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=feature):
+        read_caches(_caches(_layers(1), [[0]], {(0, 0): mapping}), rank=1, world_size=2, canonical=True)
+
+
+@pytest.mark.parametrize("mapping", [
+    _mapping(2 * PAGE, (_run(0, 0, PAGE, 1, PAGE, PAGE),)),  # rank 0's half of the canonical page
+    _mapping(2 * PAGE, (_run(0, 0, 32, PAGE // 32, 32, 64),)),  # rank 0's slice of every token
+], ids=["whole page", "per token"])
+def test_a_head_sharded_mapping_placed_at_another_ranks_offset_is_refused(mapping: Any) -> None:
+    # rank 1 of 2 whose one run starts where rank 0's slice sits: laid out as rank 1's, both ranks would store
+    # into the same bytes and load each other's heads
+    with pytest.raises(UnsupportedFeatureError, match="this canonical page mapping.*at TP rank 1 of 2"):
         read_caches(_caches(_layers(1), [[0]], {(0, 0): mapping}), rank=1, world_size=2, canonical=True)
 
 
@@ -294,10 +258,17 @@ def test_the_replicated_single_copy_layout_lets_every_rank_load_what_rank_0_stor
 
 
 def test_unknown_kvxfer_keys_and_bad_executor_configs_are_refused_at_start_up() -> None:
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_exector'\]: unknown kvxfer key"):
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_exector'\] = \{'kind': 'numpy'\}: unknown kvxfer key"):
         check_extra({"kvxfer_exector": {"kind": "numpy"}})
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvxfer_executor'\]"):
         check_extra({"kvxfer_executor": {"kind": "warp-drive"}})
     with pytest.raises(ValueError, match="must be true or false"):
         check_extra({"kvxfer_shared_region": "yes"})
     check_extra({"kvxfer_executor": {"kind": "numpy"}, "cpu_bytes_to_use": 1 << 20, "eviction_policy": "lru"})
+
+
+def test_keys_neither_vllm_nor_kvxfer_reads_are_reported_with_the_closest_known_key() -> None:
+    warnings = check_extra({"blocks_per_chunks": 4, "cpu_bytes_to_use": 1 << 20, "my_spec_key": 1}, known=("my_spec_key",))
+    assert warnings == ["kv_connector_extra_config['blocks_per_chunks']: neither vLLM's offloading nor kvxfer reads "
+                        "this key, so it is ignored; did you mean 'blocks_per_chunk'?"]
+    assert check_extra({"spec_name": "KvxferOffloadingSpec", "secondary_tiers": [], "kvxfer_verify": True}) == []

@@ -34,7 +34,8 @@ ENTRY_POINTS = ("kvxfer.planner.plan_transfer", "kvxfer.planner.TransferPlan", "
 SUBMODULES = ("kvxfer.planner.presets", "kvxfer.planner.viz", "kvxfer.planner.render", "kvxfer.planner.diff",
               "kvxfer.planner.golden", "kvxfer.planner.files", "kvxfer.executors.config", "kvxfer.executors.torch_layout",
               "kvxfer.executors.file_tier", "kvxfer.executors.nixl_memory", "kvxfer.executors.nixl_peer",
-              "kvxfer.offload.spill", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.testing.pytest_plugin")
+              "kvxfer.offload.spill", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.offload.vllm_checks",
+              "kvxfer.offload.vllm_connector", "kvxfer.offload.checksums", "kvxfer.testing.pytest_plugin")
 CLI_FOLDER = "cli"
 
 

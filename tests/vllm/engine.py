@@ -8,6 +8,7 @@ few per process to pay vLLM's import once). A case holds:
 - ``engine``: extra keyword arguments of ``vllm.LLM`` (``num_gpu_blocks_override``, ``tensor_parallel_size``...);
 - ``offload``: None (no offloading), or kvxfer's ``kv_connector_extra_config`` (``spec_name`` and
   ``spec_module_path`` default to kvxfer's spec);
+- ``transfer``: more keys of vLLM's ``kv_transfer_config`` (``KVXFER_CONNECTOR``: kvxfer's connector);
 - ``requests``: prompt token id lists, generated one after the other (greedy, ``max_tokens`` each);
 - ``name``: echoed in the result.
 
@@ -37,6 +38,11 @@ BASE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block
             gpu_memory_utilization=0.05, max_num_seqs=4, seed=0, disable_log_stats=False)
 
 
+# kvxfer's connector, which takes failed copies (recomputed), with vLLM's recompute policy
+KVXFER_CONNECTOR = {"kv_connector": "KvxferOffloadingConnector", "kv_connector_module_path": "kvxfer.offload.vllm",
+                    "kv_load_failure_policy": "recompute"}
+
+
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     """vLLM's kv_transfer_config for kvxfer's spec with ``extra`` as the connector's extra config."""
     extra = {"spec_name": "KvxferOffloadingSpec", "spec_module_path": "kvxfer.offload.vllm", **extra}
@@ -63,7 +69,8 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     stats_dir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-stats-"))
     kw = {**BASE, **case.get("engine", {})}
     if case.get("offload") is not None:
-        kw["kv_transfer_config"] = kv_transfer_config({"kvxfer_stats_path": str(stats_dir / "stats.json"), **case["offload"]})
+        kw["kv_transfer_config"] = {**kv_transfer_config({"kvxfer_stats_path": str(stats_dir / "stats.json"),
+                                                          **case["offload"]}), **case.get("transfer", {})}
     out: dict[str, Any] = {"name": case.get("name"), "tokens": [], "metrics": {}, "stats": [], "error": None,
                            "request_times_s": []}
     t0 = time.perf_counter()

@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine tests need vLLM's CPU build: run them with `make test-vllm`")
 
+from tests.vllm.engine import KVXFER_CONNECTOR
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 2 * 32 * 2 * 32 * 4  # per layer and block: 2 KV heads x 32 tokens x (K|V) x head size 32 x float32
 PREFIX_BLOCKS = 8
@@ -40,6 +42,8 @@ ORDER = ("A", "B", "C", "A2")  # A2 is A's prefix again, after B and C evicted i
 
 MAIN = {"model": {}, "engine": {"num_gpu_blocks_override": 16, "max_model_len": 480}}
 OFFLOAD = {"cpu_bytes_to_use": 64 << 20}
+FAILING = {"transfer": KVXFER_CONNECTOR}  # kvxfer's connector, under which the failure doubles run
+TEST_SPECS = {"spec_module_path": "tests.vllm.specs"}
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
 
 
@@ -58,10 +62,16 @@ BATCHES: dict[str, tuple[list[dict[str, Any]], dict[str, str]]] = {
               {"name": "swapped", "offload": {**OFFLOAD, "spec_name": "SwappedLoadsSpec", "spec_module_path": "tests.vllm.specs"},
                **MAIN},
               {"name": "refused", "offload": {**OFFLOAD, "canonical_layout": True, "kvxfer_shared_region": False},
-               **MAIN, "requests": [[5, 6, 7]]}], {}),
+               **MAIN, "requests": [[5, 6, 7]]},
+              {"name": "store-fails", "offload": {**OFFLOAD, **TEST_SPECS, "spec_name": "FailFirstStoreSpec"}, **FAILING,
+               **MAIN},
+              {"name": "corrupt-verified", "offload": {**OFFLOAD, **TEST_SPECS, "spec_name": "CorruptLoadsSpec",
+                                                       "kvxfer_verify": True}, **FAILING, **MAIN}], {}),
     "groups": ([{"name": n, "offload": o, "model": SLIDING, "engine": {"num_gpu_blocks_override": 32, "max_model_len": 480},
-                 "requests": _groups_requests()} for n, o in (("baseline", None), ("k2", {**OFFLOAD, "blocks_per_chunk": 2}))],
-               {}),
+                 "requests": _groups_requests(), **t} for n, o, t in (
+                    ("baseline", None, {}), ("k2", {**OFFLOAD, "blocks_per_chunk": 2}, {}),
+                    ("k2-load-fails", {**OFFLOAD, **TEST_SPECS, "blocks_per_chunk": 2, "spec_name": "FailFirstLoadSpec"},
+                     FAILING))], {}),
     # one core per rank: vLLM's own thread binding wants a NUMA node per rank
     "tp2": ([{"name": n, "offload": o, "model": {},
               "engine": {**MAIN["engine"], "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}
@@ -157,3 +167,35 @@ def test_tensor_parallel_ranks_share_one_host_region(tmp: Path, case: str) -> No
     for rank in r["stats"]:  # each rank holds one of the 2 KV heads: half a page per layer
         assert (rank["blocks_loaded"], rank["bytes_loaded"]) == (PREFIX_BLOCKS, PREFIX_BLOCKS * PAGE_BYTES)
     assert _loaded(r)[1] == r["metrics"]["vllm:kv_offload_load_bytes"]
+
+
+# ---- kvxfer's connector: failed copies are recomputed, the engine keeps serving ------------------------------
+
+def test_a_failed_store_is_dropped_from_the_index_and_its_prefix_recomputed_with_the_same_tokens(tmp: Path) -> None:
+    # the first store (A's 8 blocks) fails: the scheduler must not believe those chunks hold data, or A2 would load
+    # bytes nobody wrote
+    runs = _batch(tmp, "main")
+    r, baseline = _ok(runs["store-fails"]), _ok(runs["baseline"])
+    assert r["tokens"] == baseline["tokens"]
+    (stats,) = r["stats"]
+    assert stats["stores_failed"] == 1 and stats["stores"] > 0  # later stores went on
+    assert r["metrics"]["vllm:external_prefix_cache_hits"] == 0 and stats["loads"] == stats["loads_failed"] == 0
+    assert "kvxfer offload job" in r["log"] and "dropped from the host tier's index" in r["log"]
+
+
+def test_host_chunks_changed_after_their_store_are_refused_by_kvxfer_verify_and_recomputed(tmp: Path) -> None:
+    runs = _batch(tmp, "main")
+    r, baseline = _ok(runs["corrupt-verified"]), _ok(runs["baseline"])
+    assert r["tokens"] == baseline["tokens"]
+    (stats,) = r["stats"]
+    assert (stats["loads"], stats["loads_failed"], stats["loads_refused"]) == (0, 1, 1) and stats["verify_s"] > 0
+    assert "Recovered from KV load failure" in r["log"]  # vLLM's recompute of the refused blocks
+
+
+def test_a_failed_load_with_two_kv_cache_groups_recomputes_the_request(tmp: Path) -> None:
+    # vLLM cannot map block ids back to requests with two groups: the request is reported as a failed receive
+    runs = _batch(tmp, "groups")
+    r, baseline = _ok(runs["k2-load-fails"]), _ok(runs["baseline"])
+    assert r["tokens"] == baseline["tokens"]
+    (stats,) = r["stats"]
+    assert (stats["loads"], stats["loads_failed"]) == (0, 1) and stats["stores"] > 0

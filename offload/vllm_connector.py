@@ -1,0 +1,303 @@
+"""``KvxferOffloadingConnector``: vLLM's ``OffloadingConnector`` under which a failed copy costs a recompute, not
+the engine. Built over vLLM's classes by ``connector_classes`` (called by ``kvxfer.offload.vllm`` on first access,
+with vLLM imported) and loaded by vLLM as ``kv_connector="KvxferOffloadingConnector"``,
+``kv_connector_module_path="kvxfer.offload.vllm"``.
+
+vLLM's connector asserts that every transfer succeeded. This one keeps vLLM's bookkeeping as it is and adds:
+
+- Worker side (every rank). The spec's worker is told to report failures (``report_failures``, on kvxfer's
+  worker) and wrapped: a failed job is handed on to vLLM's connector worker as done, with no bytes, so vLLM
+  releases it as usual, and is recorded. A failed load's device blocks are returned by
+  ``get_block_ids_with_load_errors`` (one KV-cache group), or its request as a failed receive (several groups,
+  whose block ids vLLM cannot map back to requests); vLLM then recomputes them under
+  ``kv_load_failure_policy="recompute"``. Every failed job's id travels to the scheduler in the worker metadata
+  (``KvxferWorkerMetadata.failed_jobs``, merged over the ranks).
+- Scheduler side. The offloading manager is wrapped (``FailedTransfers``): it learns each job's keys from the
+  specs it handed out (``prepare_store``, ``prepare_load``). A store that failed on any rank is completed with
+  ``success=False``, so vLLM's manager removes its chunks instead of marking them loadable. The chunks of a load
+  that failed are no longer found (``lookup`` misses them; vLLM's manager has no call that drops loadable
+  chunks, so they stay until evicted, and a new store of the same key makes it loadable again): the retried
+  request recomputes instead of loading bytes that failed once, which would fail again when they are bad. That
+  also keeps vLLM 0.32 from admitting the retry as an async load, which it holds back until blocks for the request
+  are free twice over (the request stays among its in-flight prefills), forever in a full cache.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["connector_classes"]
+
+_log = logging.getLogger("kvxfer.offload.vllm")
+
+
+def connector_classes(docs: Mapping[str, str]) -> dict[str, type]:
+    """KvxferOffloadingConnector, KvxferWorkerMetadata and FailedTransfers over vLLM's classes (imports vLLM),
+    ``docs`` their docstrings."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingConnector,
+    )
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        LookupResult,
+        OffloadingManager,
+        OffloadingWorker,
+        TransferResult,
+    )
+
+    meta = _metadata_class(OffloadingWorkerMetadata, docs["KvxferWorkerMetadata"])
+    reports = _reports_class(OffloadingWorker, TransferResult)
+    worker = _connector_worker_class(OffloadingConnectorWorker, reports, meta)
+    manager = _manager_class(OffloadingManager, LookupResult.MISS, docs["FailedTransfers"])
+    connector = _connector_class(OffloadingConnector, worker, manager, meta, docs["KvxferOffloadingConnector"])
+    return {"KvxferOffloadingConnector": connector, "KvxferWorkerMetadata": meta, "FailedTransfers": manager}
+
+
+def _metadata_class(base: Any, doc: str) -> type:
+    @dataclass
+    class KvxferWorkerMetadata(base):  # type: ignore[misc]
+        __doc__ = doc
+        failed_jobs: set[int] = field(default_factory=set)
+
+        def aggregate(self, other: Any) -> Any:
+            # vLLM folds the ranks' metadata into the first one's: a rank without failures still carries this class
+            merged = base.aggregate(self, other)
+            return KvxferWorkerMetadata(completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
+                                        failed_jobs=self.failed_jobs | set(getattr(other, "failed_jobs", ())))
+
+    return KvxferWorkerMetadata
+
+
+def _reports_class(base: Any, result: Any) -> type:
+    class FailureReports(base):  # type: ignore[misc]
+        """The spec's OffloadingWorker, whose failed jobs are handed on as done (no bytes, so they count in no
+        transfer statistics) after ``on_result(job_id, success)`` saw every finished job. Same threading as the
+        worker it wraps (vLLM's worker thread)."""
+
+        def __init__(self, inner: Any, on_result: Callable[[int, bool], None]):
+            self.inner, self._on_result = inner, on_result
+
+        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            return bool(self.inner.submit_store(job_id, src_spec, dst_spec))
+
+        def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            return bool(self.inner.submit_load(job_id, src_spec, dst_spec))
+
+        def get_finished(self) -> list[Any]:
+            out = []
+            for r in self.inner.get_finished():
+                self._on_result(r.job_id, bool(r.success))
+                out.append(r if r.success else result(job_id=r.job_id, success=True))
+            return out
+
+        def wait(self, job_ids: set[int]) -> None:
+            self.inner.wait(job_ids)
+
+        def shutdown(self) -> None:
+            self.inner.shutdown()
+
+    return FailureReports
+
+
+def _connector_worker_class(base: Any, reports: Any, meta: Any) -> type:
+    class KvxferConnectorWorker(base):  # type: ignore[misc]
+        """vLLM's OffloadingConnectorWorker that records failed jobs (see the module) for the connector to report."""
+
+        worker: Any  # the spec's OffloadingWorker (vLLM's attribute), wrapped once the caches are registered
+
+        def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any):
+            super().__init__(spec, vllm_config, kv_cache_config)
+            # vLLM maps failed block ids back to requests only with one KV-cache group
+            self.by_request = len(kv_cache_config.kv_cache_groups) > 1
+            self.loads: dict[int, tuple[str, list[int]]] = {}  # load job -> (request, device blocks), until finished
+            self.load_errors: set[int] = set()
+            self.failed_recving: set[str] = set()
+            self.failed_jobs: set[int] = set()
+
+        def register_kv_caches(self, kv_caches: Any) -> None:
+            super().register_kv_caches(kv_caches)
+            inner = self.worker
+            if hasattr(inner, "report_failures"):  # kvxfer's worker raises JobFailedError unless told
+                inner.report_failures()
+            self.worker = reports(inner, self.on_result)
+
+        def start_kv_transfers(self, metadata: Any) -> None:
+            for job_id, entry in metadata.load_jobs.items():
+                self.loads[job_id] = (entry.req_id, [int(b) for b in entry.dst_spec.block_ids])
+            super().start_kv_transfers(metadata)
+
+        def on_result(self, job_id: int, success: bool) -> None:
+            load = self.loads.pop(job_id, None)
+            if success:
+                return
+            self.failed_jobs.add(job_id)
+            if load is None:
+                return
+            if self.by_request:
+                self.failed_recving.add(load[0])
+            else:
+                self.load_errors.update(load[1])
+
+        def build_connector_worker_meta(self) -> Any:
+            out = super().build_connector_worker_meta()
+            if out is None:  # nothing completed: failed jobs (always completed too) wait for the next report
+                return None
+            failed, self.failed_jobs = self.failed_jobs, set()
+            return meta(completed_jobs=out.completed_jobs, transfer_stats=out.transfer_stats, failed_jobs=failed)
+
+    return KvxferConnectorWorker
+
+
+def _manager_class(base: Any, miss: Any, doc: str) -> type:
+    class FailedTransfers(base):  # type: ignore[misc]
+        __doc__ = doc
+
+        def __init__(self, inner: Any):
+            self.inner = inner
+            self._handed: dict[int, tuple[Any, frozenset[Any]]] = {}  # id(spec) -> (spec, keys), this step's
+            self._jobs: dict[int, tuple[bool, frozenset[Any]]] = {}  # job -> (is a store, keys), until completed
+            self._failed_stores: set[frozenset[Any]] = set()
+            self._missing: set[Any] = set()  # keys of failed loads
+
+        def name_jobs(self, meta: Any) -> None:
+            """Learn the keys of this step's jobs (vLLM's OffloadingConnectorMetadata ``store_jobs``/``load_jobs``)."""
+            for jobs, store in ((meta.store_jobs, True), (meta.load_jobs, False)):
+                for job_id, job in jobs.items():
+                    handed = self._handed.get(id(job.dst_spec if store else job.src_spec))
+                    if handed is not None:
+                        self._jobs[job_id] = (store, handed[1])
+            self._handed.clear()
+
+        def fail(self, job_ids: Iterable[int]) -> None:
+            """These jobs failed on some rank: a store completes unsuccessfully, a load's keys miss from now on."""
+            for job_id in job_ids:
+                entry = self._jobs.get(job_id)
+                if entry is None:  # not a job of this step's specs (a reset cache discarded it)
+                    continue
+                store, keys = entry
+                if store:
+                    self._failed_stores.add(keys)
+                else:
+                    self._missing |= keys
+                    _log.warning("kvxfer: a load of %d chunk(s) failed; they are no longer offered as hits", len(keys))
+
+        def lookup(self, key: Any, req_context: Any) -> Any:
+            return miss if key in self._missing else self.inner.lookup(key, req_context)
+
+        def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+            out = self.inner.prepare_store(keys, req_context)
+            if out is not None and out.keys_to_store:
+                self._handed[id(out.store_spec)] = (out.store_spec, frozenset(out.keys_to_store))
+                self._missing.difference_update(out.keys_to_store)
+            return out
+
+        def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
+            out = self.inner.prepare_load(keys, req_context)
+            self._handed[id(out)] = (out, frozenset(keys))
+            return out
+
+        def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
+            done = frozenset(keys)
+            if done in self._failed_stores:
+                self._failed_stores.discard(done)
+                success = False
+                _log.warning("kvxfer: a store of %d chunk(s) failed; they are dropped from the host tier's index",
+                             len(done))
+            self._forget(done)
+            self.inner.complete_store(keys, req_context, success)
+
+        def complete_load(self, keys: Collection[Any], req_context: Any) -> Any:
+            self._forget(frozenset(keys))
+            return self.inner.complete_load(keys, req_context)
+
+        def _forget(self, keys: frozenset[Any]) -> None:
+            self._jobs = {j: v for j, v in self._jobs.items() if v[1] != keys}
+
+        def reset_cache(self) -> None:
+            self._handed.clear()
+            self._jobs.clear()
+            self._failed_stores.clear()
+            self._missing.clear()
+            self.inner.reset_cache()
+
+        def get_load_source(self, key: Any, req_context: Any) -> Any:
+            return self.inner.get_load_source(key, req_context)
+
+        def touch(self, keys: Collection[Any], req_context: Any) -> Any:
+            return self.inner.touch(keys, req_context)
+
+        def on_new_request(self, req_context: Any) -> Any:
+            return self.inner.on_new_request(req_context)
+
+        def on_request_finished(self, req_context: Any) -> Any:
+            return self.inner.on_request_finished(req_context)
+
+        def take_events(self) -> Any:
+            return self.inner.take_events()
+
+        def on_schedule_end(self, context: Any) -> Any:
+            return self.inner.on_schedule_end(context)
+
+        def has_pending_work(self) -> bool:
+            return bool(self.inner.has_pending_work())
+
+        def get_stats(self) -> Any:
+            return self.inner.get_stats()
+
+        def shutdown(self) -> Any:
+            return self.inner.shutdown()
+
+    return FailedTransfers
+
+
+def _connector_class(base: Any, worker: Any, manager: Any, meta: Any, doc: str) -> type:
+    class KvxferOffloadingConnector(base):  # type: ignore[misc]
+        __doc__ = doc
+        connector_worker: Any  # vLLM's attributes: the worker side (worker role) and scheduler side (scheduler role)
+        connector_scheduler: Any
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+            super().__init__(vllm_config, role, kv_cache_config)
+            if self.connector_worker is not None:  # vLLM's, built by the base class: rebuilt as kvxfer's over its spec
+                self.connector_worker = worker(self.connector_worker.spec, vllm_config, kv_cache_config)
+            if self.connector_scheduler is not None:
+                self.connector_scheduler.manager = manager(self.connector_scheduler.manager)
+                policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+                if policy != "recompute":
+                    _log.info("kvxfer: kv_load_failure_policy is %r: a request whose load fails ends with an error "
+                              "(\"recompute\" recomputes its blocks instead)", policy)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            out = super().build_connector_meta(scheduler_output)
+            self.connector_scheduler.manager.name_jobs(out)
+            return out
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            meta_in = connector_output.kv_connector_worker_meta
+            if isinstance(meta_in, meta) and meta_in.failed_jobs:
+                self.connector_scheduler.manager.fail(meta_in.failed_jobs)
+            super().update_connector_output(connector_output)
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            out = super().get_transfer_results(finished_req_ids)
+            w = self.connector_worker
+            if w is not None:
+                failed, w.failed_recving = w.failed_recving, set()
+                out.failed_recving |= failed
+            return out
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            w = self.connector_worker
+            if w is None:
+                return set()
+            errors, w.load_errors = w.load_errors, set()
+            return set(errors)
+
+    return KvxferOffloadingConnector

@@ -1,0 +1,189 @@
+"""The spec side of kvxfer's vLLM backend: ``KvxferOffloadingSpec`` and ``KvxferOffloadingWorker`` built over
+vLLM's base classes (``spec_classes``, called by ``kvxfer.offload.vllm`` on first access, with vLLM imported), and
+the start-up checks that need vLLM's sizing or the KV caches it hands over.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .checksums import HostChecksums
+from .tier import HostTier, SharedSpec, Sharing
+from .vllm_caches import CacheMap, read_caches
+from .vllm_checks import (
+    UnsupportedFeatureError,
+    check_blocks_per_chunk,
+    check_executor_device,
+    check_extra,
+    check_host_memory,
+    stats_path,
+)
+from .vllm_worker import WorkerCore, build_worker
+from .worker import ExecutorSpec, OffloadWorker
+
+__all__ = ["spec_classes"]
+
+_log = logging.getLogger("kvxfer.offload.vllm")
+
+
+def _region_name(engine_id: str) -> str:
+    return "vllm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:120]
+
+
+def _all_ranks_barrier() -> None:
+    """Every worker rank of this engine reaches this point (vLLM's CPU process group)."""
+    from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
+        get_inner_dp_world_group,
+        get_world_group,
+    )
+
+    try:
+        group = get_inner_dp_world_group()
+    except AssertionError:  # no inner data-parallel group in this configuration
+        group = get_world_group()
+    group.barrier()
+
+
+def _max_model_len() -> int | None:
+    """The engine's max_model_len, when vLLM has set its current config (it does while connectors are built)."""
+    from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found, unused-ignore]
+
+    config = get_current_vllm_config_or_none()
+    model = getattr(config, "model_config", None)
+    return int(model.max_model_len) if model is not None and model.max_model_len else None
+
+
+def _check_spec(spec: Any) -> None:
+    """The start-up checks that need vLLM's sizing (after CPUOffloadingSpec.__init__): the chunk against
+    max_model_len, the features kvxfer's host tier needs."""
+    config, extra = spec.config, spec.extra_config
+    if config.groups:
+        check_blocks_per_chunk(extra, spec.blocks_per_chunk, config.groups[0].tokens_per_block, _max_model_len())
+    if config.canonical_layout and not spec.kvxfer_shared_region:
+        raise UnsupportedFeatureError("canonical_layout without the shared host region",
+                                      "set kvxfer_shared_region to true (canonical cells are shared by all ranks)")
+    if extra.get("kvxfer_verify") and spec.replicated_layout:
+        raise UnsupportedFeatureError("kvxfer_verify with the replicated single-copy layout",
+                                      "ranks load the copy rank 0 stored, whose checksums only rank 0 holds")
+
+
+def _check_worker(spec: Any, caches: CacheMap, device: str, creator: bool) -> None:
+    """The worker's start-up checks, before any host memory is allocated: the executor kind against the KV caches'
+    device, checksums against rotating writers, the host tier against the memory available (by the rank that
+    allocates it)."""
+    extra = spec.extra_config
+    check_executor_device(extra.get("kvxfer_executor"), device)
+    if extra.get("kvxfer_verify") and any(t.sharing is Sharing.REPLICATED for _, t in caches.refs):
+        raise UnsupportedFeatureError("kvxfer_verify with replicated canonical pages",
+                                      "their stores rotate writers over the ranks, so a rank loads pages whose "
+                                      "checksums another rank holds")
+    shared = spec.kvxfer_shared_region
+    if creator or not shared:
+        per_chunk = spec.kv_bytes_per_chunk if shared else spec.cpu_page_size_per_worker
+        check_host_memory(spec.num_chunks * per_chunk, extra.get("cpu_bytes_to_use"), "/dev/shm" if shared else None)
+
+
+def _worker_class(base: Any, doc: str) -> type:
+    class KvxferOffloadingWorker(WorkerCore, base):  # type: ignore[misc]
+        __doc__ = doc
+
+    return KvxferOffloadingWorker
+
+
+def _spec_class(base: Any, worker_cls: type, result: type, doc: str) -> type:
+    """KvxferOffloadingSpec over vLLM's CPUOffloadingSpec ``base``, building ``worker_cls`` workers."""
+
+    class KvxferOffloadingSpec(base):  # type: ignore[misc]
+        __doc__ = doc
+        extra_keys: tuple[str, ...] = ()  # keys of kv_connector_extra_config a subclass reads (not warned about)
+        kvxfer_shared_region: bool  # the host tier is one region shared by the engine's ranks
+
+        def __init__(self, config: Any):
+            for warning in check_extra(config.extra_config, self.extra_keys, config.parallel.world_size):
+                _log.warning("kvxfer: %s", warning)
+            self.kvxfer_shared_region = bool(config.extra_config.get("kvxfer_shared_region", config.parallel.world_size > 1))
+            super().__init__(config)
+            _check_spec(self)
+
+        def _uses_shared_region(self) -> bool:
+            # vLLM sizes chunks and enables the replicated single-copy layout by this answer
+            return self.kvxfer_shared_region
+
+        def make_executor(self) -> ExecutorSpec:
+            """The executor (or config, or factory) the workers run: ``kvxfer_executor``."""
+            executor: ExecutorSpec = self.extra_config.get("kvxfer_executor")
+            return executor
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            if getattr(self, "_worker", None) is None:
+                self._worker = _make_worker(self, kv_caches, worker_cls, result)
+            return self._worker
+
+    return KvxferOffloadingSpec
+
+
+def _shared_spec(spec: Any) -> SharedSpec | None:
+    p = spec.config.parallel
+    if not spec.kvxfer_shared_region:
+        return None
+    return SharedSpec(name=_region_name(spec.config.engine_id), create=p.rank == 0,
+                      attachers=p.world_size - 1 if p.rank == 0 else 0)
+
+
+def _checksums(worker: OffloadWorker, num_chunks: int) -> HostChecksums:
+    if worker.host is None:
+        raise RuntimeError("kvxfer_verify: the offload worker holds no host rows to check")
+    return HostChecksums(worker.layout, worker.host, num_chunks)
+
+
+def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> Any:
+    """The KvxferOffloadingWorker of ``spec`` over vLLM's ``kv_caches`` (see KvxferOffloadingSpec)."""
+    p, extra = spec.config.parallel, spec.extra_config
+    kind = kv_caches.tensors[0].tensor.device.type if kv_caches.tensors else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
+    if spec.num_chunks <= 0:
+        raise UnsupportedFeatureError("a host tier of 0 chunks",
+                                      f"cpu_bytes_to_use {extra.get('cpu_bytes_to_use')} holds no chunk")
+    shared = _shared_spec(spec)
+    barrier = _all_ranks_barrier if shared is not None and p.world_size > 1 else None
+    try:
+        caches = read_caches(kv_caches, rank=p.rank, world_size=p.world_size,
+                             canonical=bool(spec.config.canonical_layout), replicated=bool(spec.replicated_layout))
+        _check_worker(spec, caches, kind, creator=p.rank == 0)
+        tier = HostTier(num_chunks=spec.num_chunks, blocks_per_chunk=spec.blocks_per_chunk, layout=caches.layout,
+                        shared=shared, pin=kind == "cuda")
+    except BaseException:
+        if barrier is not None:
+            barrier()  # every rank passes the barrier once, so a refusal on one rank never hangs the others
+        raise
+    worker = build_worker(caches, tier, spec.make_executor(), pin=kind == "cuda", barrier=barrier, creator=p.rank == 0)
+    _log.info("kvxfer offloading worker: rank %d/%d, %d chunks of %d block(s), %d regions in %d group(s), %s host tier%s",
+              p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs), caches.num_groups,
+              "shared" if shared else "private", ", checksums on" if extra.get("kvxfer_verify") else "")
+    import torch
+
+    try:
+        checksums = _checksums(worker, spec.num_chunks) if extra.get("kvxfer_verify") else None
+    except BaseException:
+        worker.shutdown()
+        raise
+    out = worker_cls(worker, result, stream=torch.cuda.current_stream if kind == "cuda" else None,
+                     stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size), checksums=checksums)
+    out.stats.host_tier = "shared" if shared else "private"
+    return out
+
+
+def spec_classes(docs: Mapping[str, str]) -> dict[str, type]:
+    """KvxferOffloadingWorker and KvxferOffloadingSpec over vLLM's classes (imports vLLM), with ``docs`` as docstrings."""
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingWorker,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
+
+    worker = _worker_class(OffloadingWorker, docs["KvxferOffloadingWorker"])
+    return {"KvxferOffloadingWorker": worker,
+            "KvxferOffloadingSpec": _spec_class(CPUOffloadingSpec, worker, TransferResult, docs["KvxferOffloadingSpec"])}
