@@ -6,7 +6,8 @@ stream=None, after=None)``. Backends are listed once, in ``registry.BACKENDS``; 
 Public submodules (``from kvxfer.executors import torch_layout``): ``config`` (choosing an executor), ``dma``
 (the ``Runtime`` protocol a DMA driver implements), ``nixl_files`` (files through NIXL), ``nixl_peer`` (a NIXL
 peer process and metadata exchange), ``options``, ``pinning``, ``torch_layout`` (layouts from tensors), and one
-module per backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_triton``).
+module per backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_posix``: files with
+pread/pwrite, ``ops_triton``).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .base import (
 )
 from .binding import BindingError, BoundMemory, Lowered, Memory, RawMemory, bind, resolve
 from .ops_numpy import NumpyExecutor
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, PosixOptions, TritonOptions
 from .registry import BACKENDS, ExecutorKind
 
 _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported on first use
@@ -35,12 +36,12 @@ _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported o
     "pin_host_memory": "pinning", "PinnedRegion": "pinning", "RemoteBuffer": "nixl_memory", "PeerInfo": "nixl_memory",
     "PeerInfoError": "nixl_memory", "FileBinding": "nixl_files",
 }
-_SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip", "ops_nixl", "ops_numpy", "ops_triton",
-               "options", "pinning", "torch_layout")
+_SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip", "ops_nixl", "ops_numpy", "ops_posix",
+               "ops_triton", "options", "pinning", "torch_layout")
 
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
-           "NumpyOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
+           "NumpyOptions", "PosixOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
            "check_plan_target", "resolve", "stream_handle",
            *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 

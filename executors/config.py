@@ -25,7 +25,7 @@ from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, Transfer
 
 from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BindingError, BoundMemory, bind, resolve
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, PosixOptions, TritonOptions
 from .registry import ExecutorKind, backend
 
 __all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "build_executor", "choose_executor",
@@ -44,6 +44,7 @@ class ExecutorConfig(Options):
     hip: HipOptions = HipOptions()
     triton: TritonOptions = TritonOptions()
     nixl: NixlOptions = NixlOptions()
+    posix: PosixOptions = PosixOptions()
 
     def options_for(self, kind: ExecutorKind | str) -> Options:
         """The options of backend ``kind``, with the top-level ``max_descriptors`` applied where the backend has one."""

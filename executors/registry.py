@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
 
 
 class ExecutorKind(StrEnum):
@@ -20,6 +20,7 @@ class ExecutorKind(StrEnum):
     TRITON = "triton"
     NUMPY = "numpy"
     NIXL = "nixl"
+    POSIX = "posix"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ BACKENDS: dict[ExecutorKind, Backend] = {b.kind: b for b in (
     Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton"),
     Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy"),
     Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl"),
+    Backend(ExecutorKind.POSIX, "ops_posix", "PosixFileExecutor", PosixOptions, "posix"),
 )}
 
 
