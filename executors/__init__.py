@@ -41,8 +41,8 @@ _SUBMODULES = ("config", "dma", "nixl_files", "nixl_peer", "ops_cuda", "ops_hip"
 
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
-           "NumpyOptions", "PosixOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
-           "check_plan_target", "resolve", "stream_handle",
+           "NumpyOptions", "PosixOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer",
+           "TritonOptions", "bind", "check_plan_target", "resolve", "stream_handle",
            *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 
 

@@ -306,8 +306,8 @@ class FileTier:
     ``align_bytes`` of the file buffers; it must be a multiple of each). ``verify``: checksum chunks (needs host
     memory; a VRAM tier through GDS passes False and keeps epochs). ``lock_timeout_s``: how long to wait for
     another tier to release a file (a finite number of seconds, else TierConfigError). Raises BindingError for
-    bindings that do not fit, files or records that cannot be trusted, and files another tier holds. Use from one thread at a time or share it: jobs of one tier run one
-    after another.
+    bindings that do not fit, files or records that cannot be trusted, and files another tier holds. Use from one
+    thread at a time or share it: jobs of one tier run one after another.
     """
 
     def __init__(self, executor: StorageExecutor, buffers: Layout | Sequence[Buffer], files: Mapping[str, FileBinding],
@@ -605,6 +605,20 @@ class FileTier:
             os.fdatasync(fd if fd is not None else -1)
         except OSError as e:
             raise TierError(op, "fdatasync", [path], f"{e.strerror} (errno {e.errno})") from None
+
+    def epochs(self, name: str) -> np.ndarray:
+        """A copy of the epoch this tier trusts for each chunk of file buffer ``name``: the one its last spill
+        wrote, or the one recorded when the tier opened; 0 where no chunk is trusted (never spilled, a spill that
+        failed or did not finish, a record beyond ``EPOCH_LIMIT``, or a stored record that does not verify now:
+        torn, copied from another chunk or file). Reads the records once. KeyError for a name that is not a file."""
+        records = self._records[name]
+        with self._lock:
+            out: np.ndarray = records.expected.copy()
+            stored = records.read(0, records.chunks)
+        ids = np.arange(records.chunks, dtype=np.uint64)
+        intact = stored["check"] == records.check(ids, stored["epoch"], stored["crc"])
+        out[(out == FAILED) | ~intact | (stored["epoch"] != out)] = 0
+        return out
 
     def close(self) -> None:
         """Release the binding (memory registrations), deregister the files, close the records and the files this
