@@ -64,7 +64,7 @@ class _Piece:
     op: str
     fd: int
     file_offset: int
-    view: np.ndarray  # the host bytes read into or written from
+    view: memoryview  # the host bytes read into or written from
     call: int
     index: int  # the plan range it belongs to
 
@@ -212,14 +212,14 @@ class PosixFileExecutor(Executor):
                                                                  low.dst.tolist(), low.nbytes.tolist(), reads.tolist(),
                                                                  calls.tolist())):
             (fb, fo), (mb, mo) = ((sb, so), (db, do)) if read else ((db, do), (sb, so))
-            fm: FileMemory = bound.memory[fb].owner  # type: ignore[union-attr]
+            fm: FileMemory = bound.memory[fb].owner
             fd = fm.binding.fd
             if fd is None:
                 raise BindingError(plan.buffers[fb].name, repr(fm.binding), "the file was closed; bind it again")
             for at in range(0, n, self.piece_bytes):
                 size = min(self.piece_bytes, n - at)
                 out.append(_Piece(READ if read else WRITE, fd, fm.binding.offset + fo + at,
-                                  views[mb][mo + at:mo + at + size], call, k))
+                                  memoryview(views[mb][mo + at:mo + at + size]), call, k))
         return out
 
     def _move(self, pieces: list[_Piece]) -> ExecutorError | None:

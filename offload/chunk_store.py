@@ -270,12 +270,13 @@ class ChunkStore:
         self.num_rows = self.memory.nbytes // self.row_bytes
         self.stats = StoreStats(slots=self.slots, row_bytes=self.row_bytes)
         self.folder = self._folder(identity)
-        self._owned = executor is None
+        self._own: Any = None  # the executor this store made, closed with it
         if executor is None:
             from kvxfer.executors import PosixFileExecutor
 
-            executor = PosixFileExecutor(threads=self.config.io_threads, piece_bytes=max(self.row_bytes, 1 << 20))
-        self.executor = executor
+            executor = self._own = PosixFileExecutor(threads=self.config.io_threads,
+                                                     piece_bytes=max(self.row_bytes, 1 << 20))
+        self.executor: StorageExecutor = executor
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._results: list[tuple[StoreResult, tuple[bytes, ...]]] = []
@@ -346,8 +347,8 @@ class ChunkStore:
                                  lock_timeout_s=self.config.lock_timeout_s)
         except BaseException:
             self._index.close()
-            if self._owned:
-                self.executor.close()  # type: ignore[attr-defined]
+            if self._own is not None:
+                self._own.close()
             raise
         self._load_index()
 
@@ -508,9 +509,10 @@ class ChunkStore:
             self.tier.close()
         finally:
             self._index.close()
-            if self._owned:
-                self.executor.close()  # type: ignore[attr-defined]
+            if self._own is not None:
+                self._own.close()
             self._write_stats()
+            self.memory = self.memory[:0]  # the rows are the caller's again (vLLM unmaps them)
 
     # ---- the store's thread ------------------------------------------------------------------------------------
     def _enqueue(self, job: _Job, first: bool = False) -> None:

@@ -633,6 +633,7 @@ class FileTier:
         self._records = {}
         for fb in self.files.values():
             fb.close()
+        self.memory, self.views = {}, {}  # the memory is the caller's again: nothing here views it
 
     def __enter__(self) -> FileTier:
         return self

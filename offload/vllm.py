@@ -31,6 +31,7 @@ Importing this module imports neither vLLM nor torch: the vLLM-facing classes ar
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import mmap
@@ -71,6 +72,13 @@ _LAZY = {
         "``submit_store``/``submit_load`` turn vLLM's load/store specs into jobs, ``get_finished`` returns\n"
         "vLLM's ``TransferResult`` with bytes and seconds (and raises ``JobFailedError`` for a failed job),\n"
         "``wait`` blocks for the named jobs, ``shutdown`` drains."),
+    # the storage tiers (kvxfer.offload.vllm_tiers, loaded by name on first access)
+    "KvxferTieringOffloadingSpec": (
+        "vLLM's ``TieringOffloadingSpec`` with kvxfer's worker bound to vLLM's shared primary tier, so that vLLM's\n"
+        "secondary tiers (its ``fs``, ``KvxferFileTier``) run over it, on vLLM's CPU build too (``vllm_tiers``)."),
+    "KvxferFileTier": (
+        "A vLLM secondary tier storing primary-tier chunks in files through kvxfer (``vllm_tiers``: integrity\n"
+        "records, durability, capacity, namespaces by identity, warm restarts)."),
 }
 
 __all__ = ["INSTALL_HINT", "KVXFER_KEYS", "SUPPORTED_VLLM", "CacheMap", "JobFailedError", "UnsupportedFeatureError",
@@ -476,7 +484,16 @@ def _classes() -> dict[str, type]:
     return {"KvxferOffloadingSpec": KvxferOffloadingSpec, "KvxferOffloadingWorker": KvxferOffloadingWorker}
 
 
+# the storage tiers under vLLM's tiering live in kvxfer.offload.vllm_tiers (which builds on this module); vLLM
+# loads them from here (``spec_module_path`` / ``module_path`` "kvxfer.offload.vllm")
+_TIERS = ("KvxferTieringOffloadingSpec", "KvxferFileTier")
+__all__ += ["check_extra", "import_vllm", "stats_path"]
+check_extra, import_vllm, stats_path = _check_extra, _import_vllm, _stats_path  # shared with vllm_tiers
+
+
 def __getattr__(name: str) -> Any:
+    if name in _TIERS:  # by name, so that this module does not import vllm_tiers (which imports this one)
+        return getattr(importlib.import_module(".vllm_tiers", __package__), name)
     if name in _LAZY:
         return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
