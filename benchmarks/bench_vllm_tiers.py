@@ -4,7 +4,8 @@ vLLM's CPU build.
 1. Files (no engine; each tier driven as vLLM's tiering manager drives it, same primary rows, same chunks): GB/s
    of a store of ``--chunks`` chunks of ``--chunk-mib`` MiB from host rows into the tier and of their load back,
    from submission until the result is polled, against one sequential write (read) of the same bytes; kvxfer with
-   and without the page cache (O_DIRECT) and with durability ``none`` and ``fdatasync``. vLLM's ``fs`` tier uses
+   and without the page cache (O_DIRECT; its reads and writes on 4 threads, and on 1) and with durability
+   ``none`` and ``fdatasync``. vLLM's ``fs`` tier uses
    O_DIRECT where a probe says it works, and never syncs. Files per stored GiB (after the store) and syscalls
    per stored GiB (``strace -f -c`` of a process that only stores, less one that stores nothing).
 2. Engines (the model of ``bench_vllm.py``: 8 layers, hidden 512, 8 KV heads of 64, float32; a 2,048-token prefix
@@ -60,10 +61,12 @@ def _spec(chunk_bytes: int) -> Any:
 
 
 def _rows(chunks: int, chunk_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """2 x ``chunks`` host rows, page-aligned (O_DIRECT), the first half random."""
+    """2 x ``chunks`` host rows, page-aligned (O_DIRECT) and committed (as vLLM's primary tier is), the first half
+    random."""
     buf = mmap.mmap(-1, 2 * chunks * chunk_bytes)
     rows = np.frombuffer(buf, np.int8).reshape(2 * chunks, chunk_bytes)
     rows[:chunks] = np.random.default_rng(0).integers(-128, 127, (chunks, chunk_bytes), dtype=np.int8)
+    rows[chunks:] = 0
     return buf, rows
 
 
@@ -95,18 +98,17 @@ def tier_round_trip(kind: str, root: Path, chunks: int, chunk_bytes: int, **kw: 
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    buf, rows = _rows(chunks, chunk_bytes)
+    _, rows = _rows(chunks, chunk_bytes)
     root.mkdir(parents=True)
     tier = _make_tier(kind, root, rows, **kw)
     ctx = ReqContext(req_id="bench")
     keys = [os.urandom(32) + bytes(4) for _ in range(chunks)]
     store = _job(tier, TransferJob(1, keys, np.arange(chunks), False, ctx))
-    files = sum(len(f) for _, _, f in os.walk(root))
+    files = sum(len(f) + len(d) for _, d, f in os.walk(root))  # files and folders
     load = _job(tier, TransferJob(2, keys, np.arange(chunks, 2 * chunks), True, ctx))
     assert np.array_equal(rows[chunks:], rows[:chunks]), "a load did not give back the bytes stored"
     tier.shutdown()
-    del rows
-    buf.close()
+    del tier, rows  # the anonymous mapping goes with the last view of it
     return store, load, files
 
 
@@ -123,6 +125,7 @@ def sequential(path: Path, data: np.ndarray, o_direct: bool, sync: bool) -> tupl
     write = time.perf_counter() - t0
     os.close(fd)
     out = mmap.mmap(-1, data.nbytes)
+    np.frombuffer(out, np.uint8)[:] = 0  # committed, as the rows a tier loads into
     fd = os.open(path, os.O_RDONLY | flags)
     t0 = time.perf_counter()
     got = 0
@@ -148,7 +151,10 @@ def files_bench(root: Path, chunks: int, chunk_bytes: int, reps: int = 3) -> dic
     buf.close()
     variants = [("kvxfer, page cache, durability none", "kvxfer", {"durability": "none"}),
                 ("kvxfer, page cache, fdatasync", "kvxfer", {}),
+                ("kvxfer, page cache, none, no CRC", "kvxfer", {"durability": "none", "verify": False}),
                 ("kvxfer, O_DIRECT, durability none", "kvxfer", {"durability": "none", "o_direct": True}),
+                ("kvxfer, O_DIRECT, none, 1 I/O thread", "kvxfer", {"durability": "none", "o_direct": True,
+                                                                    "io_threads": 1}),
                 ("kvxfer, O_DIRECT, fdatasync", "kvxfer", {"o_direct": True}),
                 ("vLLM fs (O_DIRECT, no sync)", "fs", {})]
     for name, kind, kw in variants:
@@ -159,13 +165,14 @@ def files_bench(root: Path, chunks: int, chunk_bytes: int, reps: int = 3) -> dic
             shutil.rmtree(where)
         store, load = min(r[0] for r in runs), min(r[1] for r in runs)
         out[name] = {"store_gbs": chunks * chunk_bytes / store / 1e9, "load_gbs": chunks * chunk_bytes / load / 1e9,
-                     "files_per_gib": runs[0][2] / gib}
+                     "files": runs[0][2], "files_per_gib": runs[0][2] / gib}
     return out
 
 
 def syscalls_per_gib(root: Path, chunks: int, chunk_bytes: int) -> dict[str, float]:
-    """Syscalls per stored GiB for each tier: ``strace -f -c`` of a child that stores ``chunks`` chunks, less one
-    that stores none (imports and set-up)."""
+    """File and descriptor syscalls (strace's %file and %desc classes: opens, reads, writes, syncs, renames, stats,
+    closes; not futexes, sleeps or mappings) per stored GiB for each tier: ``strace -f -c`` of a child that stores
+    and loads ``chunks`` chunks, less one that moves one chunk (imports and set-up)."""
     if shutil.which("strace") is None:
         return {}
     out = {}
@@ -174,9 +181,10 @@ def syscalls_per_gib(root: Path, chunks: int, chunk_bytes: int) -> dict[str, flo
         for n in (chunks, 1):
             summary = root / f"strace-{kind}-{n}.txt"
             where = root / f"strace-{kind}-{n}"
-            subprocess.run(["strace", "-f", "-c", "-o", str(summary), sys.executable, __file__, "--child", kind,
-                            "--child-kw", kw, "--chunks", str(n), "--chunk-bytes", str(chunk_bytes), "--root", str(where)],
-                           check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            child = [sys.executable, __file__, "--child", kind, "--child-kw", kw, "--chunks", str(n), "--chunk-bytes",
+                     str(chunk_bytes), "--root", str(where)]
+            subprocess.run(["strace", "-f", "-c", "-e", "trace=%file,%desc", "-o", str(summary), *child], check=True,
+                           capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             total = [ln.split() for ln in summary.read_text().splitlines() if ln.strip().endswith("total")][-1]
             calls.append(int(total[3]))  # % time, seconds, usecs/call, calls[, errors], "total"
             shutil.rmtree(where, ignore_errors=True)
@@ -381,12 +389,12 @@ def main() -> None:
             figures["syscalls_per_gib"] = sc = syscalls_per_gib(tmp, a.chunks, chunk_bytes)
             print(f"\n1. {a.chunks} chunks of {chunk_bytes >> 20} MiB ({f['bytes'] / 2**20:.0f} MiB) from host rows to "
                   f"files under {a.root} and back, best of 3 (GB/s)")
-            print(f"{'':40} {'store':>7} {'load':>7} {'files/GiB':>10}")
-            one_file = 1 / (f["bytes"] / 2**30)
+            print(f"{'':40} {'store':>7} {'load':>7} {'files+dirs':>10}")
             for name, v in f.items():
                 if isinstance(v, dict):
-                    print(f"{name:40} {v['store_gbs']:7.2f} {v['load_gbs']:7.2f} {v.get('files_per_gib', one_file):10.1f}")
-            print("syscalls per stored GiB: " + ", ".join(f"{k} {v:,.0f}" for k, v in sc.items()))
+                    print(f"{name:40} {v['store_gbs']:7.2f} {v['load_gbs']:7.2f} {v.get('files', 1):10d}")
+            print("file and descriptor syscalls per GiB stored and loaded back: "
+                  + ", ".join(f"{k} {v:,.0f}" for k, v in sc.items()))
         if not a.skip_engines:
             e = engine_bench(tmp, a.layers, a.hidden, a.prefix_blocks)
             figures["engines"] = {k: ({kk: v[kk] for kk in ("request_times_s", "timing", "stats", "metrics")}

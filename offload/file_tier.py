@@ -43,6 +43,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -71,6 +72,7 @@ RECORD = np.dtype([("epoch", "<u8"), ("crc", "<u4"), ("check", "<u4")])
 FAILED = np.uint64(2**64 - 1)  # expected epoch of a chunk whose last spill failed (or whose record is not trusted)
 EPOCH_LIMIT = 1 << 62  # epochs a tier writes stay below this (the clock in microseconds is near 2^51)
 LOCK_TIMEOUT_S = 5.0
+PARALLEL_CRC_BYTES = 8 << 20  # a job checksumming at least this many bytes spreads its chunks over threads
 
 
 class TierConfigError(ValueError):
@@ -330,6 +332,8 @@ class FileTier:
                                    f"{self.buffers[name].align_bytes}")
         self.files, self.memory = dict(files), dict(memory)
         self._lock = threading.Lock()
+        self._crc_threads = min(4, os.cpu_count() or 1)
+        self._crc_pool: ThreadPoolExecutor | None = None
         self._registrations: list[Any] = []
         self._records: dict[str, _Records] = {}
         self.bound: BoundMemory | None = None
@@ -427,8 +431,13 @@ class FileTier:
             return out
         n = self.chunk_bytes
         views = [self.views.get(b.name, np.zeros(0, np.uint8)) for b in plan.buffers]  # memory buffers all have one
-        for k, (b, o) in enumerate(zip(mem_buf.tolist(), mem_off.tolist())):
-            out[k] = zlib.crc32(views[b][o:o + n])
+        pieces = [views[b][o:o + n] for b, o in zip(mem_buf.tolist(), mem_off.tolist())]
+        if len(pieces) * n < PARALLEL_CRC_BYTES or self._crc_threads < 2:
+            out[:] = [zlib.crc32(p) for p in pieces]
+            return out
+        if self._crc_pool is None:  # zlib releases the GIL over large buffers: chunks are summed in parallel
+            self._crc_pool = ThreadPoolExecutor(self._crc_threads, thread_name_prefix="kvxfer-crc")
+        out[:] = list(self._crc_pool.map(zlib.crc32, pieces))
         return out
 
     # ---- jobs -------------------------------------------------------------------------------------------------
@@ -634,6 +643,9 @@ class FileTier:
         for fb in self.files.values():
             fb.close()
         self.memory, self.views = {}, {}  # the memory is the caller's again: nothing here views it
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=True)
+            self._crc_pool = None
 
     def __enter__(self) -> FileTier:
         return self

@@ -45,4 +45,4 @@ class CrashingFileTier(KvxferFileTier):  # type: ignore[misc, valid-type]
         super().__init__(*args, **config)
 
     def storage_executor(self, settings: Any) -> Any:
-        return _KillsAfterData(settings.io_threads, self._crash_at, self._marker)
+        return _KillsAfterData(settings.io_threads or 1, self._crash_at, self._marker)
