@@ -198,7 +198,7 @@ def _tier_entry(kind: str, root: Path, timing: Path, **kw: Any) -> dict[str, Any
         return {"type": "TimedFileSystemTierManager", "module_path": "benchmarks.tier_timing", "root_dir": str(root),
                 "timing_path": str(timing)}
     return {"type": "TimedKvxferFileTier", "module_path": "benchmarks.tier_timing", "root_dir": str(root),
-            "capacity_bytes": 8 << 30, "timing_path": str(timing), **kw}
+            "capacity_bytes": 8 << 30, "timing_path": str(timing), "stats_path": f"{timing}.tier", **kw}
 
 
 def engine_bench(tmp: Path, layers: int, hidden: int, prefix_blocks: int) -> dict[str, Any]:
@@ -234,6 +234,8 @@ def engine_bench(tmp: Path, layers: int, hidden: int, prefix_blocks: int) -> dic
         if res["error"]:
             raise SystemExit(f"{name}: {res['error']}")
         res["timing"] = json.loads(timing.read_text()) if timing.exists() else None
+        tier = Path(f"{timing}.tier")
+        res["tier"] = json.loads(tier.read_text()) if tier.exists() else None
         out[name] = res
     want = out["recomputed"]["tokens"]
     for name, *_ in cases:
@@ -397,7 +399,7 @@ def main() -> None:
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sc.items()))
         if not a.skip_engines:
             e = engine_bench(tmp, a.layers, a.hidden, a.prefix_blocks)
-            figures["engines"] = {k: ({kk: v[kk] for kk in ("request_times_s", "timing", "stats", "metrics")}
+            figures["engines"] = {k: ({kk: v[kk] for kk in ("request_times_s", "timing", "tier", "stats", "metrics")}
                                       if isinstance(v, dict) else v) for k, v in e.items()}
             rec = e["recomputed"]["request_times_s"][3]
             print(f"\n2. P' ({a.prefix_blocks * 32}-token prefix, {a.prefix_blocks * e['chunk_bytes'] / 2**20:.0f} MiB of "
@@ -411,6 +413,14 @@ def main() -> None:
                 cpu = f"{t['process_cpu_s'] / steps * 1e3:16.2f}" if t else f"{'-':>16}"
                 print(f"{name:22} {v['request_times_s'][3]:7.3f} {v['request_times_s'][3] / rec:11.2f} "
                       f"{m.get('vllm:kv_offload_tiering_chunk_hits', 0):9.0f} {sched} {cpu}")
+            for name in ("kvxfer, page cache", "kvxfer, O_DIRECT"):
+                t, worker = e[name]["tier"], e[name]["stats"][0]
+                if t and t["load_timeline"] and worker.get("load_submitted"):
+                    j = t["load_timeline"][-1]
+                    dev = worker["load_submitted"][-1]
+                    print(f"{name}: promotion of {j['chunks']} chunks: queued {1e3 * (j['started'] - j['submitted']):.1f} ms, "
+                          f"read {1e3 * (j['done'] - j['started']):.1f} ms, reported {1e3 * (j['polled'] - j['done']):.1f} ms "
+                          f"later, device load submitted {1e3 * (dev - j['polled']):.1f} ms after that")
         if not a.skip_crash:
             figures["crash"] = c = crash_bench(tmp, a.kills)
             print("\n3. SIGKILL while storing, restart on the same directory, the six prefixes again")
