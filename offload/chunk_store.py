@@ -481,10 +481,11 @@ class ChunkStore:
             if self.index.get(k) == slot_of[k]:
                 del self.index[k]
                 self._free[slot_of[k]] = True
-            if k not in self._logged:
-                self._logged.add(k)
-                _log.warning("kvxfer file tier %s: a stored chunk was refused and dropped (a miss, recomputed): %s",
-                             self.folder, r.error)
+        new = [k for k in bad if k not in self._logged]
+        if new:  # one line per job, each chunk in one line only
+            self._logged.update(new)
+            _log.warning("kvxfer file tier %s: %d stored chunk(s) refused and dropped (misses, recomputed); the last: %s",
+                         self.folder, len(new), r.error)
         with self._counters:
             for t in self.stats.load_timeline:
                 if t.get("job") == r.job_id:
