@@ -288,6 +288,7 @@ class ChunkStore:
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # durable keys, LRU first
         self._storing: dict[bytes, int] = {}
         self._free = np.ones(self.slots, dtype=bool)
+        self._nfree = self.slots  # the count of True in _free
         self._pins = np.zeros(self.slots, dtype=np.int32)
         self._logged: set[bytes] = set()
         self._logged_paths: set[str] = set()
@@ -370,6 +371,7 @@ class ChunkStore:
                 self._free[old] = True
             self.index[key] = s
             self._free[s] = False
+        self._nfree = int(self._free.sum())
         self.stats.found, self.stats.discarded = len(self.index), int(used.sum()) - len(self.index)
         if self.stats.found or self.stats.discarded:
             _log.info("kvxfer file tier %s: %d chunks found, %d discarded (a store interrupted or a slot reused: never "
@@ -432,18 +434,15 @@ class ChunkStore:
         slots when there is one, so the store is one I/O."""
         if n == 0:
             return np.zeros(0, np.int64)
-        need = n - int(self._free.sum())
-        evicted = 0
-        if need > 0:
-            for key in list(self.index):
-                if evicted >= need:
-                    break
-                s = self.index[key]
-                if self._pins[s]:
-                    continue
-                del self.index[key]
-                self._free[s] = True
-                evicted += 1
+        need = n - self._nfree
+        victims: list[bytes] = []
+        for key, s in self.index.items():  # least recently used first; a slot being loaded stays
+            if len(victims) >= need:
+                break
+            if not self._pins[s]:
+                victims.append(key)
+        for key in victims:
+            self._free[self.index.pop(key)] = True
         free = np.flatnonzero(self._free)
         if len(free) > n:
             cuts = np.flatnonzero(np.diff(free) != 1) + 1
@@ -451,8 +450,9 @@ class ChunkStore:
             fit = np.flatnonzero(ends - starts >= n)
             free = free[starts[fit[0]]:starts[fit[0]] + n] if len(fit) else free[:n]
         self._free[free] = False
+        self._nfree = int(self._nfree + len(victims) - len(free))
         with self._counters:
-            self.stats.evictions += evicted
+            self.stats.evictions += len(victims)
         return free.astype(np.int64)
 
     def poll(self) -> list[StoreResult]:
@@ -474,6 +474,7 @@ class ChunkStore:
                     self.index[k] = s
                 else:
                     self._free[s] = True
+                    self._nfree += 1
             return
         self._pins[job.slots] -= 1
         slot_of = dict(zip(job.keys, job.slots.tolist()))
@@ -481,6 +482,7 @@ class ChunkStore:
             if self.index.get(k) == slot_of[k]:
                 del self.index[k]
                 self._free[slot_of[k]] = True
+                self._nfree += 1
         new = [k for k in bad if k not in self._logged]
         if new:  # one line per job, each chunk in one line only
             self._logged.update(new)
