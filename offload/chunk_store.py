@@ -53,6 +53,9 @@ from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, Ti
 
 _log = logging.getLogger(__name__)
 
+__all__ = ["ENTRY", "INDEX_HEADER_BYTES", "MAX_KEY_BYTES", "ChunkStore", "StoreConfig", "StoreConfigError", "StoreError",
+           "StoreResult", "StoreStats", "namespace"]
+
 INDEX_MAGIC = b"KVXIDX01"
 INDEX_HEADER = struct.Struct("<8sQQ")  # magic, slots, row bytes
 INDEX_HEADER_BYTES = 4096
