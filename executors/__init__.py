@@ -9,7 +9,8 @@ memory), ``config`` (choosing an executor), ``dma`` (the ``Runtime`` protocol a 
 ``file_trust`` (opening files without trusting what is planted: links, foreign files, bounded locks),
 ``nixl_memory`` (memory, registrations and files as NIXL sees them), ``nixl_peer`` (a NIXL peer process and
 metadata exchange), ``options``, ``pinning``, ``torch_layout`` (layouts from tensors), and one module per
-backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_triton``).
+backend (``ops_cuda``, ``ops_hip``, ``ops_nixl``, ``ops_numpy``, ``ops_posix``: files with pread/pwrite,
+``ops_triton``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .binding import BoundMemory, bind
 from .lowering import Lowered
 from .memory import BindingError, Memory, RawMemory, resolve
 from .ops_numpy import NumpyExecutor
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, PosixOptions, TritonOptions
 from .registry import BACKENDS, ExecutorKind
 
 _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported on first use
@@ -42,12 +43,12 @@ _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported o
     "PeerInfoError": "nixl_memory", "FileBinding": "nixl_memory",
 }
 _SUBMODULES = ("binding", "config", "dma", "file_trust", "lowering", "memory", "nixl_memory", "nixl_peer", "ops_cuda",
-               "ops_hip", "ops_nixl", "ops_numpy", "ops_triton", "options", "pinning", "torch_layout")
+               "ops_hip", "ops_nixl", "ops_numpy", "ops_posix", "ops_triton", "options", "pinning", "torch_layout")
 
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
-           "NumpyOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer", "TritonOptions", "bind",
-           "check_plan_target", "resolve", "stream_handle",
+           "NumpyOptions", "PosixOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer",
+           "TritonOptions", "bind", "check_plan_target", "resolve", "stream_handle",
            *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 
 

@@ -26,7 +26,7 @@ from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, Transfer
 from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BoundMemory, bind
 from .memory import BindingError, resolve
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, PosixOptions, TritonOptions
 from .registry import BACKENDS, Backend, ExecutorKind, backend, kind_of
 
 __all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "backend_for", "build_executor",
@@ -45,6 +45,7 @@ class ExecutorConfig(Options):
     hip: HipOptions = HipOptions()
     triton: TritonOptions = TritonOptions()
     nixl: NixlOptions = NixlOptions()
+    posix: PosixOptions = PosixOptions()
 
     def options_for(self, kind: ExecutorKind | str) -> Options:
         """The options of backend ``kind``, with the top-level ``max_descriptors`` applied where the backend has one."""

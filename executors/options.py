@@ -99,6 +99,14 @@ class TritonOptions(Options):
         return v
 
 
+class PosixOptions(Options):
+    """posix: ``threads`` that run a plan's pieces (a plan's reads or writes overlap across them);
+    ``piece_bytes``: ranges above this are cut into pieces of at most this size."""
+
+    threads: int = Field(default=4, ge=1, le=256)
+    piece_bytes: int = Field(default=8 << 20, ge=4096)
+
+
 class NixlOptions(Options):
     """nixl: agent ``name`` (default kvxfer-<random>), backends, threads. ``poll_timeout_s`` bounds wait() and
     wait_notifs(); after a failure or timeout, the other calls get at most ``drain_timeout_s`` more to stop."""

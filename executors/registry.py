@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
 
 
 class ExecutorKind(StrEnum):
@@ -20,6 +20,7 @@ class ExecutorKind(StrEnum):
     TRITON = "triton"
     NUMPY = "numpy"
     NIXL = "nixl"
+    POSIX = "posix"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ BACKENDS: dict[ExecutorKind, Backend] = {b.kind: b for b in (
     Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton", gpu=True),
     Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy", gpu=False),
     Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl", gpu=False),
+    Backend(ExecutorKind.POSIX, "ops_posix", "PosixFileExecutor", PosixOptions, "posix", gpu=False),
 )}
 
 

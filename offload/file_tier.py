@@ -10,8 +10,9 @@ What a result promises:
 - a spill is reported done only when its data is durable under ``durability`` (``none``: written to the
   page cache; ``fdatasync``: every touched file and its integrity records synced before the result);
 - a failed write is reported failed, naming the files and the call (NIXL call, fdatasync, record write);
-- a restore checks file extents before reading and after, and every chunk's record and checksum after, so a
-  short, torn, stale, corrupted or foreign spill is refused and never reported done.
+- a restore checks file extents before reading and after, that the file did not change under the read (its size,
+  change time and holes: a file truncated and extended again reads as zeros), and every chunk's record and
+  checksum after, so a short, torn, stale, corrupted or foreign spill is refused and never reported done.
 
 Integrity: each file is cut into chunks of ``chunk_bytes`` (file-side ranges must be whole chunks). Beside the
 file, ``<path>.kvxsum`` holds a header and one 16-byte record per chunk: the epoch of the spill that wrote it,
@@ -21,8 +22,12 @@ resolved path, device and inode), so records that travel to another file (swappe
 place, copied into another chunk's slot) are refused. The tier keeps the epoch it expects per chunk; a record
 holding another epoch is stale, a mismatching checksum a torn or corrupted chunk. Epochs never repeat: each
 tier starts above both the records it finds and the wall clock in microseconds, and a tier holds an exclusive
-lock on its files (bounded wait, then BindingError), so two tiers never write one file. Records are written
-only after the data (and, under fdatasync, after the data is synced). Files are created private (0600).
+lock on its files (bounded wait, then BindingError), so two tiers never write one file. A spill first
+invalidates the records of the chunks it writes (synced, under fdatasync, before any data is written), and
+writes their new records only after the data (synced first, under fdatasync): a spill interrupted anywhere, a
+crash included, leaves those chunks without a record, so they are refused, with ``verify=False`` too (which
+skips only the CRC, never these checks). Epochs stay below ``EPOCH_LIMIT``: a record holding a larger one is
+forged or corrupted and never trusted. Files are created private (0600).
 
 For an offload worker: build one FileTier per engine over the host region and its spill files, then run
 each spill or restore job as ``tier.spill(plan)`` / ``tier.restore(plan)``; a TierResult maps one to one onto
@@ -31,12 +36,14 @@ a job result (success, ``nbytes``, ``seconds``). Jobs block the calling thread a
 from __future__ import annotations
 
 import errno
+import math
 import os
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -50,9 +57,9 @@ from kvxfer.executors import (
     ExecutorError,
     Stream,
     Transfer,
+    file_trust,
     nixl_memory,  # FileBinding (CONTRACT: FileBinding stays in executors)
 )
-from kvxfer.executors import file_trust as nixl_files  # the trust helpers, under the name this module's code uses
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
 
 FileBinding = nixl_memory.FileBinding
@@ -63,8 +70,26 @@ OLD_MAGICS = (b"KVXSUM01",)
 HEADER = struct.Struct("<8sQQQ16sQQQI")
 HEADER_BYTES = 4096  # the header and the data file's path; records follow
 RECORD = np.dtype([("epoch", "<u8"), ("crc", "<u4"), ("check", "<u4")])
-FAILED = np.uint64(2**64 - 1)  # expected epoch of a chunk whose last spill failed
+FAILED = np.uint64(2**64 - 1)  # expected epoch of a chunk whose last spill failed (or whose record is not trusted)
+EPOCH_LIMIT = 1 << 62  # epochs a tier writes stay below this (the clock in microseconds is near 2^51)
 LOCK_TIMEOUT_S = 5.0
+PARALLEL_CRC_BYTES = 8 << 20  # a job checksumming at least this many bytes spreads its chunks over threads
+
+
+class TierConfigError(ValueError):
+    """A FileTier argument out of range; names the ``field`` and its ``value``."""
+
+    def __init__(self, field: str, value: Any, reason: str):
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"{field} = {value!r}: {reason}")
+
+
+def check_timeout(field: str, value: Any) -> float:
+    """``value`` as seconds to wait: a finite number >= 0 (TierConfigError naming ``field`` otherwise: NaN or
+    infinity would wait forever)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise TierConfigError(field, value, "must be a finite number of seconds >= 0")
+    return float(value)
 
 
 class StorageExecutor(Protocol):
@@ -170,14 +195,14 @@ class _Records:
         self.chunks = -(-buffer.nbytes // chunk_bytes)
         name, where = buffer.name, str(self.path)
         try:
-            self.fd, created = nixl_files.open_file(self.path, os.O_RDWR, create=True)
+            self.fd, created = file_trust.open_file(self.path, os.O_RDWR, create=True)
         except OSError as e:
             why = "is a symbolic link: refused" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
             raise BindingError(name, where, f"integrity records {why}") from None
         try:
             data = os.fstat(self._data_fd(fb))
             st = os.fstat(self.fd)
-            distrust = None if created else nixl_files.untrusted(st, fb.allow_foreign)
+            distrust = None if created else file_trust.untrusted(st, fb.allow_foreign)
             if distrust is not None:
                 raise BindingError(name, where, f"integrity records {distrust}; refused")
             fields = (chunk_bytes, self.chunks, buffer.nbytes)
@@ -196,7 +221,9 @@ class _Records:
             os.close(self.fd)
             raise
         self.identity: np.uint64 = np.frombuffer(identity[:8], "<u8")[0] ^ np.frombuffer(identity[8:], "<u8")[0]
-        self.expected: np.ndarray = self.read(0, self.chunks)["epoch"].copy()  # what this tier trusts: the records at open
+        # what this tier trusts: the records at open, except epochs no tier writes (forged or corrupted)
+        self.expected: np.ndarray = self.read(0, self.chunks)["epoch"].copy()
+        self.expected[self.expected >= np.uint64(EPOCH_LIMIT)] = FAILED
 
     @staticmethod
     def _data_fd(fb: FileBinding) -> int:
@@ -237,12 +264,16 @@ class _Records:
         return _record_check(chunks, epochs, crcs, self.identity)
 
     def write(self, chunks: np.ndarray, epoch: int, crcs: np.ndarray) -> None:
-        """Store records for ``chunks`` (one pwrite over their span, merged with the records around them)."""
+        """Store records for ``chunks`` (one pwrite over their span, merged with the records around them);
+        ``epoch`` 0 clears them (no record: the chunk is refused until a spill completes)."""
         lo, hi = int(chunks.min()), int(chunks.max()) + 1
         span = self.read(lo, hi)
-        span["epoch"][chunks - lo] = epoch
-        span["crc"][chunks - lo] = crcs
-        span["check"][chunks - lo] = self.check(chunks, np.full(len(chunks), epoch, np.uint64), crcs)
+        if epoch:
+            span["epoch"][chunks - lo] = epoch
+            span["crc"][chunks - lo] = crcs
+            span["check"][chunks - lo] = self.check(chunks, np.full(len(chunks), epoch, np.uint64), crcs)
+        else:
+            span[chunks - lo] = np.zeros(1, dtype=RECORD)
         data = span.tobytes()
         if os.pwrite(self.fd, data, HEADER_BYTES + lo * RECORD.itemsize) != len(data):
             raise OSError(0, "short write of the integrity records")
@@ -277,14 +308,15 @@ class FileTier:
     is bound once, here, with ``executor.bind``. ``chunk_bytes``: the integrity unit (default: the largest
     ``align_bytes`` of the file buffers; it must be a multiple of each). ``verify``: checksum chunks (needs host
     memory; a VRAM tier through GDS passes False and keeps epochs). ``lock_timeout_s``: how long to wait for
-    another tier to release a file. Raises BindingError for bindings that do not fit, files or records that cannot
-    be trusted, and files another tier holds. Use from one thread at a time or share it: jobs of one tier run one
-    after another.
+    another tier to release a file (a finite number of seconds, else TierConfigError). Raises BindingError for
+    bindings that do not fit, files or records that cannot be trusted, and files another tier holds. Use from one
+    thread at a time or share it: jobs of one tier run one after another.
     """
 
     def __init__(self, executor: StorageExecutor, buffers: Layout | Sequence[Buffer], files: Mapping[str, FileBinding],
                  memory: Mapping[str, Any], *, durability: Durability | str = Durability.FDATASYNC,
                  chunk_bytes: int | None = None, verify: bool = True, lock_timeout_s: float = LOCK_TIMEOUT_S):
+        lock_timeout_s = check_timeout("lock_timeout_s", lock_timeout_s)
         self.executor, self.durability, self.verify = executor, Durability(durability), verify
         table = tuple(buffers.buffers if isinstance(buffers, Layout) else buffers)
         self.buffers = {b.name: b for b in table}
@@ -301,6 +333,8 @@ class FileTier:
                                    f"{self.buffers[name].align_bytes}")
         self.files, self.memory = dict(files), dict(memory)
         self._lock = threading.Lock()
+        self._crc_threads = min(4, os.cpu_count() or 1)
+        self._crc_pool: ThreadPoolExecutor | None = None
         self._registrations: list[Any] = []
         self._records: dict[str, _Records] = {}
         self.bound: BoundMemory | None = None
@@ -310,7 +344,7 @@ class FileTier:
             self.bound = executor.bind(table, {**self.memory, **self.files})
             self._check_memory(self.bound)
             for name, fb in self.files.items():
-                if fb.fd is None or not nixl_files.lock_file(fb.fd, lock_timeout_s):
+                if fb.fd is None or not file_trust.lock_file(fb.fd, lock_timeout_s):
                     raise BindingError(name, str(fb.path), f"locked by another FileTier for more than {lock_timeout_s} s "
                                        "(another process, or another tier in this one): one tier writes a file at a time")
                 self._records[name] = _Records(fb, self.chunk_bytes, self.buffers[name])
@@ -398,8 +432,13 @@ class FileTier:
             return out
         n = self.chunk_bytes
         views = [self.views.get(b.name, np.zeros(0, np.uint8)) for b in plan.buffers]  # memory buffers all have one
-        for k, (b, o) in enumerate(zip(mem_buf.tolist(), mem_off.tolist())):
-            out[k] = zlib.crc32(views[b][o:o + n])
+        pieces = [views[b][o:o + n] for b, o in zip(mem_buf.tolist(), mem_off.tolist())]
+        if len(pieces) * n < PARALLEL_CRC_BYTES or self._crc_threads < 2:
+            out[:] = [zlib.crc32(p) for p in pieces]
+            return out
+        if self._crc_pool is None:  # zlib releases the GIL over large buffers: chunks are summed in parallel
+            self._crc_pool = ThreadPoolExecutor(self._crc_threads, thread_name_prefix="kvxfer-crc")
+        out[:] = list(self._crc_pool.map(zlib.crc32, pieces))
         return out
 
     # ---- jobs -------------------------------------------------------------------------------------------------
@@ -420,6 +459,11 @@ class FileTier:
                 chunks, epoch = body(plan)
             except (TierError, BindingError, PlanError) as e:
                 return TierResult(op, False, 0, time.perf_counter() - t0, error=e)
+            except Exception as e:  # never raised out of spill() or restore(): the result says what happened
+                err = TierError(op, "unexpected error", [str(fb.path) for fb in self.files.values()],
+                                f"{type(e).__name__}: {e}")
+                err.__cause__ = e
+                return TierResult(op, False, 0, time.perf_counter() - t0, error=err)
         return TierResult(op, True, plan.total_bytes, time.perf_counter() - t0, chunks, epoch)
 
     def _io(self, op: str, job: _Checked, before_wait: Callable[[], None] | None = None) -> None:
@@ -437,6 +481,9 @@ class FileTier:
         job = self._job(plan, "spill")
         for name in job.names.values():
             self._alive("spill", name)
+        if self._epoch >= EPOCH_LIMIT:
+            raise TierError("spill", "epoch", [str(self.files[n].path) for n in job.names.values()],
+                            f"epochs are exhausted (next {self._epoch}, limit {EPOCH_LIMIT}): start the files over")
         epoch, self._epoch = self._epoch, self._epoch + 1
         parts = {i: self._chunks(job, i) for i in job.names}
         crcs: dict[int, np.ndarray] = {}
@@ -446,18 +493,15 @@ class FileTier:
                 crcs[i] = self._crcs(plan, mb, mo)
 
         try:
+            for i, name in job.names.items():  # no record may vouch for the old bytes once new ones may land
+                self._records[name].expected[parts[i][0]] = FAILED
+                self._write_records(name, parts[i][0], 0, np.zeros(0, np.uint32))
             self._io("spill", job, checksum)
             if self.durability is Durability.FDATASYNC:
                 for name in job.names.values():
                     self._sync("spill", self.files[name].fd, str(self.files[name].path))
             for i, name in job.names.items():
-                records = self._records[name]
-                try:
-                    records.write(parts[i][0], epoch, crcs[i])
-                except OSError as e:
-                    raise TierError("spill", "integrity record write", [str(records.path)], e.strerror or str(e)) from None
-                if self.durability is Durability.FDATASYNC:
-                    self._sync("spill", records.fd, str(records.path))
+                self._write_records(name, parts[i][0], epoch, crcs[i])
         except TierError:
             for i, name in job.names.items():  # the chunks may be torn: never restore them as the old ones
                 self._records[name].expected[parts[i][0]] = FAILED
@@ -466,17 +510,29 @@ class FileTier:
             self._records[name].expected[parts[i][0]] = epoch
         return sum(len(p[0]) for p in parts.values()), epoch
 
+    def _write_records(self, name: str, chunks: np.ndarray, epoch: int, crcs: np.ndarray) -> None:
+        """Write the records of ``chunks`` (``epoch`` 0: clear them), synced under fdatasync; TierError names the file."""
+        records = self._records[name]
+        try:
+            records.write(chunks, epoch, crcs)
+        except OSError as e:
+            raise TierError("spill", "integrity record write", [str(records.path)], e.strerror or str(e)) from None
+        if self.durability is Durability.FDATASYNC:
+            self._sync("spill", records.fd, str(records.path))
+
     def _restore(self, plan: TransferPlan) -> tuple[int, int | None]:
         job = self._job(plan, "restore")
         parts = {i: self._chunks(job, i) for i in job.names}
-        records, ends = {}, {}
+        records, ends, before = {}, {}, {}
         for i, name in job.names.items():
             ends[i] = int((job.file_off[job.file_buf == i] + plan.nbytes[job.file_buf == i]).max())
             self._extent(name, ends[i], "extent check")
             records[i] = self._check_records(name, parts[i][0])
+            before[i] = self._file_state(name)
         self._io("restore", job)
         for i, name in job.names.items():
             self._extent(name, ends[i], "extent check after reading")  # a file cut short under the read
+            self._unchanged(name, before[i], job, i)
             chunks, mb, mo = parts[i]
             if not self.verify:
                 continue
@@ -490,6 +546,34 @@ class FileTier:
                                      f"({bad.size} of {len(chunks)} chunks differ)")
         return sum(len(p[0]) for p in parts.values()), None
 
+    def _file_state(self, name: str) -> tuple[int, int, int, int]:
+        """(size, change time, mtime, allocated blocks) of the data file: what any write or truncation changes."""
+        fd = self.files[name].fd
+        try:
+            st = os.fstat(fd if fd is not None else -1)
+        except OSError as e:
+            raise TierError("restore", "descriptor check", [str(self.files[name].path)], e.strerror or str(e)) from None
+        return st.st_size, st.st_ctime_ns, st.st_mtime_ns, st.st_blocks
+
+    def _unchanged(self, name: str, before: tuple[int, int, int, int], job: _Checked, i: int) -> None:
+        """Refuse a read of file buffer ``i`` when the file changed under it (written, or truncated and extended:
+        the bytes read may be zeros or another spill's) or when a range read holds a hole (bytes never written)."""
+        fb, path = self.files[name], str(self.files[name].path)
+        if self._file_state(name) != before:
+            raise TierError("restore", "file check after reading", [path], "the file was written or truncated while "
+                            "it was read (another writer than this tier): the bytes read cannot be trusted")
+        m = job.file_buf == i
+        starts = (job.file_off[m] + np.uint64(fb.offset)).tolist()
+        for start, n in zip(starts, job.plan.nbytes[m].tolist()):
+            try:
+                hole = os.lseek(fb.fd if fb.fd is not None else -1, start, os.SEEK_HOLE)
+            except OSError:  # no SEEK_HOLE on this filesystem: the size and change time above are the check
+                return
+            if hole < start + n:
+                raise TierError("restore", "file check after reading", [path], f"a hole at file offset {hole} inside "
+                                f"the range read [{start}, {start + n}): bytes never written (the file was cut and "
+                                "extended again)")
+
     def _check_records(self, name: str, chunks: np.ndarray) -> np.ndarray:
         """The stored records of ``chunks``, refused unless each is intact, names this file and holds the epoch
         expected."""
@@ -498,8 +582,10 @@ class FileTier:
         rec: np.ndarray = records.read(lo, hi)[chunks - lo]
         expect = records.expected[chunks]
         problems: tuple[tuple[np.ndarray, Callable[[int], str]], ...] = (
-            (expect == FAILED, lambda k: "its last spill failed; the bytes may be torn"),
-            (rec["epoch"] == 0, lambda k: "never spilled (no integrity record)"),
+            (rec["epoch"] >= np.uint64(EPOCH_LIMIT), lambda k: f"the record holds epoch {int(rec['epoch'][k])}, beyond "
+                                                                f"any epoch a tier writes: forged or corrupted"),
+            (expect == FAILED, lambda k: "its last spill failed, or its record is not trusted; the bytes may be torn"),
+            (rec["epoch"] == 0, lambda k: "never spilled, or its last spill did not finish (no integrity record)"),
             (rec["check"] != records.check(chunks, rec["epoch"], rec["crc"]),
              lambda k: "integrity record is corrupted, or belongs to another chunk or file"),
             (rec["epoch"] != expect, lambda k: f"stale: the file holds epoch {int(rec['epoch'][k])}, the last spill "
@@ -530,6 +616,20 @@ class FileTier:
         except OSError as e:
             raise TierError(op, "fdatasync", [path], f"{e.strerror} (errno {e.errno})") from None
 
+    def epochs(self, name: str) -> np.ndarray:
+        """A copy of the epoch this tier trusts for each chunk of file buffer ``name``: the one its last spill
+        wrote, or the one recorded when the tier opened; 0 where no chunk is trusted (never spilled, a spill that
+        failed or did not finish, a record beyond ``EPOCH_LIMIT``, or a stored record that does not verify now:
+        torn, copied from another chunk or file). Reads the records once. KeyError for a name that is not a file."""
+        records = self._records[name]
+        with self._lock:
+            out: np.ndarray = records.expected.copy()
+            stored = records.read(0, records.chunks)
+        ids = np.arange(records.chunks, dtype=np.uint64)
+        intact = stored["check"] == records.check(ids, stored["epoch"], stored["crc"])
+        out[(out == FAILED) | ~intact | (stored["epoch"] != out)] = 0
+        return out
+
     def close(self) -> None:
         """Release the binding (memory registrations), deregister the files, close the records and the files this
         tier opened (which drops the locks)."""
@@ -543,6 +643,10 @@ class FileTier:
         self._records = {}
         for fb in self.files.values():
             fb.close()
+        self.memory, self.views = {}, {}  # the memory is the caller's again: nothing here views it
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=True)
+            self._crc_pool = None
 
     def __enter__(self) -> FileTier:
         return self

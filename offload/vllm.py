@@ -41,6 +41,7 @@ Importing this module imports neither vLLM nor torch: the vLLM-facing classes ar
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 from .checksums import ChecksumError
@@ -93,15 +94,24 @@ _LAZY = {
         "vLLM's ``OffloadingWorkerMetadata`` plus ``failed_jobs``: the ids of the jobs that failed on a worker\n"
         "since its last report (merged over the ranks by ``aggregate``), for the scheduler side of\n"
         "``KvxferOffloadingConnector``."),
+    # the storage tiers (kvxfer.offload.vllm_tiers, loaded by name on first access)
+    "KvxferTieringOffloadingSpec": (
+        "vLLM's ``TieringOffloadingSpec`` with kvxfer's worker bound to vLLM's shared primary tier, so that vLLM's\n"
+        "secondary tiers (its ``fs``, ``KvxferFileTier``) run over it, on vLLM's CPU build too (``vllm_tiers``)."),
+    "KvxferFileTier": (
+        "A vLLM secondary tier storing primary-tier chunks in files through kvxfer (``vllm_tiers``: integrity\n"
+        "records, durability, capacity, namespaces by identity, warm restarts)."),
 }
+_TIERS = ("KvxferTieringOffloadingSpec", "KvxferFileTier")  # built by vllm_tiers (which imports this module)
 
 __all__ = ["INSTALL_HINT", "KVXFER_KEYS", "SUPPORTED_VLLM", "CacheMap", "ChecksumError", "ExtraConfigError",
            "JobFailedError", "StatsFile", "UnsupportedFeatureError", "WorkerCore", "WorkerStats", "build_worker",
-           "read_caches", *_LAZY]
+           "import_vllm", "read_caches", *_LAZY]
 
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
+    """vLLM, imported, after checking its version is one this module supports (ImportError with the install hint)."""
     try:
         import vllm  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
@@ -118,17 +128,19 @@ def _import_vllm() -> Any:
 def _classes() -> dict[str, type]:
     """Build the vLLM-facing classes (imports vLLM; once per process). Each is named as an attribute of this module,
     so vLLM can pickle what crosses its processes (the worker metadata) and find the connector by name."""
-    _import_vllm()
+    import_vllm()
     from .vllm_connector import connector_classes
     from .vllm_spec import spec_classes
 
-    built = {**spec_classes(_LAZY), **connector_classes(_LAZY)}
+    built = {**spec_classes(_LAZY), **connector_classes(_LAZY)}  # the tiers' classes are vllm_tiers' own
     for name, cls in built.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return built
 
 
 def __getattr__(name: str) -> Any:
+    if name in _TIERS:  # by name, so that this module does not import vllm_tiers (which imports this one)
+        return getattr(importlib.import_module(".vllm_tiers", __package__), name)
     if name in _LAZY:
         return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

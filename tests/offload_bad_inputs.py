@@ -2,7 +2,7 @@
 shared regions (names, planted and crafted region files), and files (planted links, foreign files, integrity
 records that belong elsewhere). Each row is ``(name, act, error, fragment)``; ``act(env)`` works in ``env.folder``
 (plain files only: the harness reads back every entry) and must raise ``error`` (a ValueError subclass) with
-``fragment`` in its one-line message. Non-regular files and other users' files are in test_storage.py."""
+``fragment`` in its one-line message. Non-regular files and other users' files are in test_file_tier_nixl.py."""
 from __future__ import annotations
 
 import os

@@ -1,0 +1,270 @@
+"""Files with POSIX calls: plans between host memory and files run as ``pread``/``pwrite`` on a pool of threads.
+
+The storage path that needs no driver: a plan whose sources are file buffers and destinations host memory is a
+read, the other way a write. Each range is one call (a merged range is one large I/O), ranges above
+``piece_bytes`` are cut into pieces, and the pieces of a run are spread over ``threads`` threads so the reads (or
+writes) of one plan overlap; the calls themselves release the GIL. A file buffer binds to a ``FileBinding``
+(``nixl_memory.FileBinding``: opened without following a link, created private to its owner, foreign files refused, O_DIRECT
+on request), host memory to a numpy array or CPU tensor.
+
+What a result promises: ``wait()`` returns once every byte of every range has been read or written, and raises
+ExecutorError naming the call (``pread``/``pwrite``), the plan's call and range and the errno for a failed call;
+a read that comes up short (the file ends first) is a failure, never a success with fewer bytes. A failed run may
+have moved other ranges (every piece is attempted; the error names the first failure in plan order).
+
+Threads: one executor may be shared by any number of threads; runs are independent (pieces of concurrent runs
+share the pool). ``close()`` waits for the pieces in flight and stops the pool; it must not race ``run``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.planner import Buffer, Layout, Location, TransferPlan
+
+from .base import After, Executor, ExecutorError, Stream, Transfer, stream_handle, transfers_after, wait_on_host
+from .binding import BoundMemory
+from .lowering import Lowered
+from .memory import BindingError, Memory, check_host_view, describe
+from .nixl_memory import FileBinding  # where a file buffer lives (shared with the NIXL storage path)
+from .options import PosixOptions
+
+READ, WRITE = "pread", "pwrite"
+
+
+@dataclass(frozen=True)
+class FileMemory:
+    """A FileBinding as bound memory: ``address`` is the file offset of buffer byte 0 (``file_offsets``)."""
+
+    binding: FileBinding
+    nbytes: int
+
+    def __kvxfer_memory__(self) -> Memory:
+        return Memory(self.binding.offset, self.nbytes, Location.FILE, None, None, not self.binding.readonly, self,
+                      file_offsets=True)
+
+
+class Registration:
+    """Files opened by ``PosixFileExecutor.register``; ``deregister`` releases nothing (the caller closes files)."""
+
+    def __init__(self, files: Mapping[str, FileBinding]):
+        self.files = dict(files)
+
+    def deregister(self) -> None:
+        """Nothing to release: POSIX calls need no registration (kept for the storage executors' interface)."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    op: str
+    fd: int
+    file_offset: int
+    view: memoryview  # the host bytes read into or written from
+    call: int
+    index: int  # the plan range it belongs to
+
+
+@dataclass(eq=False, kw_only=True)
+class PosixTransfer(Transfer):
+    """A run in flight on the executor's threads: ``done()`` polls, ``wait()`` blocks and raises the first
+    failure (in plan order). Calls finish together: ``call_done(i)`` is ``done()``."""
+
+    futures: list[Future[ExecutorError | None]] = field(default_factory=list, repr=False)
+    started: float = 0.0
+
+    def done(self) -> bool:
+        """Whether every piece has finished (polls; never blocks)."""
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> PosixTransfer:
+        """Block until every piece has finished; raise the first failure's ExecutorError."""
+        errors = [e for e in (f.result() for f in self.futures) if e is not None]
+        if self.elapsed_s is None:
+            self.elapsed_s = time.perf_counter() - self.started
+        if errors:
+            raise min(errors, key=lambda e: (e.chunk, e.descriptor or 0))
+        return self
+
+    def call_done(self, call: int) -> bool:
+        """Whether call ``call`` has finished (all calls finish together)."""
+        self._call(call)
+        return self.done()
+
+    def wait_call(self, call: int) -> PosixTransfer:
+        """Block until call ``call`` (every call) has finished."""
+        self._call(call)
+        return self.wait()
+
+    def stream_wait(self, stream: Stream, call: int = -1) -> None:
+        """Wait on the host: no device work depends on file I/O here."""
+        self._call(call)
+        self.wait()
+
+
+class PosixFileExecutor(Executor):
+    """Host memory <-> files with ``pread``/``pwrite`` on ``threads`` threads (pieces of at most ``piece_bytes``).
+
+    Bindings: file buffers to a ``FileBinding`` (``register`` or ``bind`` opens it for its buffer), host buffers to
+    a numpy array or CPU tensor. ``calls`` and ``bytes_moved`` count the I/O calls issued and the bytes they moved
+    since construction. Threads: see the module docstring.
+    """
+
+    def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20):
+        opts = PosixOptions(threads=threads, piece_bytes=piece_bytes)
+        self.threads, self.piece_bytes = opts.threads, opts.piece_bytes
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvxfer-posix")
+        self._count = threading.Lock()
+        self.calls = 0
+        self.bytes_moved = 0
+
+    @classmethod
+    def from_options(cls, options: Any) -> PosixFileExecutor:
+        """An executor from ``PosixOptions``."""
+        opts = options if isinstance(options, PosixOptions) else PosixOptions.model_validate(options)
+        return cls(opts.threads, opts.piece_bytes)
+
+    @property
+    def synchronous(self) -> bool:
+        """False: ``run`` hands the pieces to the threads and returns."""
+        return False
+
+    def check_memory(self, buf: Buffer, mem: Memory) -> None:
+        """A file buffer must be bound to a FileBinding, any other to host memory numpy can view (BindingError)."""
+        if buf.location is Location.FILE:
+            if not isinstance(mem.owner, FileMemory):
+                raise BindingError(buf.name, describe(mem.owner), "a file buffer binds to a FileBinding")
+            return
+        if mem.location is Location.FILE:
+            raise BindingError(buf.name, "a file", f"the plan places this buffer in {buf.location.value} memory")
+        check_host_view(buf, mem)
+
+    def register(self, bindings: Mapping[str, Any], buffers: Layout | TransferPlan | Iterable[Buffer] | None = None
+                 ) -> Registration:
+        """Open every FileBinding of ``bindings`` for its buffer in ``buffers``; BindingError names a file that
+        cannot be opened or trusted, or a binding that is not a file."""
+        table = {b.name: b for b in (buffers.buffers if isinstance(buffers, (Layout, TransferPlan)) else buffers or ())}
+        for name, fb in bindings.items():
+            if not isinstance(fb, FileBinding):
+                raise BindingError(name, describe(fb), "register files only (host memory needs no registration)")
+            if name in table:
+                fb.open(table[name])
+            elif fb.fd is None:
+                raise BindingError(name, repr(fb), "unknown buffer: pass the layout's buffers to open the file")
+        return Registration(bindings)
+
+    def _files(self, buffers: Any, bindings: Mapping[str, Any]) -> dict[str, Any]:
+        table = {b.name: b for b in getattr(buffers, "buffers", buffers)}
+        return {n: FileMemory(b.open(table[n]), table[n].nbytes) if isinstance(b, FileBinding) and n in table else b
+                for n, b in bindings.items()}
+
+    def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
+        """As Executor.bind; FileBinding values are opened for their buffers and bound as files."""
+        bound = super().bind(buffers, self._files(buffers, bindings))
+        bound.extra["views"] = [m.view() if m is not None and m.view is not None else None for m in bound.memory]
+        return bound
+
+    def memory_for(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any]) -> BoundMemory:
+        """As Executor.memory_for; FileBinding values of a one-off run are opened and bound as files."""
+        if not isinstance(memory, BoundMemory):
+            memory = self._files(plan.buffers, memory)
+        return super().memory_for(plan, memory)
+
+    def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
+            after: After = None) -> PosixTransfer:
+        """Read or write every range once every ``after`` transfer has finished; returns at once. Raises
+        BindingError, PlanError or RunArgumentError before any I/O for a malformed plan, a range outside its bound
+        buffer, or a range that is not between a file and host memory; ``wait()`` raises ExecutorError."""
+        t0 = time.perf_counter()
+        if stream is not None:
+            stream_handle(stream)
+        waits = transfers_after(after)
+        bound = self.memory_for(plan, memory)
+        low = bound.offsets(plan)
+        pieces = self._pieces(plan, bound, low)
+        wait_on_host(waits)
+        out = PosixTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, started=t0)
+        per = -(-len(pieces) // self.threads) if pieces else 0
+        out.futures = [self._pool.submit(self._move, pieces[i:i + per]) for i in range(0, len(pieces), per or 1)]
+        return out
+
+    def _pieces(self, plan: TransferPlan, bound: BoundMemory, low: Lowered) -> list[_Piece]:
+        """Every range as pieces of at most ``piece_bytes`` (read or write by which side is the file); BindingError
+        for a range with files or host memory on both sides."""
+        is_file = np.array([isinstance(m.owner, FileMemory) if m is not None else False for m in bound.memory])
+        src_buf, dst_buf = low.buffer_column("src"), low.buffer_column("dst")
+        reads = is_file[src_buf]
+        bad = reads == is_file[dst_buf]
+        if bad.any():
+            k = int(np.argmax(bad))
+            both = "files" if reads[k] else "host memory"
+            raise BindingError(plan.buffers[int(src_buf[k])].name, f"range {k}", f"source and destination are both "
+                               f"{both}; a POSIX run moves bytes between a file and host memory")
+        calls = np.searchsorted(low.call_offsets, np.arange(len(low.nbytes)), side="right") - 1
+        views: list[Any] = bound.extra.get("views") or [m.view() if m is not None and m.view is not None else None
+                                                        for m in bound.memory]
+        out = []
+        for k, (sb, db, so, do, n, read, call) in enumerate(zip(src_buf.tolist(), dst_buf.tolist(), low.src.tolist(),
+                                                                 low.dst.tolist(), low.nbytes.tolist(), reads.tolist(),
+                                                                 calls.tolist())):
+            (fb, fo), (mb, mo) = ((sb, so), (db, do)) if read else ((db, do), (sb, so))
+            fm: FileMemory = bound.memory[fb].owner
+            fd = fm.binding.fd
+            if fd is None:
+                raise BindingError(plan.buffers[fb].name, repr(fm.binding), "the file was closed; bind it again")
+            for at in range(0, n, self.piece_bytes):
+                size = min(self.piece_bytes, n - at)
+                out.append(_Piece(READ if read else WRITE, fd, fm.binding.offset + fo + at,
+                                  memoryview(views[mb][mo + at:mo + at + size]), call, k))
+        return out
+
+    def _move(self, pieces: list[_Piece]) -> ExecutorError | None:
+        """Run ``pieces`` in order; the first failure, or None. Every piece is attempted (a failed one stops only
+        itself), so a failure never hides whether the others moved."""
+        first: ExecutorError | None = None
+        calls = moved = 0
+        for p in pieces:
+            try:
+                calls_p = _read(p) if p.op == READ else _write(p)
+                calls += calls_p
+                moved += len(p.view)
+            except OSError as e:
+                why = f"{e.strerror or e}" + (f" (errno {e.errno})" if e.errno else "")
+                err = ExecutorError(p.op, p.call, p.index, f"{why} at file offset {p.file_offset}, {len(p.view)} bytes",
+                                    p.call)
+                first = first or err
+        with self._count:
+            self.calls += calls
+            self.bytes_moved += moved
+        return first
+
+    def close(self) -> None:
+        """Wait for the pieces in flight and stop the threads."""
+        self._pool.shutdown(wait=True)
+
+
+def _read(p: _Piece) -> int:
+    """Fill ``p.view`` from the file; OSError for a failed call or a short file (never fewer bytes as success)."""
+    done, calls = 0, 0
+    while done < len(p.view):
+        got = os.preadv(p.fd, [p.view[done:]], p.file_offset + done)
+        calls += 1
+        if got == 0:
+            raise OSError(0, f"short read: the file ends after {p.file_offset + done} bytes")
+        done += got
+    return calls
+
+
+def _write(p: _Piece) -> int:
+    """Write all of ``p.view`` to the file (a partial write is continued); OSError for a failed call."""
+    done, calls = 0, 0
+    while done < len(p.view):
+        done += os.pwrite(p.fd, p.view[done:], p.file_offset + done)
+        calls += 1
+    return calls
