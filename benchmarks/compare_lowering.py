@@ -12,7 +12,6 @@ do; the old one into three arrays made once. Nothing is asserted; figures go to 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from collections.abc import Callable
@@ -31,16 +30,6 @@ SHAPES = [("contiguous", 256, 1), ("runs8", 256, 1), ("fragmented", 256, 1), ("f
           ("fragmented", 2048, 4)]
 
 
-def load_old(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("kvxfer_old_binding", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def fastest(fns: dict[str, Callable[[], Any]], samples: int) -> dict[str, float]:
     best = {name: float("inf") for name in fns}
     for _ in range(samples):
@@ -56,7 +45,7 @@ def main() -> None:
     ap.add_argument("old", help="an older executors/binding.py")
     ap.add_argument("--c32", action="store_true", help="also the C32-sized restore (118 x 16,128 blocks)")
     args = ap.parse_args()
-    old = load_old(args.old)
+    old = load_baseline(args.old)
     print(f"{'shape (h2d)':<28}{'ranges':>9}  descriptors new/old  offsets new/old   (fastest of the samples)")
     for pattern, n, k in SHAPES + ([("fragmented", bh.C32_BLOCKS, 1)] if args.c32 else []):
         job, gpu_blocks, cpu_chunks = bh.make_job(pattern, n, k, "h2d")

@@ -155,106 +155,136 @@ def _connector_worker_class(base: Any, reports: Any, meta: Any) -> type:
     return KvxferConnectorWorker
 
 
+class FailureLedger:
+    """The scheduler side's record of which jobs failed (``FailedTransfers`` keeps one; no vLLM needed): the keys of
+    each job of the step (from the specs the manager handed out, matched when the step's metadata names the jobs),
+    stores that failed (completed unsuccessfully when vLLM completes them) and keys of failed loads (misses until a
+    store of them is prepared anew). Scheduler thread only."""
+
+    def __init__(self) -> None:
+        self.handed: dict[int, tuple[Any, frozenset[Any]]] = {}  # id(spec) -> (spec, keys), this step's
+        self.jobs: dict[int, tuple[bool, frozenset[Any]]] = {}  # job -> (is a store, keys), until completed
+        self.failed_stores: set[frozenset[Any]] = set()
+        self.missing: set[Any] = set()  # keys of failed loads
+
+    def name_jobs(self, meta: Any) -> None:
+        """Learn the keys of this step's jobs (vLLM's OffloadingConnectorMetadata ``store_jobs``/``load_jobs``)."""
+        for jobs, store in ((meta.store_jobs, True), (meta.load_jobs, False)):
+            for job_id, job in jobs.items():
+                handed = self.handed.get(id(job.dst_spec if store else job.src_spec))
+                if handed is not None:
+                    self.jobs[job_id] = (store, handed[1])
+        self.handed.clear()
+
+    def fail(self, job_ids: Iterable[int]) -> None:
+        """These jobs failed on some rank: a store completes unsuccessfully, a load's keys miss from now on."""
+        for job_id in job_ids:
+            entry = self.jobs.get(job_id)
+            if entry is None:  # not a job of this step's specs (a reset cache discarded it)
+                continue
+            store, keys = entry
+            if store:
+                self.failed_stores.add(keys)
+            else:
+                self.missing |= keys
+                _log.warning("kvxfer: a load of %d chunk(s) failed; they are no longer offered as hits", len(keys))
+
+    def store_failed(self, keys: frozenset[Any]) -> bool:
+        """Whether the store of ``keys`` failed (then it is forgotten); the job of ``keys`` is forgotten either way."""
+        failed = keys in self.failed_stores
+        if failed:
+            self.failed_stores.discard(keys)
+            _log.warning("kvxfer: a store of %d chunk(s) failed; they are dropped from the host tier's index", len(keys))
+        self.forget(keys)
+        return failed
+
+    def forget(self, keys: frozenset[Any]) -> None:
+        self.jobs = {j: v for j, v in self.jobs.items() if v[1] != keys}
+
+    def clear(self) -> None:
+        self.handed.clear()
+        self.jobs.clear()
+        self.failed_stores.clear()
+        self.missing.clear()
+
+
 def _manager_class(base: Any, miss: Any, doc: str) -> type:
-    class FailedTransfers(base):  # type: ignore[misc]
+    class FailedTransfers(_Passed, base):  # type: ignore[misc]
         __doc__ = doc
 
         def __init__(self, inner: Any):
-            self.inner = inner
-            self._handed: dict[int, tuple[Any, frozenset[Any]]] = {}  # id(spec) -> (spec, keys), this step's
-            self._jobs: dict[int, tuple[bool, frozenset[Any]]] = {}  # job -> (is a store, keys), until completed
-            self._failed_stores: set[frozenset[Any]] = set()
-            self._missing: set[Any] = set()  # keys of failed loads
+            self.inner, self.ledger = inner, FailureLedger()
 
         def name_jobs(self, meta: Any) -> None:
             """Learn the keys of this step's jobs (vLLM's OffloadingConnectorMetadata ``store_jobs``/``load_jobs``)."""
-            for jobs, store in ((meta.store_jobs, True), (meta.load_jobs, False)):
-                for job_id, job in jobs.items():
-                    handed = self._handed.get(id(job.dst_spec if store else job.src_spec))
-                    if handed is not None:
-                        self._jobs[job_id] = (store, handed[1])
-            self._handed.clear()
+            self.ledger.name_jobs(meta)
 
         def fail(self, job_ids: Iterable[int]) -> None:
             """These jobs failed on some rank: a store completes unsuccessfully, a load's keys miss from now on."""
-            for job_id in job_ids:
-                entry = self._jobs.get(job_id)
-                if entry is None:  # not a job of this step's specs (a reset cache discarded it)
-                    continue
-                store, keys = entry
-                if store:
-                    self._failed_stores.add(keys)
-                else:
-                    self._missing |= keys
-                    _log.warning("kvxfer: a load of %d chunk(s) failed; they are no longer offered as hits", len(keys))
+            self.ledger.fail(job_ids)
 
         def lookup(self, key: Any, req_context: Any) -> Any:
-            return miss if key in self._missing else self.inner.lookup(key, req_context)
+            return miss if key in self.ledger.missing else self.inner.lookup(key, req_context)
 
         def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
             out = self.inner.prepare_store(keys, req_context)
             if out is not None and out.keys_to_store:
-                self._handed[id(out.store_spec)] = (out.store_spec, frozenset(out.keys_to_store))
-                self._missing.difference_update(out.keys_to_store)
+                self.ledger.handed[id(out.store_spec)] = (out.store_spec, frozenset(out.keys_to_store))
+                self.ledger.missing.difference_update(out.keys_to_store)
             return out
 
         def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
             out = self.inner.prepare_load(keys, req_context)
-            self._handed[id(out)] = (out, frozenset(keys))
+            self.ledger.handed[id(out)] = (out, frozenset(keys))
             return out
 
         def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
-            done = frozenset(keys)
-            if done in self._failed_stores:
-                self._failed_stores.discard(done)
-                success = False
-                _log.warning("kvxfer: a store of %d chunk(s) failed; they are dropped from the host tier's index",
-                             len(done))
-            self._forget(done)
-            self.inner.complete_store(keys, req_context, success)
+            failed = self.ledger.store_failed(frozenset(keys))
+            self.inner.complete_store(keys, req_context, success and not failed)
 
         def complete_load(self, keys: Collection[Any], req_context: Any) -> Any:
-            self._forget(frozenset(keys))
+            self.ledger.forget(frozenset(keys))
             return self.inner.complete_load(keys, req_context)
 
-        def _forget(self, keys: frozenset[Any]) -> None:
-            self._jobs = {j: v for j, v in self._jobs.items() if v[1] != keys}
-
         def reset_cache(self) -> None:
-            self._handed.clear()
-            self._jobs.clear()
-            self._failed_stores.clear()
-            self._missing.clear()
+            self.ledger.clear()
             self.inner.reset_cache()
 
-        def get_load_source(self, key: Any, req_context: Any) -> Any:
-            return self.inner.get_load_source(key, req_context)
-
-        def touch(self, keys: Collection[Any], req_context: Any) -> Any:
-            return self.inner.touch(keys, req_context)
-
-        def on_new_request(self, req_context: Any) -> Any:
-            return self.inner.on_new_request(req_context)
-
-        def on_request_finished(self, req_context: Any) -> Any:
-            return self.inner.on_request_finished(req_context)
-
-        def take_events(self) -> Any:
-            return self.inner.take_events()
-
-        def on_schedule_end(self, context: Any) -> Any:
-            return self.inner.on_schedule_end(context)
-
-        def has_pending_work(self) -> bool:
-            return bool(self.inner.has_pending_work())
-
-        def get_stats(self) -> Any:
-            return self.inner.get_stats()
-
-        def shutdown(self) -> Any:
-            return self.inner.shutdown()
-
     return FailedTransfers
+
+
+class _Passed:
+    """The calls of vLLM's ``OffloadingManager`` that ``FailedTransfers`` hands to the manager it wraps (``inner``),
+    as they are (a mixin before vLLM's abstract base, so these are the definitions its ABC sees)."""
+
+    inner: Any
+
+    def get_load_source(self, key: Any, req_context: Any) -> Any:
+        return self.inner.get_load_source(key, req_context)
+
+    def touch(self, keys: Collection[Any], req_context: Any) -> Any:
+        return self.inner.touch(keys, req_context)
+
+    def on_new_request(self, req_context: Any) -> Any:
+        return self.inner.on_new_request(req_context)
+
+    def on_request_finished(self, req_context: Any) -> Any:
+        return self.inner.on_request_finished(req_context)
+
+    def take_events(self) -> Any:
+        return self.inner.take_events()
+
+    def on_schedule_end(self, context: Any) -> Any:
+        return self.inner.on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        return bool(self.inner.has_pending_work())
+
+    def get_stats(self) -> Any:
+        return self.inner.get_stats()
+
+    def shutdown(self) -> Any:
+        return self.inner.shutdown()
 
 
 def _connector_class(base: Any, worker: Any, manager: Any, meta: Any, doc: str) -> type:

@@ -23,7 +23,7 @@ from .vllm_checks import (
 from .vllm_worker import WorkerCore, build_worker
 from .worker import ExecutorSpec, OffloadWorker
 
-__all__ = ["spec_classes"]
+__all__ = ["caches_device", "spec_classes"]
 
 _log = logging.getLogger("kvxfer.offload.vllm")
 
@@ -138,15 +138,22 @@ def _checksums(worker: OffloadWorker, num_chunks: int) -> HostChecksums:
     return HostChecksums(worker.layout, worker.host, num_chunks)
 
 
-def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> Any:
-    """The KvxferOffloadingWorker of ``spec`` over vLLM's ``kv_caches`` (see KvxferOffloadingSpec)."""
-    p, extra = spec.config.parallel, spec.extra_config
-    kind = kv_caches.tensors[0].tensor.device.type if kv_caches.tensors else "cpu"
+def caches_device(spec: Any, kv_caches: Any) -> str:
+    """The device type of vLLM's ``kv_caches`` ("cpu" or "cuda"), after refusing others and a host tier of 0 chunks
+    (UnsupportedFeatureError naming the feature); shared by kvxfer's specs."""
+    kind = str(kv_caches.tensors[0].tensor.device.type) if kv_caches.tensors else "cpu"
     if kind not in ("cpu", "cuda"):
         raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
     if spec.num_chunks <= 0:
         raise UnsupportedFeatureError("a host tier of 0 chunks",
-                                      f"cpu_bytes_to_use {extra.get('cpu_bytes_to_use')} holds no chunk")
+                                      f"cpu_bytes_to_use {spec.extra_config.get('cpu_bytes_to_use')} holds no chunk")
+    return kind
+
+
+def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> Any:
+    """The KvxferOffloadingWorker of ``spec`` over vLLM's ``kv_caches`` (see KvxferOffloadingSpec)."""
+    p, extra = spec.config.parallel, spec.extra_config
+    kind = caches_device(spec, kv_caches)
     shared = _shared_spec(spec)
     barrier = _all_ranks_barrier if shared is not None and p.world_size > 1 else None
     try:

@@ -41,6 +41,7 @@ from .tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
 from .vllm import import_vllm
 from .vllm_caches import CacheMap, read_caches
 from .vllm_checks import UnsupportedFeatureError, check_executor_device, check_extra, stats_path
+from .vllm_spec import caches_device
 from .vllm_worker import WorkerCore
 
 FORMAT = "kvxfer-file-tier-1"  # the byte format of a stored chunk: a whole primary-tier row
@@ -153,29 +154,11 @@ _LAZY = {
 __all__ = ["FORMAT", "TIER_KEYS", "tier_classes", "tier_config", "tier_identity", "tiering_geometry", *_LAZY]
 
 
-@functools.cache
-def tier_classes() -> dict[str, type]:
-    """Build the vLLM-facing classes (imports vLLM; once per process)."""
-    vllm = import_vllm()
-    import torch
-    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
-        Locality,
-        LookupResult,
-        Medium,
-        OffloadingWorker,
-        RequestOffloadingContext,
-        TransferResult,
-    )
-    from vllm.v1.kv_offload.cpu.shared_offload_region import (  # type: ignore[import-not-found, unused-ignore]
-        SharedOffloadRegion,
-    )
-    from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found, unused-ignore]
-        JobResult,
-        SecondaryTierManager,
-    )
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
+def _tiering_worker_class(base: Any) -> type:
+    """KvxferTieringWorker over vLLM's ``OffloadingWorker``: ``WorkerCore``'s behaviour over vLLM's region, which it
+    releases once drained; it keeps the wall times of its last 32 load submissions (the restore timeline)."""
 
-    class KvxferTieringWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
+    class KvxferTieringWorker(WorkerCore, base):  # type: ignore[misc]
         """The worker over vLLM's region (``WorkerCore``'s behaviour); releases the region once it has drained."""
 
         def __init__(self, region: Any, *args: Any, **kw: Any):
@@ -196,85 +179,90 @@ def tier_classes() -> dict[str, type]:
                 gc.collect()
                 self.region.cleanup()
 
-    class KvxferTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
+    return KvxferTieringWorker
+
+
+def _check_tiering_extra(config: Any) -> None:
+    """The tiering spec's start-up checks of ``kv_connector_extra_config`` (warnings logged, refusals raised)."""
+    extra = config.extra_config
+    for warning in check_extra(extra, (), config.parallel.world_size):
+        _log.warning("kvxfer: %s", warning)
+    if extra.get("kvxfer_shared_region") is False:
+        raise UnsupportedFeatureError("kvxfer_shared_region false under tiering",
+                                      "the primary tier is vLLM's shared region, read by the secondary tiers")
+    if extra.get("kvxfer_verify"):
+        raise UnsupportedFeatureError("kvxfer_verify under tiering", "the secondary tiers write host chunks "
+                                      "(promotions) that the worker did not store, so it holds no checksum of them")
+
+
+def _tiering_worker(spec: Any, kv_caches: Any, vllm: Mapping[str, Any]) -> Any:
+    """The KvxferTieringWorker of tiering ``spec`` over vLLM's ``kv_caches``, bound to this rank's view of vLLM's
+    region; ``vllm``: the vLLM classes it needs (``SharedOffloadRegion``, ``TransferResult``, the worker class)."""
+    import torch
+
+    p, extra = spec.config.parallel, spec.extra_config
+    kind = caches_device(spec, kv_caches)
+    check_executor_device(extra.get("kvxfer_executor"), kind)
+    rank = 0 if spec.replicated_layout else p.rank
+    region = vllm["SharedOffloadRegion"](engine_id=spec._engine_id, num_chunks=spec.num_chunks, rank=rank,
+                                         kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                                         cpu_page_size=spec.cpu_page_size_per_worker)
+    try:
+        canonical = bool(spec.config.canonical_layout)
+        if canonical:
+            spec._validate_canonical_refs(kv_caches)  # vLLM's certification: portable bytes or a refusal
+        caches = read_caches(kv_caches, rank=p.rank, world_size=p.world_size, canonical=canonical,
+                             replicated=bool(spec.replicated_layout))
+        geometry = tiering_geometry(kv_caches, caches, num_chunks=spec.num_chunks, blocks_per_chunk=spec.blocks_per_chunk,
+                                    row_bytes=spec.kv_bytes_per_chunk, rank_offset=rank * spec.cpu_page_size_per_worker)
+        memory = region.base_tensor.numpy().view(np.uint8)
+        worker = assemble_worker(_worker_layout(caches, geometry), caches.device, (geometry, memory, None),
+                                 extra.get("kvxfer_executor"), tp=caches.tp, pin=kind == "cuda", strict_pin=False,
+                                 on_unpinned=_warn_unpinned)
+    except BaseException:
+        region.cleanup()
+        raise
+    _log.info("kvxfer tiering worker: rank %d/%d on vLLM's primary tier (%d chunks of %d block(s), %d regions)",
+              p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs))
+    out = vllm["worker"](region, worker, vllm["TransferResult"], stream=torch.cuda.current_stream if kind == "cuda" else None,
+                         stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size))
+    out.stats.host_tier = "vllm-tiering"
+    return out
+
+
+def _tiering_spec_class(base: Any, vllm: Mapping[str, Any]) -> type:
+    """KvxferTieringOffloadingSpec over vLLM's ``TieringOffloadingSpec``, whose workers are ``_tiering_worker``'s."""
+
+    class KvxferTieringOffloadingSpec(base):  # type: ignore[misc]
         __doc__ = _LAZY["KvxferTieringOffloadingSpec"]
 
         def __init__(self, config: Any):
-            extra = config.extra_config
-            for warning in check_extra(extra, (), config.parallel.world_size):
-                _log.warning("kvxfer: %s", warning)
-            if extra.get("kvxfer_shared_region") is False:
-                raise UnsupportedFeatureError("kvxfer_shared_region false under tiering",
-                                              "the primary tier is vLLM's shared region, read by the secondary tiers")
-            if extra.get("kvxfer_verify"):
-                raise UnsupportedFeatureError("kvxfer_verify under tiering", "the secondary tiers write host chunks "
-                                              "(promotions) that the worker did not store, so it holds no checksum of them")
+            _check_tiering_extra(config)
             super().__init__(config)
 
         def get_worker(self, kv_caches: Any) -> Any:
             if getattr(self, "_worker", None) is None:
-                self._worker = self._make_worker(kv_caches)
+                self._worker = _tiering_worker(self, kv_caches, vllm)
             return self._worker
 
-        def _make_worker(self, kv_caches: Any) -> Any:
-            p = self.config.parallel
-            kind = kv_caches.tensors[0].tensor.device.type if kv_caches.tensors else "cpu"
-            if kind not in ("cpu", "cuda"):
-                raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
-            if self.num_chunks <= 0:
-                raise UnsupportedFeatureError("a host tier of 0 chunks",
-                                              f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no chunk")
-            check_executor_device(self.extra_config.get("kvxfer_executor"), kind)
-            rank = 0 if self.replicated_layout else p.rank
-            region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
-                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                                         cpu_page_size=self.cpu_page_size_per_worker)
-            try:
-                canonical = bool(self.config.canonical_layout)
-                if canonical:
-                    self._validate_canonical_refs(kv_caches)  # vLLM's certification: portable bytes or a refusal
-                caches = read_caches(kv_caches, rank=p.rank, world_size=p.world_size, canonical=canonical,
-                                     replicated=bool(self.replicated_layout))
-                geometry = tiering_geometry(kv_caches, caches, num_chunks=self.num_chunks,
-                                            blocks_per_chunk=self.blocks_per_chunk, row_bytes=self.kv_bytes_per_chunk,
-                                            rank_offset=rank * self.cpu_page_size_per_worker)
-                memory = region.base_tensor.numpy().view(np.uint8)
-                worker = assemble_worker(_worker_layout(caches, geometry), caches.device, (geometry, memory, None),
-                                         self.extra_config.get("kvxfer_executor"), tp=caches.tp, pin=kind == "cuda",
-                                         strict_pin=False, on_unpinned=_warn_unpinned)
-            except BaseException:
-                region.cleanup()
-                raise
-            _log.info("kvxfer tiering worker: rank %d/%d on vLLM's primary tier (%d chunks of %d block(s), %d regions)",
-                      p.rank, p.world_size, self.num_chunks, self.blocks_per_chunk, len(caches.refs))
-            stream = torch.cuda.current_stream if kind == "cuda" else None
-            out = KvxferTieringWorker(region, worker, TransferResult, stream=stream,
-                                      stats_path=stats_path(self.extra_config.get("kvxfer_stats_path"), p.rank,
-                                                            p.world_size))
-            out.stats.host_tier = "vllm-tiering"
-            return out
+    return KvxferTieringOffloadingSpec
 
-    class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
+
+def _file_tier_class(base: Any, vllm: Mapping[str, Any]) -> type:
+    """KvxferFileTier over vLLM's ``SecondaryTierManager``: the scheduler-side calls on a ChunkStore."""
+    Locality, LookupResult, JobResult = vllm["Locality"], vllm["LookupResult"], vllm["JobResult"]
+
+    class KvxferFileTier(base):  # type: ignore[misc]
         __doc__ = _LAZY["KvxferFileTier"]
-        medium = Medium.STORAGE
+        medium = vllm["Medium"].STORAGE
 
         def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                      backpressure_detector: Any = None, **config: Any):
             super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
             locality = config.pop("locality", None)
             self.locality = Locality(locality) if locality is not None else None
-            settings = tier_config(config, tier_type)
-            rows = np.asarray(primary_kv_view)
-            if not rows.flags.c_contiguous or rows.ctypes.data != np.frombuffer(primary_kv_view, np.uint8).ctypes.data:
-                raise UnsupportedFeatureError("a primary tier that is not one contiguous buffer", repr(rows.shape))
-            identity = tier_identity(offloading_spec, self.block_size_bytes, str(vllm.__version__))
-            try:
-                self.store = ChunkStore(settings, rows.view(np.uint8), self.block_size_bytes, identity,
-                                        executor=self.storage_executor(settings))
-            except StoreConfigError as e:  # one line naming the key as the tier's config spells it
-                raise StoreConfigError(f"secondary_tiers[{tier_type}].{e.field}", e.value, e.reason) from None
-            _log.info("kvxfer file tier: %s, %d slots of %d bytes (%d found)", self.store.folder, self.store.slots,
-                      self.block_size_bytes, self.store.stats.found)
+            self.store = _open_store(offloading_spec, primary_kv_view, tier_type, self.block_size_bytes, config,
+                                     self.storage_executor, vllm["version"])
 
         def storage_executor(self, settings: StoreConfig) -> Any:
             """The executor the store runs its files on; None (here): kvxfer's POSIX executor on ``io_threads``
@@ -302,7 +290,7 @@ def tier_classes() -> dict[str, type]:
             self.store.touch(keys)
 
         def on_new_request(self, req_context: Any) -> Any:
-            return RequestOffloadingContext()
+            return vllm["RequestOffloadingContext"]()
 
         def drain_jobs(self) -> None:
             self.store.drain()
@@ -310,7 +298,44 @@ def tier_classes() -> dict[str, type]:
         def shutdown(self) -> None:
             self.store.close()  # drains: every store submitted is durable (or failed) before the engine goes
 
-    return {"KvxferTieringOffloadingSpec": KvxferTieringOffloadingSpec, "KvxferFileTier": KvxferFileTier}
+    return KvxferFileTier
+
+
+def _open_store(spec: Any, primary_kv_view: memoryview, tier_type: str, row_bytes: int, config: Mapping[str, Any],
+                executor_for: Any, vllm_version: str) -> ChunkStore:
+    """The file tier's ChunkStore over vLLM's primary tier view (one contiguous buffer of ``row_bytes`` rows), with
+    its ``secondary_tiers`` settings; a bad setting raises StoreConfigError naming the key as the config spells it."""
+    settings = tier_config(config, tier_type)
+    rows = np.asarray(primary_kv_view)
+    if not rows.flags.c_contiguous or rows.ctypes.data != np.frombuffer(primary_kv_view, np.uint8).ctypes.data:
+        raise UnsupportedFeatureError("a primary tier that is not one contiguous buffer", repr(rows.shape))
+    identity = tier_identity(spec, row_bytes, vllm_version)
+    try:
+        store = ChunkStore(settings, rows.view(np.uint8), row_bytes, identity, executor=executor_for(settings))
+    except StoreConfigError as e:  # one line naming the key as the tier's config spells it
+        raise StoreConfigError(f"secondary_tiers[{tier_type}].{e.field}", e.value, e.reason) from None
+    _log.info("kvxfer file tier: %s, %d slots of %d bytes (%d found)", store.folder, store.slots, row_bytes,
+              store.stats.found)
+    return store
+
+
+@functools.cache
+def tier_classes() -> dict[str, type]:
+    """Build the vLLM-facing classes (imports vLLM; once per process)."""
+    vllm = import_vllm()
+    from vllm.v1.kv_offload import base  # type: ignore[import-not-found, unused-ignore]
+    from vllm.v1.kv_offload.cpu.shared_offload_region import (  # type: ignore[import-not-found, unused-ignore]
+        SharedOffloadRegion,
+    )
+    from vllm.v1.kv_offload.tiering import base as tiering  # type: ignore[import-not-found, unused-ignore]
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
+
+    names: dict[str, Any] = {n: getattr(base, n) for n in ("Locality", "LookupResult", "Medium", "RequestOffloadingContext",
+                                                            "TransferResult")}
+    names |= {"JobResult": tiering.JobResult, "SharedOffloadRegion": SharedOffloadRegion, "version": str(vllm.__version__),
+              "worker": _tiering_worker_class(base.OffloadingWorker)}
+    return {"KvxferTieringOffloadingSpec": _tiering_spec_class(TieringOffloadingSpec, names),
+            "KvxferFileTier": _file_tier_class(tiering.SecondaryTierManager, names)}
 
 
 def __getattr__(name: str) -> Any:
