@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hostpath as bh
+from bench_binding import load_baseline
 
 from kvxfer.executors import bind
 from kvxfer.executors.lowering import DescriptorArrays
