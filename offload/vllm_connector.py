@@ -199,9 +199,11 @@ class FailureLedger:
         return failed
 
     def forget(self, keys: frozenset[Any]) -> None:
+        """Drop the jobs that moved ``keys``: their outcome has been handed to the manager."""
         self.jobs = {j: v for j, v in self.jobs.items() if v[1] != keys}
 
     def clear(self) -> None:
+        """Forget every job, failed store and missing key (the connector was reset)."""
         self.handed.clear()
         self.jobs.clear()
         self.failed_stores.clear()
