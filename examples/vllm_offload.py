@@ -50,7 +50,7 @@ def generate(model: Path, prompts: dict[str, list[int]], kv_transfer_config: dic
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
-              num_gpu_blocks_override=16, max_model_len=480, enable_prefix_caching=True, gpu_memory_utilization=0.05,
+              num_gpu_blocks_override=16, max_model_len=480, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
               disable_log_stats=False, kv_transfer_config=kv_transfer_config)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     tokens = {name: list(llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0].outputs[0].token_ids)

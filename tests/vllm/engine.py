@@ -34,8 +34,11 @@ if str(ROOT) not in sys.path:
 
 from tests.vllm.llama import write_llama  # noqa: E402
 
+# The KV cache's size is given (kv_cache_memory_bytes), not a share of memory: vLLM's CPU build takes a share of the
+# first NUMA node's memory less the process's own, which is negative where that node is small (8 GiB of 24 on
+# some machines); each case sets its block count (num_gpu_blocks_override) within it
 BASE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32, enable_prefix_caching=True,
-            gpu_memory_utilization=0.05, max_num_seqs=4, seed=0, disable_log_stats=False)
+            kv_cache_memory_bytes=512 << 20, max_num_seqs=4, seed=0, disable_log_stats=False)
 
 
 # kvxfer's connector, which takes failed copies (recomputed), with vLLM's recompute policy
