@@ -28,6 +28,7 @@ from .base import (
     Transfer,
     check_plan_target,
     stream_handle,
+    wait_on_host,
 )
 from .binding import BoundMemory, bind
 from .lowering import Lowered
@@ -48,7 +49,7 @@ _SUBMODULES = ("binding", "config", "dma", "file_trust", "lowering", "memory", "
 __all__ = ["BACKENDS", "After", "BindingError", "BoundMemory", "CompletedTransfer", "ConfigError", "CudaOptions",
            "Executor", "ExecutorError", "ExecutorKind", "HipOptions", "Lowered", "Memory", "NixlOptions", "NumpyExecutor",
            "NumpyOptions", "PosixOptions", "RawMemory", "RunArgumentError", "Stream", "TargetMismatchError", "Transfer",
-           "TritonOptions", "bind", "check_plan_target", "resolve", "stream_handle",
+           "TritonOptions", "bind", "check_plan_target", "resolve", "stream_handle", "wait_on_host",
            *(b.cls for b in BACKENDS.values() if b.cls != "NumpyExecutor"), *_HELPERS, *_SUBMODULES]
 
 

@@ -210,11 +210,12 @@ def split_after(after: tuple[Transfer, ...], domain: str | None) -> tuple[list[T
 
 def wait_on_host(transfers: Iterable[Transfer]) -> None:
     """Block until every transfer has finished, successfully or not: a failed transfer's error belongs to its
-    owner (its own ``wait``), not to the run that waits for it."""
+    owner (its own ``wait``), not to the run that waits for it. One blocking ``wait`` per transfer, in order (never a
+    poll of ``done``): the waiting thread holds no GIL and wakes when the last one finishes."""
     for t in transfers:
         try:
             t.wait()
-        except ExecutorError:
+        except Exception:  # reported by that transfer's owner
             pass
 
 

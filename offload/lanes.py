@@ -5,7 +5,8 @@
   executor completes its runs in issue order, and a job's cross-lane dependencies reach the executor as
   ``after``. Nothing here blocks.
 - A thread lane (synchronous executors such as NumPy, and the file tier) runs its jobs on a background thread,
-  so submitting stays asynchronous.
+  so submitting stays asynchronous. The thread blocks on its queue's Condition (no poll): ``submit`` and ``close``
+  notify it, so an idle lane takes no CPU and ``close`` wakes it.
 
 Lanes hold state; the worker decides when a job may issue or run and what it waits for (``OffloadWorker``).
 """
@@ -26,15 +27,6 @@ def run(executor: Executor, plan: TransferPlan, bound: BoundMemory, stream: Stre
     ordering mechanism: the executor honours ``after`` on the device where it can, else on the host)."""
     transfer: Transfer = executor.run(plan, bound, stream=stream, after=list(after) or None)
     return transfer
-
-
-def wait_quietly(transfers: Sequence[Transfer]) -> None:
-    """Block until every transfer has finished, successfully or not: an error belongs to the job that ran it."""
-    for t in transfers:
-        try:
-            t.wait()
-        except Exception:  # reported by that job
-            pass
 
 
 class IssueLane:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer.executors import Transfer
+from kvxfer.executors import Transfer, wait_on_host
 from kvxfer.planner import (
     BlockMapping,
     Buffer,
@@ -42,7 +42,7 @@ from kvxfer.planner import (
 
 from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
 from .jobs import Job, SubmissionError
-from .lanes import ThreadLane, wait_quietly
+from .lanes import ThreadLane
 from .tier import HOST_BUFFER, Geometry
 
 FILE_BUFFER = "file"
@@ -101,7 +101,7 @@ class FileLane(ThreadLane):
     def execute(self, job: Job, after: Sequence[Transfer]) -> float:
         """Wait on the host for the device jobs it is ordered after, then spill or restore; raises the tier's
         error when the job failed."""
-        wait_quietly(after)
+        wait_on_host(after)
         t0 = time.perf_counter()
         r = (self.tier.spill if job.op == SPILL else self.tier.restore)(job.plan)
         if not r.success:

@@ -92,6 +92,10 @@ class OffloadWorker:
       to issue jobs of issue lanes that were waiting for it.
     - ``get_finished`` only polls, so it never blocks; ``wait``, ``wait_for_layer``, ``stream_wait_for_layer`` and
       ``shutdown`` block without the lock.
+    - No wait polls (a lane thread shares the GIL with the engine's threads): a waiter blocks on the job's ``ready``
+      Event, set under the lock as soon as the job was issued or has run, then once on its transfer's own ``wait``;
+      a lane thread blocks on its queue's Condition, which ``submit`` and ``close`` notify. So a blocked thread
+      takes no CPU, and wakes when the job finishes.
     """
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
