@@ -5,8 +5,8 @@ Per page size: a fragmented h2d plan (random block ids on both sides, nothing me
 about --mbytes MiB in all, on memory bound once. Columns are medians of --repeat interleaved runs:
 - ``memcpy``: ``np.copyto`` of one contiguous array of the plan's total bytes;
 - ``loop``: ``bound.check(plan)`` then one slice assignment per range (the executor before 2026-12-01);
-- ``numpy``: ``NumpyExecutor.run(plan, bound)`` (ranges below SMALL_RANGE_BYTES grouped by size and moved by one
-  gather and one scatter over n-byte windows per group).
+- ``numpy``: ``NumpyExecutor.run(plan, bound)`` (its paths, ``NumpyExecutor.explain``: ranges below
+  SMALL_RANGE_BYTES in window groups, larger ones by memmove, from 1 MiB through torch when it is imported).
 Ratios are memcpy time / time (1.0 = memcpy speed). Every run's result is checked against the loop's.
 
     .venv/bin/python benchmarks/bench_numpy_copy.py [--mbytes 64] [--repeat 7]
@@ -57,6 +57,7 @@ def main() -> None:
         if any(not np.array_equal(mem[k], want[k]) for k in mem):
             raise SystemExit(f"page {page}: the NumPy executor and the loop disagree")
         ms = medians_ms(fns, args.repeat)
+        print(f"  {ex.explain(plan)}")
         print(f"page {page:>7} B x {plan.num_ranges:>7} ranges  memcpy {ms['memcpy']:8.2f} ms  loop {ms['loop']:8.2f} ms "
               f"({ms['memcpy'] / ms['loop']:4.2f}x memcpy)  numpy {ms['numpy']:8.2f} ms ({ms['memcpy'] / ms['numpy']:4.2f}x "
               f"memcpy, {ms['loop'] / ms['numpy']:5.2f}x the loop)")

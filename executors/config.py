@@ -26,7 +26,7 @@ from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, Transfer
 from .base import After, Executor, Stream, Transfer, transfers_after
 from .binding import BoundMemory, bind
 from .memory import BindingError, resolve
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, Options, PosixOptions, TritonOptions
+from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
 from .registry import BACKENDS, Backend, ExecutorKind, backend, kind_of
 
 __all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "backend_for", "build_executor",
@@ -46,6 +46,7 @@ class ExecutorConfig(Options):
     triton: TritonOptions = TritonOptions()
     nixl: NixlOptions = NixlOptions()
     posix: PosixOptions = PosixOptions()
+    numpy: NumpyOptions = NumpyOptions()
 
     def options_for(self, kind: ExecutorKind | str) -> Options:
         """The options of backend ``kind``, with the top-level ``max_descriptors`` applied where the backend has one."""
@@ -90,6 +91,8 @@ ENV_VARS: dict[str, str] = {
     "KVXFER_CUDA_DEVICE": "cuda.device",
     "KVXFER_HIP_LIBRARY": "hip.library",
     "KVXFER_TRITON_SMALL_RANGE_BYTES": "triton.small_range_bytes",
+    "KVXFER_NUMPY_SMALL_RANGE_BYTES": "numpy.small_range_bytes",
+    "KVXFER_NUMPY_BULK_RANGE_BYTES": "numpy.bulk_range_bytes",
 }
 
 
@@ -98,6 +101,8 @@ def _env_value(var: str, text: str) -> Any:
         if text.lower() not in ("0", "1", "true", "false", "yes", "no"):
             raise ConfigError(var, text, "expected 0/1/true/false")
         return text.lower() in ("1", "true", "yes")
+    if var == "KVXFER_NUMPY_BULK_RANGE_BYTES" and text.lower() in ("none", "off"):
+        return None
     return text  # pydantic validates and converts numbers
 
 
@@ -283,7 +288,9 @@ class AutoExecutor(Executor):
     def explain(self, plan: TransferPlan | None = None, bindings: Mapping[str, Any] | None = None) -> str:
         """One line naming the executor ``choose_executor`` picks for ``plan`` and ``bindings``, and why."""
         kind, reason = choose_executor(self.config, plan, bindings, self.platform)
-        return f"executor: {kind.value} ({reason})"
+        line = f"executor: {kind.value} ({reason})"
+        how = getattr(self._get(kind), "explain", None) if plan is not None and kind is ExecutorKind.NUMPY else None
+        return f"{line}; {how(plan)}" if how is not None else line
 
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Mapping[str, Any]) -> BoundMemory:
         """Resolve ``bindings`` once and keep them; each sub-executor binds (and checks) them the first time it is chosen."""

@@ -1,12 +1,32 @@
-"""The reference executor: host memory, copied with numpy on the calling thread. The oracle for every other backend.
+"""The reference executor: host memory, copied on the calling thread. The oracle for every other backend.
 
 Each run is checked whole first (``BoundMemory.offsets``: every range inside its buffer, each column read
 once), then copied call by call. Within a call, ranges come in segments with one source and one destination
-buffer. A segment's ranges of at least ``SMALL_RANGE_BYTES`` are copied one slice assignment each (the
-per-range cost is small beside the bytes); smaller ones are grouped by size and each group moves with one
-fancy-indexed gather and one scatter over n-byte windows of the two buffers, at most ``GATHER_BYTES`` at a
-time so the temporary stays in cache. Writes of a valid plan never overlap, and never overlap another range's
-read, so the order of the groups does not change the result.
+buffer, and each range takes one of three paths (``HostPath``; ``explain(plan)`` counts them):
+
+* ``window``: ranges below ``small_range_bytes``, grouped by size; each group moves by fancy-indexed gathers
+  and scatters over n-byte windows of the two buffers, ``WINDOW_STEP`` ranges and at most ``GATHER_BYTES`` at
+  a time (the temporary stays in cache).
+* ``memmove``: larger ranges, and segments of at most ``FEW_RANGES``: one libc ``memmove`` each (pieces of at
+  most ``HELD_PIECE_BYTES``), called through ctypes with the GIL held.
+* ``torch`` (off by default: ``bulk_range_bytes=None``): ranges of ``bulk_range_bytes`` or more, when torch is
+  already imported in the process (kvxfer never imports it for this): one ``torch._foreach_copy_`` per group,
+  which releases the GIL once and copies on torch's intra-op threads. Called from the main thread it copies
+  1 MiB ranges at about twice memcpy's speed on two cores; from any other thread (the offload worker's lanes)
+  torch ran each copy on one thread, and inside vLLM's CPU build, beside the engine's own torch threads, the
+  engine's loads went 3x slower than by memmove (``benchmarks/NOTES.md``): hence off unless asked for.
+
+Why the GIL matters: numpy releases it around any copy of more than 500 elements, and a thread that released
+it waits a whole switch interval (``sys.getswitchinterval()``, 5 ms) to take it back from a busy Python thread.
+A serving engine always has one (its scheduler, its worker thread), so copying range by range with numpy
+costs up to 5 ms per range: 512 ranges of 128 KiB took 2.6 s instead of 8 ms. Here the GIL is released at
+most once per group of torch ranges (the window steps stay below numpy's threshold, and the memmoves keep
+it): other threads still run between ranges, as between any two Python bytecodes, and wait at most one
+memmove piece (about half a millisecond) for their turn.
+
+Writes of a valid plan never overlap, and never overlap another range's read, so the order of the groups does
+not change the result. Every address comes from this executor's own views of the bound memory, after
+``offsets`` bounded each range inside its buffer.
 
 Threads: safe to share between any number of threads; a run keeps no state on the executor (ranges that
 overlap between concurrent runs race as any two writers of the same bytes do). ``after`` transfers are waited
@@ -14,7 +34,11 @@ for on the calling thread.
 """
 from __future__ import annotations
 
+import ctypes
+import enum
+import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,19 +61,52 @@ from .base import (
 from .binding import BoundMemory
 from .lowering import Lowered
 from .memory import Memory, check_host_view
+from .options import NumpyOptions
 
-SMALL_RANGE_BYTES = 16 << 10  # below this a range is moved in a group; at or above, by one slice assignment
-GATHER_BYTES = 1 << 18  # bytes one gather/scatter pair moves: the temporary stays in the cache
-FEW_RANGES = 4  # segments this short are copied range by range: grouping costs more than it saves
+SMALL_RANGE_BYTES: int = NumpyOptions.model_fields["small_range_bytes"].default  # below: window groups
+BULK_RANGE_BYTES: int | None = NumpyOptions.model_fields["bulk_range_bytes"].default  # at or above: torch (None: off)
+GATHER_BYTES = 1 << 18  # bytes one gather/scatter pair moves at most: the temporary stays in the cache
+WINDOW_STEP = 256  # ranges one gather/scatter pair moves at most: numpy keeps the GIL for loops of <= 500 elements
+HELD_PIECE_BYTES = 4 << 20  # bytes one memmove moves at most, with the GIL held (~0.6 ms at 7 GB/s)
+FEW_RANGES = 4  # segments this short go range by range (memmove): grouping costs more than it saves
+
+
+class HostPath(str, enum.Enum):
+    """How the NumPy executor moves a range (see the module docstring)."""
+
+    WINDOW = "window"
+    MEMMOVE = "memmove"
+    TORCH = "torch"
 
 
 class NumpyExecutor(Executor):
-    """Copies with numpy, complete on return. Bindings: buffer name -> contiguous numpy array or CPU tensor.
+    """Copies host memory, complete on return. Bindings: buffer name -> contiguous numpy array or CPU tensor.
 
-    A failure while copying (numpy running out of memory for a group's temporary, say) raises ExecutorError
-    naming the call and the first descriptor of the ranges being moved; calls before it were copied, ranges of
-    that call may be. Threads: see the module docstring.
+    ``small_range_bytes``: ranges below it move in window groups; ``bulk_range_bytes``: ranges at or above it
+    move through torch when torch is imported (None, the default: never). A failure while copying (numpy running out of
+    memory for a group's temporary, say) raises ExecutorError naming the call and the first descriptor of the
+    ranges being moved; calls before it were copied, ranges of that call may be. Threads: see the module
+    docstring.
     """
+
+    def __init__(self, small_range_bytes: int = SMALL_RANGE_BYTES, bulk_range_bytes: int | None = BULK_RANGE_BYTES):
+        opts = NumpyOptions(small_range_bytes=small_range_bytes, bulk_range_bytes=bulk_range_bytes)
+        self.small_range_bytes, self.bulk_range_bytes = opts.small_range_bytes, opts.bulk_range_bytes
+        # libc's memmove through ctypes, keeping the GIL (ctypes.memmove itself releases it around each call)
+        address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+        if address is None:  # pragma: no cover - ctypes always has memmove
+            raise ImportError("ctypes has no memmove")
+        self._memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
+
+    @classmethod
+    def from_options(cls, options: Any) -> NumpyExecutor:
+        """An executor from ``NumpyOptions``."""
+        opts = options if isinstance(options, NumpyOptions) else NumpyOptions.model_validate(options)
+        return cls(opts.small_range_bytes, opts.bulk_range_bytes)
+
+    def __repr__(self) -> str:
+        torch = "" if self.bulk_range_bytes is None or self._torch() is not None else " (torch not imported: memmove)"
+        return f"NumpyExecutor(small_range_bytes={self.small_range_bytes}, bulk_range_bytes={self.bulk_range_bytes}{torch})"
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
         """Refuse (BindingError) memory that is not host memory numpy can view."""
@@ -62,6 +119,29 @@ class NumpyExecutor(Executor):
 
     def _attach(self, bound: BoundMemory) -> None:
         bound.extra["views"] = _views(bound)  # made once per bind
+
+    def _torch(self) -> Any:
+        torch = sys.modules.get("torch") if self.bulk_range_bytes is not None else None
+        return torch if torch is not None and hasattr(torch, "_foreach_copy_") else None
+
+    def paths(self, plan: TransferPlan) -> dict[HostPath, tuple[int, int]]:
+        """(ranges, bytes) that each path would move for ``plan`` in this process now (``explain`` prints it)."""
+        sizes = plan.nbytes.astype(np.uint64)
+        out = {p: (0, 0) for p in HostPath}
+        for _, _, _, path, index in self._pieces(sizes, _runs(plan.src_buf), _runs(plan.dst_buf), plan.call_offsets):
+            n, b = out[path]
+            out[path] = (n + len(index), b + int(sizes[index].sum()))
+        return out
+
+    def explain(self, plan: TransferPlan) -> str:
+        """One line: how many ranges and bytes of ``plan`` each path moves, and why (see the module docstring)."""
+        counts = self.paths(plan)
+        parts = [f"{p.value} {n} ranges / {_mib(b)}" for p, (n, b) in counts.items() if n]
+        if self.bulk_range_bytes is None:
+            torch = "torch off"
+        else:
+            torch = f"torch from {self.bulk_range_bytes} B" + ("" if self._torch() is not None else ", not imported")
+        return f"numpy: {', '.join(parts) or 'nothing to copy'} (window below {self.small_range_bytes} B, {torch})"
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
             after: After = None) -> CompletedTransfer:
@@ -76,66 +156,137 @@ class NumpyExecutor(Executor):
         low = bound.offsets(plan)  # every check, before the first byte moves
         wait_on_host(waits)
         views = bound.extra.get("views") or _views(bound)
-        for call, src, dst, index in _pieces(low):
+        sides = _Sides(views, bound, self._torch())
+        for call, src, dst, path, index in self._pieces(low.nbytes, low.src_runs, low.dst_runs, low.call_offsets):
             try:
-                self.move(views[src], views[dst], low, index)
-            except Exception as e:  # numpy's own failures (memory for a temporary): report where, never as done
+                self.move(path, sides, src, dst, low, index)
+            except Exception as e:  # numpy's or torch's own failures (memory for a temporary): never as done
                 raise ExecutorError("numpy copy", call, int(index[0]), f"{type(e).__name__}: {e}; ranges of the call "
                                     "before it may have been copied", call) from e
         return completed(plan, t0)
 
-    def move(self, src: np.ndarray, dst: np.ndarray, low: Lowered, index: np.ndarray) -> None:
-        """Copy ranges ``index`` of ``low`` from view ``src`` to view ``dst``: gathered and scattered in groups when
-        they have one size below SMALL_RANGE_BYTES, else one slice assignment each. ``run`` calls it once per group
-        of ranges; a subclass may wrap it (a test double fails it to stand for numpy running out of memory)."""
-        nbytes = low.nbytes[index]
-        n = int(nbytes[0])
-        if len(index) > 1 and n < SMALL_RANGE_BYTES and bool((nbytes == n).all()):
-            window = np.dtype((np.void, n))
-            sw = np.ndarray(shape=(len(src) - n + 1,), dtype=window, buffer=src, strides=(1,))
-            dw = np.ndarray(shape=(len(dst) - n + 1,), dtype=window, buffer=dst, strides=(1,))
-            so, do = low.src[index], low.dst[index]
-            step = max(1, GATHER_BYTES // n)
+    def move(self, path: HostPath, sides: _Sides, src: int, dst: int, low: Lowered, index: np.ndarray) -> None:
+        """Copy ranges ``index`` of ``low`` from buffer ``src`` to buffer ``dst`` by ``path``. ``run`` calls it once
+        per group of ranges; a subclass may wrap it (a test double fails it to stand for numpy running out of
+        memory)."""
+        so, do, nbytes = low.src[index], low.dst[index], low.nbytes[index]
+        if path is HostPath.WINDOW:
+            # intp indices: numpy's fast path, which keeps the GIL for small gathers (uint64 ones are converted
+            # element by element in a loop that releases it every time)
+            so, do, n = so.astype(np.intp), do.astype(np.intp), int(nbytes[0])
+            sw, dw = sides.windows(src, n), sides.windows(dst, n)
+            step = max(1, min(WINDOW_STEP, GATHER_BYTES // n))
             for lo in range(0, len(index), step):
                 dw[do[lo:lo + step]] = sw[so[lo:lo + step]]
+        elif path is HostPath.TORCH:
+            ts, td = sides.tensor(src), sides.tensor(dst)
+            pairs = list(zip(so.tolist(), do.tolist(), nbytes.tolist()))
+            sides.torch._foreach_copy_([td[d:d + m] for _, d, m in pairs], [ts[s:s + m] for s, _, m in pairs])
+        else:
+            mm, sa, da = self._memmove, sides.address(src), sides.address(dst)
+            for s, d, m in zip(so.tolist(), do.tolist(), nbytes.tolist()):
+                for o in range(0, m, HELD_PIECE_BYTES):
+                    mm(da + d + o, sa + s + o, min(HELD_PIECE_BYTES, m - o))
+
+    def _pieces(self, nbytes: np.ndarray, src_runs: tuple[np.ndarray, np.ndarray], dst_runs: tuple[np.ndarray, np.ndarray],
+                call_offsets: np.ndarray) -> Iterator[tuple[int, int, int, HostPath, np.ndarray]]:
+        """(call, source buffer, destination buffer, path, range indices) for every group ``move`` takes, call by
+        call and segment by segment (one buffer pair): a lowered run's ranges, or a plan's for ``paths``."""
+        if len(nbytes) == 0:
             return
-        for s, d, m in zip(low.src[index].tolist(), low.dst[index].tolist(), nbytes.tolist()):
-            dst[d:d + m] = src[s:s + m]
+        (src_values, src_ends), (dst_values, dst_ends) = _merged(*src_runs), _merged(*dst_runs)
+        cuts = np.union1d(np.concatenate((src_ends, dst_ends)), call_offsets)
+        starts, ends = cuts[:-1], cuts[1:]
+        calls = np.searchsorted(call_offsets, starts, side="right") - 1
+        srcs = src_values[np.searchsorted(src_ends, starts, side="right")]
+        dsts = dst_values[np.searchsorted(dst_ends, starts, side="right")]
+        bulk_from = self.bulk_range_bytes if self._torch() is not None else None
+        for call, sb, db, a, b in zip(calls.tolist(), srcs.tolist(), dsts.tolist(), starts.tolist(), ends.tolist()):
+            for path, index in _groups(nbytes, a, b, self.small_range_bytes, bulk_from):
+                yield call, sb, db, path, index
 
 
-def _pieces(low: Lowered) -> Iterator[tuple[int, int, int, np.ndarray]]:
-    """(call, source buffer, destination buffer, range indices) for every group of ranges ``move`` takes, call by
-    call: per segment of one buffer pair, its ranges of SMALL_RANGE_BYTES or more, then its smaller ones by size."""
-    n = len(low.nbytes)
-    if n == 0:
+def _groups(nbytes: np.ndarray, a: int, b: int, small_from: int,
+            bulk_from: int | None) -> Iterator[tuple[HostPath, np.ndarray]]:
+    """(path, range indices) for the ranges ``a:b`` of one segment: bulk ones (``bulk_from`` bytes or more; None:
+    none) through torch, those below ``small_from`` in window groups of one size, the rest by memmove."""
+    index = np.arange(a, b)
+    if b - a <= FEW_RANGES:
+        yield HostPath.MEMMOVE, index
         return
-    (src_values, src_lengths), (dst_values, dst_lengths) = low.src_runs, low.dst_runs
-    src_ends, dst_ends = np.cumsum(src_lengths), np.cumsum(dst_lengths)
-    cuts = np.union1d(np.concatenate((src_ends, dst_ends)), low.call_offsets)
-    starts, ends = cuts[:-1], cuts[1:]
-    calls = np.searchsorted(low.call_offsets, starts, side="right") - 1
-    srcs = src_values[np.searchsorted(src_ends, starts, side="right")]
-    dsts = dst_values[np.searchsorted(dst_ends, starts, side="right")]
-    for call, sb, db, a, b in zip(calls.tolist(), srcs.tolist(), dsts.tolist(), starts.tolist(), ends.tolist()):
-        index = np.arange(a, b)
-        if b - a <= FEW_RANGES:
-            yield call, sb, db, index
-            continue
-        sizes = low.nbytes[a:b]
-        small = sizes < SMALL_RANGE_BYTES
-        if not small.all():
-            yield call, sb, db, index[~small]
-            index, sizes = index[small], sizes[small]
-        if len(index) == 0:
-            continue
-        if sizes.min() == sizes.max():
-            yield call, sb, db, index
-            continue
-        order = np.argsort(sizes, kind="stable")
-        index, sizes = index[order], sizes[order]
-        bounds = np.flatnonzero(sizes[1:] != sizes[:-1]) + 1
-        for group in np.split(index, bounds):
-            yield call, sb, db, group
+    sizes = nbytes[a:b]
+    bulk = sizes >= bulk_from if bulk_from is not None else np.zeros(len(sizes), bool)
+    small = (sizes < small_from) & ~bulk
+    mid = ~(small | bulk)
+    if bulk.any():
+        yield HostPath.TORCH, index[bulk]
+    if mid.any():
+        yield HostPath.MEMMOVE, index[mid]
+    index, sizes = index[small], sizes[small]
+    if len(index) == 0:
+        return
+    if sizes.min() == sizes.max():
+        yield HostPath.WINDOW, index
+        return
+    order = np.argsort(sizes, kind="stable")
+    index, sizes = index[order], sizes[order]
+    for group in np.split(index, np.flatnonzero(sizes[1:] != sizes[:-1]) + 1):
+        yield HostPath.WINDOW, group
+
+
+def _merged(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, end) of each maximal run: lowered runs may split one buffer's ranges (a run per region)."""
+    ends = np.cumsum(lengths)
+    last = np.append(values[1:] != values[:-1], True) if len(values) else np.zeros(0, bool)
+    return values[last], ends[last]
+
+
+def _runs(column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, length) of each run of equal values in ``column``."""
+    if len(column) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(column[1:] != column[:-1]) + 1))
+    return column[starts], np.diff(np.append(starts, len(column)))
+
+
+class _Sides:
+    """One run's ways into the bound buffers: the views (and what is derived from them: addresses, n-byte
+    windows, torch tensors), each made the first time a group needs it."""
+
+    def __init__(self, views: list[Any], bound: BoundMemory, torch: Any):
+        self.views, self.bound, self.torch = views, bound, torch
+        self._addresses: dict[int, int] = {}
+        self._windows: dict[tuple[int, int], np.ndarray] = {}
+
+    def address(self, buf: int) -> int:
+        """The address of buffer ``buf``'s first byte, read from this executor's view of it."""
+        a = self._addresses.get(buf)
+        if a is None:
+            a = self._addresses[buf] = int(self.views[buf].__array_interface__["data"][0])
+        return a
+
+    def windows(self, buf: int, n: int) -> np.ndarray:
+        """Buffer ``buf`` as overlapping n-byte elements, one starting at every byte."""
+        w = self._windows.get((buf, n))
+        if w is None:
+            v = self.views[buf]
+            w = self._windows[(buf, n)] = np.ndarray(shape=(len(v) - n + 1,), dtype=np.dtype((np.void, n)), buffer=v,
+                                                     strides=(1,))
+        return w
+
+    def tensor(self, buf: int) -> Any:
+        """Buffer ``buf`` as a flat uint8 CPU tensor over the same memory (made once per bind)."""
+        tensors = self.bound.extra.setdefault("tensors", {})
+        t = tensors.get(buf)
+        if t is None:
+            with warnings.catch_warnings():  # a read-only source: torch warns that it could write it; kvxfer does not
+                warnings.simplefilter("ignore", UserWarning)
+                t = tensors[buf] = self.torch.from_numpy(self.views[buf])
+        return t
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes} B"
 
 
 def _views(bound: BoundMemory) -> list[Any]:

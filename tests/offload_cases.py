@@ -59,6 +59,7 @@ class SlowNumpy(NumpyExecutor):
     picks before copying anything. Waits for ``after`` on the host, as the contract asks of host executors."""
 
     def __init__(self, seed: int = 0, fail: Callable[[Any], bool] | None = None, max_pause_s: float = 0.003):
+        super().__init__()
         self.rng, self.fail, self.max_pause_s, self.runs = np.random.default_rng(seed), fail, max_pause_s, 0
         self.lock = threading.Lock()
 
@@ -118,6 +119,7 @@ class AsyncNumpy(NumpyExecutor):
 
     def __init__(self, seed: int = 0, max_pause_s: float = 0.002, fail: Callable[[Any], bool] | None = None,
                  fail_late: Callable[[Any], bool] | None = None, gate: Callable[[Any], Any] | None = None):
+        super().__init__()
         self.rng, self.max_pause_s = np.random.default_rng(seed), max_pause_s
         self.fail, self.fail_late, self.gate = fail, fail_late, gate
         self.runs: list[tuple[Any, Any, list[Any], str]] = []
@@ -288,6 +290,7 @@ class HalfThenBlock(NumpyExecutor):
     in the middle of a job when it is killed."""
 
     def __init__(self, marker: Path):
+        super().__init__()
         self.marker = marker
 
     def run(self, plan, memory, stream=None, after=None):

@@ -1,6 +1,7 @@
-"""The NumPy executor's grouped copy path equals one slice assignment per range, byte for byte, sentinels included.
+"""The NumPy executor's copy paths (window groups, memmove, torch's foreach copy) equal one slice assignment per
+range, byte for byte, sentinels included.
 
-Hand-made plans mix sizes on both sides of SMALL_RANGE_BYTES within one segment, odd offsets and sizes, buffer
+Hand-made plans mix sizes on both sides of SMALL_RANGE_BYTES (and of a bulk threshold) within one segment, odd offsets and sizes, buffer
 pairs that change mid-call, several calls, and a source and destination in one buffer; the reference is a
 Python loop over the plan's ranges written here.
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, NumpyExecutor
-from kvxfer.executors.ops_numpy import FEW_RANGES, GATHER_BYTES, SMALL_RANGE_BYTES
+from kvxfer.executors import ConfigError, ExecutorConfig, ExecutorError, NumpyExecutor
+from kvxfer.executors.config import build_executor
+from kvxfer.executors.ops_numpy import GATHER_BYTES, SMALL_RANGE_BYTES, WINDOW_STEP, HostPath
 from kvxfer.planner import COLUMNS, Buffer, Layout, Location, Placement, Region, TransferPlan, plan_transfer
 
 SIZE = 1 << 20
@@ -54,17 +56,69 @@ def reference(plan: TransferPlan, bufs: dict[str, np.ndarray]) -> dict[str, np.n
     return out
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_grouped_copies_equal_one_slice_assignment_per_range(seed):
+EXECUTORS = {  # name -> (executor, the paths it must take on every random plan)
+    "default": (lambda: NumpyExecutor(), {HostPath.WINDOW, HostPath.MEMMOVE}),
+    "torch": (lambda: NumpyExecutor(bulk_range_bytes=SMALL_RANGE_BYTES + 1), set(HostPath)),
+    "windows-only": (lambda: NumpyExecutor(small_range_bytes=1 << 20), {HostPath.WINDOW}),  # steps of one range
+    "memmove-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=None), {HostPath.MEMMOVE}),
+    "torch-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=1), {HostPath.TORCH}),
+}
+
+
+@pytest.mark.parametrize("name", EXECUTORS)
+@pytest.mark.parametrize("seed", range(8))
+def test_every_path_equals_one_slice_assignment_per_range(seed, name):
+    pytest.importorskip("torch")  # the torch path runs only where torch is imported
     plan = random_plan(seed)
     rng = np.random.default_rng(100 + seed)
     bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}  # random bytes: sentinels
     want = reference(plan, bufs)
-    sizes = plan.nbytes
-    assert (sizes < SMALL_RANGE_BYTES).sum() > FEW_RANGES and (sizes >= SMALL_RANGE_BYTES).any()  # both paths taken
-    NumpyExecutor().run(plan, bufs)
+    make, paths = EXECUTORS[name]
+    ex = make()
+    taken = {p for p, (n, _) in ex.paths(plan).items() if n}
+    assert paths <= taken <= paths | {HostPath.MEMMOVE}, ex.explain(plan)  # short segments go by memmove
+    assert sum(n for n, _ in ex.paths(plan).values()) == plan.num_ranges
+    assert sum(b for _, b in ex.paths(plan).values()) == plan.total_bytes
+    ex.run(plan, bufs)
     for k in bufs:
         assert np.array_equal(bufs[k], want[k]), k
+
+
+def test_a_window_group_longer_than_one_step_and_torch_tensors_made_once_per_bind():
+    torch = pytest.importorskip("torch")
+    n = 3 * WINDOW_STEP + 5
+    layout = Layout(buffers=(Buffer(name="h", nbytes=n * 128, location=Location.HOST), Buffer(name="d", nbytes=n * 128)),
+                    regions=(Region(name="r", page_bytes=64, device=Placement(buffer="d"), host=Placement(buffer="h")),))
+    ids = np.arange(n)
+    plan = plan_transfer(layout, {"direction": "h2d", "src_ids": ids * 2, "dst_ids": ids[::-1] * 2})
+    assert plan.num_ranges == n and NumpyExecutor().paths(plan)[HostPath.WINDOW][0] == n
+    h = torch.arange(n * 128, dtype=torch.int32).to(torch.uint8)
+    d = torch.zeros(n * 128, dtype=torch.uint8)
+    ex = NumpyExecutor(bulk_range_bytes=1)
+    bound = ex.bind(layout, {"h": h, "d": d})
+    NumpyExecutor().run(plan, bound)
+    want = torch.zeros_like(d)
+    for i in range(n):
+        want[(n - 1 - i) * 128:(n - 1 - i) * 128 + 64] = h[i * 128:i * 128 + 64]
+    assert torch.equal(d, want)
+    d.zero_()
+    ex.run(plan, bound)
+    ex.run(plan, bound)
+    assert torch.equal(d, want) and len(bound.extra["tensors"]) == 2  # one tensor per buffer, made once
+
+
+def test_explain_and_repr_name_the_paths_and_options_are_checked():
+    plan = random_plan(4)
+    ex = build_executor("numpy", ExecutorConfig.model_validate({"kind": "numpy", "numpy": {"bulk_range_bytes": 20000}}))
+    assert ex.bulk_range_bytes == 20000
+    line = ex.explain(plan)
+    for path, (n, _) in ex.paths(plan).items():
+        assert (f"{path.value} {n} ranges" in line) == bool(n), line
+    assert "bulk_range_bytes=20000" in repr(ex)
+    with pytest.raises(ConfigError, match="small_range_bytes"):
+        NumpyExecutor(small_range_bytes=-1)
+    with pytest.raises(ConfigError, match="bulk_range_bytes"):
+        ExecutorConfig.model_validate({"kind": "numpy", "numpy": {"bulk_range_bytes": 0}})
 
 
 def test_a_read_only_source_can_be_read_and_any_buffer_pair_copies():
@@ -89,9 +143,16 @@ def test_a_failure_while_copying_names_the_call_and_leaves_later_calls_uncopied(
     first = int(plan.call_offsets[k])
 
     class RunsOutOfMemory(NumpyExecutor):
-        def move(self, src, dst, low, index):
+        def move(self, path, sides, src, dst, low, index):
             if int(index.max()) >= first:
                 raise MemoryError("no memory for the temporary")
-            super().move(src, dst, low, index)
+            super().move(path, sides, src, dst, low, index)
     with pytest.raises(ExecutorError, match=rf"^numpy copy failed at chunk {k}, descriptor \d+: MemoryError: no memory"):
         RunsOutOfMemory().run(plan, bufs)
+
+
+def test_the_environment_sets_the_numpy_thresholds():
+    c = ExecutorConfig.load(env={"KVXFER_NUMPY_BULK_RANGE_BYTES": "off", "KVXFER_NUMPY_SMALL_RANGE_BYTES": "4096"})
+    assert c.numpy.bulk_range_bytes is None and c.numpy.small_range_bytes == 4096
+    with pytest.raises(ConfigError, match="KVXFER_NUMPY_BULK_RANGE_BYTES"):
+        ExecutorConfig.load(env={"KVXFER_NUMPY_BULK_RANGE_BYTES": "-5"})

@@ -75,10 +75,10 @@ class FaultyNumpyExecutor(NumpyExecutor):
 
     fault = -1
 
-    def move(self, src: np.ndarray, dst: np.ndarray, low: Any, index: np.ndarray) -> None:
+    def move(self, path: Any, sides: Any, src: int, dst: int, low: Any, index: np.ndarray) -> None:
         if 0 <= self.fault <= int(index.max()):
             raise MemoryError(f"injected at descriptor {self.fault}")
-        super().move(src, dst, low, index)
+        super().move(path, sides, src, dst, low, index)
 
 
 class NumpyAdapter(Adapter):
