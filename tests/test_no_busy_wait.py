@@ -206,17 +206,20 @@ class Recording(ThreadLane):
     """A bare lane whose step records the jobs it ran, each after ``gate`` is set."""
 
     def __init__(self, gate: threading.Event):
-        super().__init__("recording")
+        name = f"recording-{id(self)}"
+        super().__init__(name)
+        # the lane's thread, found by the name it is given (the test reads no private attribute)
+        self.thread = next(t for t in threading.enumerate() if t.name == f"kvxfer-offload-{name}")
         self.ran: list[Any] = []
         self.step = lambda lane, job: (gate.wait(), self.ran.append(job))
 
 
-def _closed(lane: ThreadLane) -> bool:
+def _closed(lane: Recording) -> bool:
     """Close ``lane`` on another thread; whether that close returned and the lane's thread ended."""
     stop = threading.Thread(target=lane.close, daemon=True)
     stop.start()
     stop.join(TIMEOUT_S)
-    return not stop.is_alive() and not lane._thread.is_alive()
+    return not stop.is_alive() and not lane.thread.is_alive()
 
 
 def test_close_wakes_a_lane_blocked_for_its_next_job(calls):
@@ -224,7 +227,7 @@ def test_close_wakes_a_lane_blocked_for_its_next_job(calls):
     gate.set()
     lane = Recording(gate)
     lane.submit("a")  # type: ignore[arg-type]  # the lane never looks inside a job
-    held = _hold(calls, [lane._thread])  # ran it, now blocked with nothing queued
+    held = _hold(calls, [lane.thread])  # ran it, now blocked with nothing queued
     assert lane.ran == ["a"]
     _assert_idle(held)
     assert _closed(lane)
@@ -241,7 +244,7 @@ def test_close_runs_every_queued_job_before_it_returns():
     assert stop.is_alive() and lane.ran == []  # closing waits for the queued jobs
     gate.set()
     stop.join(TIMEOUT_S)
-    assert not stop.is_alive() and not lane._thread.is_alive() and lane.ran == ["a", "b", "c"]
+    assert not stop.is_alive() and not lane.thread.is_alive() and lane.ran == ["a", "b", "c"]
 
 
 class Counted(Transfer):
