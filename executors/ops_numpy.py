@@ -92,11 +92,16 @@ class NumpyExecutor(Executor):
     def __init__(self, small_range_bytes: int = SMALL_RANGE_BYTES, bulk_range_bytes: int | None = BULK_RANGE_BYTES):
         opts = NumpyOptions(small_range_bytes=small_range_bytes, bulk_range_bytes=bulk_range_bytes)
         self.small_range_bytes, self.bulk_range_bytes = opts.small_range_bytes, opts.bulk_range_bytes
-        # libc's memmove through ctypes, keeping the GIL (ctypes.memmove itself releases it around each call)
-        address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
-        if address is None:  # pragma: no cover - ctypes always has memmove
-            raise ImportError("ctypes has no memmove")
-        self._memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
+        self._memmove = _held_memmove()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_memmove", None)  # a ctypes function: made again where the executor is unpickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._memmove = _held_memmove()
 
     @classmethod
     def from_options(cls, options: Any) -> NumpyExecutor:
@@ -283,6 +288,14 @@ class _Sides:
                 warnings.simplefilter("ignore", UserWarning)
                 t = tensors[buf] = self.torch.from_numpy(self.views[buf])
         return t
+
+
+def _held_memmove() -> Any:
+    """libc's memmove through ctypes, keeping the GIL (``ctypes.memmove`` itself releases it around each call)."""
+    address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+    if address is None:  # pragma: no cover - ctypes always has memmove
+        raise ImportError("ctypes has no memmove")
+    return ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
 
 
 def _mib(nbytes: int) -> str:

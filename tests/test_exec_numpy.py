@@ -156,3 +156,15 @@ def test_the_environment_sets_the_numpy_thresholds():
     assert c.numpy.bulk_range_bytes is None and c.numpy.small_range_bytes == 4096
     with pytest.raises(ConfigError, match="KVXFER_NUMPY_BULK_RANGE_BYTES"):
         ExecutorConfig.load(env={"KVXFER_NUMPY_BULK_RANGE_BYTES": "-5"})
+
+
+def test_an_executor_survives_pickling_and_copying_and_still_copies():
+    import copy
+    import pickle
+    plan = random_plan(5)
+    for ex in (pickle.loads(pickle.dumps(NumpyExecutor(small_range_bytes=4096))), copy.deepcopy(NumpyExecutor())):
+        bufs = {b.name: np.random.default_rng(1).integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}
+        want = reference(plan, bufs)
+        ex.run(plan, bufs)
+        assert all(np.array_equal(bufs[k], want[k]) for k in bufs)
+    assert pickle.loads(pickle.dumps(NumpyExecutor(small_range_bytes=4096))).small_range_bytes == 4096
