@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_worker import ids, make_worker  # this folder: on sys.path when the script runs
 
 ROWS = [("load512", "h2d")] + [(p, d) for p in ("contiguous", "runs8", "fragmented") for d in ("d2h", "h2d")]
 
@@ -49,36 +50,19 @@ def _spinning() -> tuple[threading.Event, threading.Thread]:
     return stop, t
 
 
-def _ids(pattern: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    if pattern == "contiguous":
-        return np.arange(n)
-    if pattern == "runs8":
-        return (rng.permutation(2 * n // 8)[:n // 8][:, None] * 8 + np.arange(8)).ravel()
-    return rng.permutation(n)[:n] * 2
-
-
-def _worker(tensors: int, blocks: int, page: int) -> Any:
-    from kvxfer.offload import DeviceKV, HostTier, KVTensor, create_worker
-    from kvxfer.planner import Buffer, Location
-    dev = np.random.default_rng(0).integers(0, 256, tensors * blocks * page, dtype=np.uint8)
-    kv = tuple(KVTensor(name=f"t{i}", buffer="gpu", page_bytes=page, byte_offset=i * blocks * page) for i in range(tensors))
-    device = DeviceKV((Buffer(name="gpu", nbytes=dev.nbytes, location=Location.DEVICE),), kv, {"gpu": dev})
-    w = create_worker(device, HostTier(num_chunks=blocks, blocks_per_chunk=1, row_align_bytes=1, pin=False),
-                      {"kind": "numpy"}, regions_per_layer=None)
-    w.host[:] = 1  # first touch outside the timing
-    return w
-
-
 def measure(row: str, direction: str, busy: bool, reps: int) -> dict[str, float]:
     """One row: the job's bytes, its best time (another thread spinning where ``busy``) and the best memcpy of as
     many bytes with the process idle."""
     rng = np.random.default_rng(2)
     if row == "load512":
-        w, n = _worker(8, 80, 128 << 10), 64
-        jobs = [(np.arange(79, 15, -1), np.arange(n))] * (reps + 1)
+        n = 64
+        w, _ = make_worker(n, 1, 128 << 10, {"kind": "numpy"}, tensors=8)
+        jobs = [(np.arange(n + 15, 15, -1), np.arange(n))] * (reps + 1)
     else:
-        w, n = _worker(118, 512, 4096), 256
-        jobs = [(_ids(row, n, rng), _ids(row, n, rng)) for _ in range(reps + 1)]
+        n = 256
+        w, _ = make_worker(n, 1, 4096, {"kind": "numpy"})
+        jobs = [(ids(row, n, 2 * n, 8, rng), ids(row, n, 2 * n, 8, rng)) for _ in range(reps + 1)]
+    w.host[:] = 1  # first touch outside the timing
     w.submit_store(10_000, jobs[0][0], jobs[0][1])  # the host rows hold data before a load
     w.wait([10_000])
     w.get_finished()

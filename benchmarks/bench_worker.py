@@ -56,12 +56,14 @@ def ids(pattern: str, n: int, space: int, run: int, rng: np.random.Generator) ->
     return rng.permutation(space // 2)[:n] * 2
 
 
-def make_worker(n: int, k: int, page: int, executor: Any) -> tuple[Any, np.ndarray]:
+def make_worker(n: int, k: int, page: int, executor: Any, tensors: int = TENSORS) -> tuple[Any, np.ndarray]:
+    """A worker over ``tensors`` KV tensors of ``2 n`` blocks of ``page`` bytes in one device buffer (host memory
+    standing for it), a host tier of as many blocks in chunks of ``k``; and the device array."""
     blocks = 2 * n
-    dev = np.random.default_rng(0).integers(0, 256, TENSORS * blocks * page, dtype=np.uint8)
-    tensors = tuple(KVTensor(name=f"t{i}", buffer="gpu", page_bytes=page, byte_offset=i * blocks * page)
-                    for i in range(TENSORS))
-    device = DeviceKV((Buffer(name="gpu", nbytes=dev.nbytes, location=Location.DEVICE),), tensors, {"gpu": dev})
+    dev = np.random.default_rng(0).integers(0, 256, tensors * blocks * page, dtype=np.uint8)
+    kv = tuple(KVTensor(name=f"t{i}", buffer="gpu", page_bytes=page, byte_offset=i * blocks * page)
+               for i in range(tensors))
+    device = DeviceKV((Buffer(name="gpu", nbytes=dev.nbytes, location=Location.DEVICE),), kv, {"gpu": dev})
     w = create_worker(device, HostTier(num_chunks=blocks // k, blocks_per_chunk=k, row_align_bytes=1, pin=False),
                       executor, regions_per_layer=None)
     return w, dev

@@ -35,16 +35,16 @@ for on the calling thread.
 from __future__ import annotations
 
 import ctypes
-import enum
 import sys
 import time
 import warnings
 from collections.abc import Iterator
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, TransferPlan
+from kvxfer.planner import Buffer, TransferPlan, format_bytes
 
 from .base import (
     After,
@@ -71,7 +71,7 @@ HELD_PIECE_BYTES = 4 << 20  # bytes one memmove moves at most, with the GIL held
 FEW_RANGES = 4  # segments this short go range by range (memmove): grouping costs more than it saves
 
 
-class HostPath(str, enum.Enum):
+class HostPath(StrEnum):
     """How the NumPy executor moves a range (see the module docstring)."""
 
     WINDOW = "window"
@@ -133,7 +133,9 @@ class NumpyExecutor(Executor):
         """(ranges, bytes) that each path would move for ``plan`` in this process now (``explain`` prints it)."""
         sizes = plan.nbytes.astype(np.uint64)
         out = {p: (0, 0) for p in HostPath}
-        for _, _, _, path, index in self._pieces(sizes, _runs(plan.src_buf), _runs(plan.dst_buf), plan.call_offsets):
+        pieces = self._pieces(sizes, plan.column_runs("src_buf"), plan.column_runs("dst_buf"), plan.call_offsets,
+                              self._torch())
+        for _, _, _, path, index in pieces:
             n, b = out[path]
             out[path] = (n + len(index), b + int(sizes[index].sum()))
         return out
@@ -141,7 +143,7 @@ class NumpyExecutor(Executor):
     def explain(self, plan: TransferPlan) -> str:
         """One line: how many ranges and bytes of ``plan`` each path moves, and why (see the module docstring)."""
         counts = self.paths(plan)
-        parts = [f"{p.value} {n} ranges / {_mib(b)}" for p, (n, b) in counts.items() if n]
+        parts = [f"{p.value} {n} ranges / {format_bytes(b)}" for p, (n, b) in counts.items() if n]
         if self.bulk_range_bytes is None:
             torch = "torch off"
         else:
@@ -162,7 +164,8 @@ class NumpyExecutor(Executor):
         wait_on_host(waits)
         views = bound.extra.get("views") or _views(bound)
         sides = _Sides(views, bound, self._torch())
-        for call, src, dst, path, index in self._pieces(low.nbytes, low.src_runs, low.dst_runs, low.call_offsets):
+        for call, src, dst, path, index in self._pieces(low.nbytes, low.src_runs, low.dst_runs, low.call_offsets,
+                                                        sides.torch):
             try:
                 self.move(path, sides, src, dst, low, index)
             except Exception as e:  # numpy's or torch's own failures (memory for a temporary): never as done
@@ -194,9 +197,10 @@ class NumpyExecutor(Executor):
                     mm(da + d + o, sa + s + o, min(HELD_PIECE_BYTES, m - o))
 
     def _pieces(self, nbytes: np.ndarray, src_runs: tuple[np.ndarray, np.ndarray], dst_runs: tuple[np.ndarray, np.ndarray],
-                call_offsets: np.ndarray) -> Iterator[tuple[int, int, int, HostPath, np.ndarray]]:
+                call_offsets: np.ndarray, torch: Any) -> Iterator[tuple[int, int, int, HostPath, np.ndarray]]:
         """(call, source buffer, destination buffer, path, range indices) for every group ``move`` takes, call by
-        call and segment by segment (one buffer pair): a lowered run's ranges, or a plan's for ``paths``."""
+        call and segment by segment (one buffer pair): a lowered run's ranges, or a plan's for ``paths``. ``torch``:
+        the module when the torch path is on (``_torch()``), else None."""
         if len(nbytes) == 0:
             return
         (src_values, src_ends), (dst_values, dst_ends) = _merged(*src_runs), _merged(*dst_runs)
@@ -205,7 +209,7 @@ class NumpyExecutor(Executor):
         calls = np.searchsorted(call_offsets, starts, side="right") - 1
         srcs = src_values[np.searchsorted(src_ends, starts, side="right")]
         dsts = dst_values[np.searchsorted(dst_ends, starts, side="right")]
-        bulk_from = self.bulk_range_bytes if self._torch() is not None else None
+        bulk_from = self.bulk_range_bytes if torch is not None else None
         for call, sb, db, a, b in zip(calls.tolist(), srcs.tolist(), dsts.tolist(), starts.tolist(), ends.tolist()):
             for path, index in _groups(nbytes, a, b, self.small_range_bytes, bulk_from):
                 yield call, sb, db, path, index
@@ -244,14 +248,6 @@ def _merged(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
     ends = np.cumsum(lengths)
     last = np.append(values[1:] != values[:-1], True) if len(values) else np.zeros(0, bool)
     return values[last], ends[last]
-
-
-def _runs(column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(value, length) of each run of equal values in ``column``."""
-    if len(column) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(column[1:] != column[:-1]) + 1))
-    return column[starts], np.diff(np.append(starts, len(column)))
 
 
 class _Sides:
@@ -296,10 +292,6 @@ def _held_memmove() -> Any:
     if address is None:  # pragma: no cover - ctypes always has memmove
         raise ImportError("ctypes has no memmove")
     return ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes} B"
 
 
 def _views(bound: BoundMemory) -> list[Any]:

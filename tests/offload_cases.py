@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.executors import BindingError, ExecutorError, NumpyExecutor, Transfer
+from kvxfer.executors import BindingError, ExecutorError, NumpyExecutor, Transfer, wait_on_host
 from kvxfer.offload import TierResult
 from kvxfer.planner import BlockMapping, Buffer, Layout, Location, PlanOptions
 from kvxfer.testing import apply_copies, expected_copies
@@ -44,15 +44,6 @@ def apply(copies: Any, arrays: dict[str, np.ndarray]) -> None:
     apply_copies(copies, arrays)
 
 
-def wait_quietly(transfers: Any) -> None:
-    """Host-wait each transfer; an error belongs to its owner."""
-    for t in transfers or ():
-        try:
-            t.wait()
-        except Exception:
-            pass
-
-
 # ---- executor doubles -------------------------------------------------------------------------------------------
 class SlowNumpy(NumpyExecutor):
     """The NumPy executor (synchronous) after a random pause, so lanes really race; fails the runs ``fail(plan)``
@@ -64,7 +55,7 @@ class SlowNumpy(NumpyExecutor):
         self.lock = threading.Lock()
 
     def run(self, plan, memory, stream=None, after=None):
-        wait_quietly(after)
+        wait_on_host(after or ())
         with self.lock:
             pause = float(self.rng.random()) * self.max_pause_s
             self.runs += 1
@@ -152,7 +143,7 @@ class AsyncNumpy(NumpyExecutor):
             t, prev, after, plan, views, gate, late, r = item
             if prev is not None:
                 prev.finished.wait()
-            wait_quietly(after)
+            wait_on_host(after or ())
             if gate is not None:
                 gate.wait()
             time.sleep(r * self.max_pause_s)

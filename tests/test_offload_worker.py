@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, NumpyExecutor
+from kvxfer.executors import ExecutorError, NumpyExecutor, wait_on_host
 from kvxfer.offload import (
     DependencyError,
     DeviceKV,
@@ -564,7 +564,7 @@ class Wrapper:
 
     def run(self, plan, memory, stream=None, after=None):
         self.seen.append((plan.direction.value, stream))
-        oc.wait_quietly(after)
+        wait_on_host(after or ())
         return self.inner.run(plan, memory, stream=stream)
 
     def close(self):
