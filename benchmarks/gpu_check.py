@@ -72,12 +72,15 @@ class Sizes:
     gemm: int = 8192
     transfers_beside: int = 2  # restore transfers queued beside the compute
     max_compute_ops: int = 800  # keeps the launch queue from filling (the host must reach the copies)
+    regions_per_layer: int = 2  # K and V: layer-wise calls carry two regions each
+    c32: tuple[int, int, int, int] = (118, 16128, 64, 32 * 1024)  # regions, blocks moved, sentinel blocks, page
+    c32_reps: int = 2  # timed runs of each newest-ABI C32 plan (after a warm-up)
 
 
 GPU = Sizes()
 CPU = Sizes(regions=4, blocks=32, moved=16, page=4096, reps=2, submit_moved=(1, 2, 4, 8, 16),
             crossover_sizes=(512, 2048, 8192), crossover_total=64 << 10, roundtrip=(2, 16, 6, 1024),
-            decode=(4, 64, 128), gemm=64, max_compute_ops=40)
+            decode=(4, 64, 128), gemm=64, max_compute_ops=40, c32=(4, 64, 8, 1024), c32_reps=1)
 
 
 # ---- plans (pure; also the --dry-run) -----------------------------------------------------------------------
@@ -117,16 +120,51 @@ def crossover_plans(target: Target, s: Sizes = GPU) -> dict[int, TransferPlan]:
     return out
 
 
+def layer_plans(target: Target, s: Sizes = GPU) -> dict[str, TransferPlan]:
+    """The restore planned with one call per layer (``regions_per_layer`` regions each), h2d."""
+    layout = presets.kv_layout(s.regions, s.blocks, s.page, shared_device=True)
+    return {f"h2d {p} per-layer": plan_transfer(layout, presets.mapping(p, s.moved, s.blocks, "h2d"), target,
+                                                PlanOptions(regions_per_call=s.regions_per_layer))
+            for p in ("contiguous", "fragmented")}
+
+
+# Seconds per section on one H200, for the time budget: the times measured there on 2026-12-04 (the second full
+# run: 182 s of wall time in all, start-up included), and for the layer-wise section its three gated transfers
+# per pattern (0.2 s each) added. Sections not in this table are estimated from the figures those runs gave.
+MEASURED_S = {"environment": 0.2, "dma-roundtrip": 0.6, "bandwidth": 4.1, "submit": 0.4, "dma-interference": 0.8,
+              "cuda-apis": 4.2, "copy-flags": 2.7, "layerwise": 2.3, "c32": 131.7, "triton-roundtrip": 2.6,
+              "run-api": 0.1, "crossover": 0.8, "triton-interference": 0.3, "c32-triton": 12.4, "offload": 0.1,
+              "executor-close": 0.5}
+
+
+def estimate_seconds(s: Sizes = GPU) -> dict[str, float]:
+    """The check's time on one H200 per section, plus start-up (imports, CUDA, Triton's first compiles): measured
+    times (MEASURED_S) for the default sizes; for other sizes the C32 sections scale with their bytes."""
+    regions, moved, _, page = s.c32
+    scale = regions * moved * page / (118 * 16128 * 32 * 1024)
+    est = {name: MEASURED_S[name] * (scale if name.startswith("c32") else 1.0) for name, _ in SECTIONS}
+    est["startup"] = 25.0
+    est["total"] = sum(est.values())
+    return {k: round(v, 1) for k, v in est.items()}
+
+
 def dry_run(out: Path | None) -> None:
     target = Target(platform="cuda", runtime_version=13000)
-    groups = {"": restore_plans(target), "submit ": submit_plans(target), "h2d crossover ": crossover_plans(target)}
+    c32 = {name: entry[0] for name, entry in c32_plans(target).items()}
+    groups = {"": restore_plans(target) | layer_plans(target), "submit ": submit_plans(target),
+              "h2d crossover ": crossover_plans(target), "c32 ": c32}
     rows = {f"{prefix}{k}": {"ranges": p.num_ranges, "calls": p.num_calls, "bytes": p.total_bytes}
             for prefix, plans in groups.items() for k, p in plans.items()}
     print(f"{'plan':34} {'ranges':>8} {'calls':>6} {'MiB':>9}")
     for name, r in rows.items():
         print(f"{name:34} {r['ranges']:>8} {r['calls']:>6} {r['bytes'] / 2**20:>9.1f}")
+    est = estimate_seconds()
+    print("\nsections, in order, with their seconds on one H200 (measured there on 2026-12-04):")
+    for name, _ in SECTIONS:
+        print(f"  {name:22} {est[name]:>7.1f}")
+    print(f"  {'start-up':22} {est['startup']:>7.1f}\n  {'total':22} {est['total']:>7.1f}")
     if out:
-        out.write_text(json.dumps({"dry_run": True, "plans": rows}, indent=1))
+        out.write_text(json.dumps({"dry_run": True, "plans": rows, "estimate_s": est}, indent=1))
 
 
 # ---- figures (pure) -----------------------------------------------------------------------------------------
@@ -256,8 +294,9 @@ class Device:
             tensor[lo:lo + n].copy_(scratch[:n])
         self.synchronize()
 
-    def memory(self, plan: TransferPlan, seed: int = 0) -> dict[str, Any]:
-        """One buffer per plan buffer: device buffers on the GPU, host buffers pinned; random bytes."""
+    def memory(self, plan: TransferPlan | Any, seed: int = 0) -> dict[str, Any]:
+        """One buffer per buffer of ``plan`` (a plan or a layout): device buffers on the GPU, host buffers
+        pinned; random bytes."""
         mem = {}
         for i, b in enumerate(plan.buffers):
             mem[b.name] = self.empty(b.nbytes, b.location.value)
@@ -288,23 +327,30 @@ class Device:
 
 
 # ---- executors: ONE place constructs them ---------------------------------------------------------------------
-def make_executor(dev: Device, role: str, cuda_stand_in: Any = None) -> Any:
-    """The executor for ``role``: "dma" (the copy engines) or "triton" (the SM kernel).
+DMA_ROLES = {"dma": None, "dma-12.8": 12080, "dma-per-copy": 12000}  # role -> driver version the runtime is driven as
 
-    On a GPU: CudaBatchExecutor() and TritonExecutor(). On the CPU: ``cuda_stand_in`` (a host-memory stand-in
-    for the CUDA driver, given by tests) under CudaBatchExecutor, else the NumPy executor; Triton under its
-    interpreter (TRITON_INTERPRET=1 must be set before triton is imported).
+
+def make_executor(dev: Device, role: str, cuda_stand_in: Any = None) -> Any:
+    """The executor for ``role``: "dma" (the copy engines, the driver's newest batch ABI), "dma-12.8" (the same
+    driver through the 12.8 ABI of cuMemcpyBatchAsync), "dma-per-copy" (one cuMemcpyAsync per range, the path
+    below 12.8) or "triton" (the SM kernel).
+
+    On a GPU: CudaBatchExecutor over a CudaRuntime driven as that version, and TritonExecutor(). On the CPU:
+    ``cuda_stand_in(version)`` (a host-memory stand-in for the CUDA driver reporting ``version``, None for its
+    newest; given by tests) under CudaBatchExecutor, else the NumPy executor; Triton under its interpreter
+    (TRITON_INTERPRET=1 must be set before triton is imported).
     """
-    if role == "dma":
+    if role in DMA_ROLES:
         from kvxfer.executors import NumpyExecutor
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor
+        from kvxfer.executors.ops_cuda import CudaBatchExecutor, CudaRuntime
+        version = DMA_ROLES[role]
         if dev.gpu:
-            return CudaBatchExecutor()
-        return CudaBatchExecutor(cuda_stand_in) if cuda_stand_in is not None else NumpyExecutor()
+            return CudaBatchExecutor(CudaRuntime(0, version=version)) if version else CudaBatchExecutor()
+        return CudaBatchExecutor(cuda_stand_in(version)) if cuda_stand_in is not None else NumpyExecutor()
     if role == "triton":
         from kvxfer.executors.ops_triton import TritonExecutor
         return TritonExecutor()
-    raise ValueError(f"role = {role!r}: expected 'dma' or 'triton'")
+    raise ValueError(f"role = {role!r}: expected one of {', '.join([*DMA_ROLES, 'triton'])}")
 
 
 def bind(ex: Any, plan: TransferPlan, mem: dict[str, Any]) -> Any:
@@ -334,12 +380,18 @@ class Check:
     alone: dict[str, Any] | None = None  # compute-alone baselines, shared by both interference sections
     restore_mem: dict[str, Any] | None = None  # the restore buffers, shared by the sections that use them
     ops: dict[str, Any] | None = None  # the compute kinds and their operands, made once
+    c32: Any = None  # the C32 buffers (C32Memory), shared by the c32 sections, freed by the last
+    c32_setup_s: float = 0.0
 
     def executor(self, role: str) -> Any:
         self.executors = self.executors or {}
         if role not in self.executors:
             self.executors[role] = make_executor(self.dev, role, self.cuda_stand_in)
         return self.executors[role]
+
+    def target_for(self, role: str) -> Target:
+        """What plans for ``role`` are made for: a DMA role's own driver version; Triton takes the check's target."""
+        return self.executor(role).target if role in DMA_ROLES else self.target
 
     @property
     def target(self) -> Target:
@@ -466,7 +518,7 @@ def round_trips(ck: Check, role: str) -> dict[str, bool]:
     """d2h then h2d for five patterns on per-region device buffers, each compared with the test oracle's
     per-piece copies (kvxfer.testing)."""
     from kvxfer.testing import run_reference
-    ex = ck.executor(role)
+    ex, target = ck.executor(role), ck.target_for(role)
     regions, blocks, moved, page = ck.sizes.roundtrip
     layout = presets.kv_layout(regions, blocks, page, shared_device=False)
     results = {}
@@ -474,7 +526,7 @@ def round_trips(ck: Check, role: str) -> dict[str, bool]:
         ok = True
         for direction in ("d2h", "h2d"):
             mapping = presets.mapping(pattern, moved, blocks, direction)
-            plan = plan_transfer(layout, mapping, ck.target)
+            plan = plan_transfer(layout, mapping, target)
             mem = ck.dev.memory(plan, seed)
             want = run_reference(layout, mapping, {k: v.cpu().numpy() for k, v in mem.items()})
             ex.run(plan, mem).wait()
@@ -614,11 +666,13 @@ def alone_baselines(ck: Check) -> dict[str, Any]:
     return ck.alone
 
 
-def copies_beside(ck: Check, role: str, plan_name: str = "h2d fragmented merged") -> dict[str, Any]:
+def copies_beside(ck: Check, role: str, plan_name: str = "h2d fragmented merged",
+                  plan: TransferPlan | None = None, quiet: bool = False) -> dict[str, Any]:
     """Each compute kind alone, then beside ``transfers_beside`` restore transfers on the ``role`` executor,
-    with compute and copies measured over the window where they overlap."""
+    with compute and copies measured over the window where they overlap. ``plan``: another plan over the
+    restore buffers (named ``plan_name`` in the report) instead of the restore plan of that name."""
     ex = ck.executor(role)
-    plan = restore_plans(ck.target, ck.sizes)[plan_name]
+    plan = plan if plan is not None else restore_plans(ck.target, ck.sizes)[plan_name]
     mem = restore_memory(ck)
     alone = alone_baselines(ck)
     feed, compute, marker = ck.dev.stream(), ck.dev.stream(), ck.dev.stream()
@@ -641,8 +695,9 @@ def copies_beside(ck: Check, role: str, plan_name: str = "h2d fragmented merged"
             rows[name] = overlap_figures(copies, op_groups(events, ref, iters, group), op_ms, alone_gbps)
             rows[name]["compute_ops"] = iters
             r = rows[name]
-            print(f"{role:7} beside {name:6}: compute {_pct(r['slowdown_pct'])} per op, copies "
-                  f"{_num(r['copy_GB/s_during'])} GB/s during vs {alone_gbps:.2f} alone")
+            if not quiet:
+                print(f"{role:7} beside {name:6}: compute {_pct(r['slowdown_pct'])} per op, copies "
+                      f"{_num(r['copy_GB/s_during'])} GB/s during vs {alone_gbps:.2f} alone")
     finally:
         unbind(bound)
     return rows
@@ -741,17 +796,404 @@ def make_worker(create_worker: Any, device: Any, tier: Any, executor: Any) -> An
     return create_worker(device, tier, executor, regions_per_layer=1)
 
 
+# ---- the CUDA copy paths, copy flags, layer-wise calls, the C32 restore, the executor's close ----------------
+def cuda_apis(ck: Check) -> dict[str, Any]:
+    """Every CUDA copy path on the same driver, each forced through a runtime driven as its version: the newest
+    batch ABI ("dma": 13.0 on a 13.x driver), the 12.8 ABI (with failIdx) and per-range cuMemcpyAsync (the path
+    below 12.8). Per path: the five round trips against the oracle, and three restore plans timed, their bytes
+    checked (runs of 8 merged both ways, fragmented per block h2d)."""
+    mem = restore_memory(ck)
+    out: dict[str, Any] = {}
+    for role in DMA_ROLES:
+        ex = ck.executor(role)
+        plans = restore_plans(ex.target, ck.sizes)
+        row: dict[str, Any] = {"target": ex.target.label, "round_trips": round_trips(ck, role)}
+        for i, name in enumerate(("h2d runs8 merged", "d2h runs8 merged", "h2d fragmented per-block")):
+            row[name] = measured(ck, ex, plans[name], mem, seed=300 + 10 * i) | {"api": plans[name].api.value}
+            r = row[name]
+            print(f"{role:13} {name:26} {r['api']:18} {r['ranges']:>7} ranges {r['GB/s']['median']:>8.2f} GB/s  "
+                  f"submit {r['submit_ms']['median']:.3f} ms  bytes {'ok' if r['bytes_ok'] else 'WRONG'}")
+        out[role] = row
+    return out
+
+
+def copy_flags(ck: Check) -> dict[str, Any]:
+    """CUDA's PREFER_OVERLAP_WITH_COMPUTE copy flag against none (flags 0), on ranges of at most 128 KiB (the
+    restore's fragmented plans: 32 KiB ranges) and larger ones (its contiguous plan: 8 MiB ranges): copy GB/s
+    alone (bytes checked), and the decode matmul and the GEMM beside the copies."""
+    s = ck.sizes
+    target = ck.target
+    layout = presets.kv_layout(s.regions, s.blocks, s.page, shared_device=True)
+    mem = restore_memory(ck)
+    ex = ck.executor("dma")
+    rows: dict[str, Any] = {}
+    for i, (direction, pattern) in enumerate((("h2d", "fragmented"), ("d2h", "fragmented"), ("h2d", "contiguous"))):
+        m = presets.mapping(pattern, s.moved, s.blocks, direction)
+        for flag in (False, True):
+            plan = plan_transfer(layout, m, target, PlanOptions(prefer_overlap_with_compute=flag))
+            flags = sorted({a.flags for a in plan.attrs})
+            name = f"{direction} {pattern} {'prefer-overlap' if flag else 'flags-0'}"
+            r = measured(ck, ex, plan, mem, seed=400 + 10 * i + flag)
+            r |= {"flags": [hex(f) for f in flags], "passes_attrs": plan.passes_attrs,
+                  "max_range_bytes": int(plan.nbytes.max()), "beside": copies_beside(ck, "dma", name, plan=plan, quiet=True)}
+            rows[name] = r
+            b = r["beside"]
+            print(f"flags {name:34} {','.join(r['flags']):6} {r['GB/s']['median']:>7.2f} GB/s alone; beside decode "
+                  f"{_pct(b['decode']['slowdown_pct'])} (copies {_num(b['decode']['copy_GB/s_during'])} GB/s), beside gemm "
+                  f"{_pct(b['gemm']['slowdown_pct'])} (copies {_num(b['gemm']['copy_GB/s_during'])} GB/s)")
+    return rows
+
+
+def layerwise(ck: Check) -> dict[str, Any]:
+    """Layer-wise calls: the restore (h2d, contiguous and fragmented) planned with one call per layer (two
+    regions, K and V) against one call. Per layer: when its copy completed (its event, from the transfer's
+    start), and how long after that a consumer stream waiting on that layer ran (the time from a layer's copy
+    to its event being seen). Then a forward pass that computes layer i as soon as layer i has landed, against
+    one that waits for the whole restore (one decode-sized matmul per layer)."""
+    s = ck.sizes
+    layout = presets.kv_layout(s.regions, s.blocks, s.page, shared_device=True)
+    mem = restore_memory(ck)
+    ex = ck.executor("dma")
+    op = compute_ops(ck)["decode"][0]
+    out: dict[str, Any] = {"regions_per_layer": s.regions_per_layer}
+    for i, pattern in enumerate(("contiguous", "fragmented")):
+        m = presets.mapping(pattern, s.moved, s.blocks, "h2d")
+        one = plan_transfer(layout, m, ck.target)
+        per_layer = plan_transfer(layout, m, ck.target, PlanOptions(regions_per_call=s.regions_per_layer))
+        row: dict[str, Any] = {"one call": measured(ck, ex, one, mem, seed=500 + 10 * i),
+                               "per layer": measured(ck, ex, per_layer, mem, seed=505 + 10 * i)}
+        bound = bind(ex, per_layer, mem)
+        try:
+            row |= layer_events(ck, ex, per_layer, bound, op)
+        finally:
+            unbind(bound)
+        out[pattern] = row
+        pl, oc = row["per layer"], row["one call"]
+        lag = row.get("consumer_lag_ms")
+        print(f"layerwise {pattern:10}: {per_layer.num_calls} calls {pl['GB/s']['median']:.2f} GB/s (one call "
+              f"{oc['GB/s']['median']:.2f}), submit {pl['submit_ms']['median']:.3f} ms "
+              f"(one call {oc['submit_ms']['median']:.3f}); "
+              + ("" if lag is None else
+                 f"first layer at {row['layer_done_ms'][0]:.3f} of {row['layer_done_ms'][-1]:.3f} ms, consumer lag median "
+                 f"{lag['median']:.4f} ms max {lag['max']:.4f}; forward pipelined {row['forward_pipelined_ms']:.3f} ms "
+                 f"vs after the restore {row['forward_after_restore_ms']:.3f} ms"))
+    return out
+
+
+def layer_events(ck: Check, ex: Any, plan: TransferPlan, bound: Any, op: Callable[[], Any]) -> dict[str, Any]:
+    """Device-side per-layer figures of ``plan`` (one call per layer) on a DMA executor: from a transfer's raw
+    events (its start and per-call marks) and events the driver records on a consumer stream. Executors
+    without device events (the NumPy one) give none."""
+    probe = ex.run(plan, bound).wait()
+    if not hasattr(probe, "marks"):
+        return {"consumer_lag_ms": None, "note": f"{type(ex).__name__} has no per-call device events"}
+    rt = ex.runtime
+    consumer = ck.dev.stream()
+    handle = int(getattr(consumer, "cuda_stream", 0))
+
+    def ms(a: int, b: int) -> float:
+        code, v = rt.event_elapsed_ms(a, b)
+        check_code(rt, code, "event elapsed time")
+        return float(v)
+
+    gate_open_early: list[bool] = []
+    opened_in_submit: list[bool] = []
+    submit_ms: list[float] = []
+    with ck.dev.on(consumer):  # the consumer's first matmul (its library handle and workspace) outside the figures
+        op()
+    ck.dev.synchronize()
+
+    def consume(mode: str) -> tuple[list[float], list[float]]:
+        """One transfer and a consumer stream: "lag" waits on each layer and records an event; "pipelined" also
+        computes after each layer's wait; "after" waits for the whole restore, then computes every layer.
+        Returns each layer's done time and the consumer's event times, in ms from the transfer's start. On a
+        GPU the copies wait behind a gate (a sleeping kernel on the stream ``run`` orders them after) until the
+        host has queued every consumer step, so the figures are the device's, not the host's submission."""
+        ck.dev.synchronize()
+        gate, opened = ck.dev.stream(), ck.dev.event()
+        if ck.dev.gpu:
+            with ck.dev.on(gate):
+                ck.dev.torch.cuda._sleep(GATE_CYCLES)
+        opened.record(gate)
+        t0 = time.perf_counter()
+        t = ex.run(plan, bound, gate)
+        submit_ms.append((time.perf_counter() - t0) * 1e3)
+        opened_in_submit.append(bool(ck.dev.gpu and opened.query()))  # run() blocked until the copies could start
+        events: list[int] = []
+        try:
+            with rt.current():
+                for layer in range(plan.num_calls):
+                    if mode != "after" or layer == 0:
+                        t.stream_wait(consumer, layer if mode != "after" else -1)
+                    events.append(rt.event_create())
+                    check_code(rt, rt.event_record(events[-1], handle), "event record (consumer)")
+                    if mode != "lag":
+                        with ck.dev.on(consumer):
+                            op()
+                events.append(rt.event_create())
+                check_code(rt, rt.event_record(events[-1], handle), "event record (consumer end)")
+            gate_open_early.append(bool(ck.dev.gpu and opened.query()))  # the gate opened before all was queued
+            check_code(rt, rt.event_synchronize(events[-1]), "event synchronize (consumer end)")
+            t.wait()
+            return [ms(t.start, mark) for mark in t.marks], [ms(t.start, e) for e in events]
+        finally:
+            with rt.current():
+                for e in events:
+                    rt.event_destroy(e)
+
+    done, seen = consume("lag")
+    lag = [b - a for a, b in zip(done, seen)]  # a layer's copy done -> the consumer waiting on it running
+    pipelined = consume("pipelined")[1][-1]
+    after_restore = consume("after")[1][-1]
+    return {"layer_done_ms": done, "consumer_seen_ms": seen[:-1], "consumer_lag_ms": spread(lag),
+            "forward_pipelined_ms": pipelined, "forward_after_restore_ms": after_restore,
+            "forward_ops": plan.num_calls, "gated": ck.dev.gpu, "gate_opened_before_queued": gate_open_early,
+            "gate_opened_during_submit": opened_in_submit, "gated_submit_ms": submit_ms}
+
+
+GATE_CYCLES = 400_000_000  # about 0.2 s of a sleeping kernel on an H200 (1.98 GHz): the host queues meanwhile
+
+
+def check_code(rt: Any, code: int, call: str) -> None:
+    if code:
+        raise RuntimeError(f"{call}: {rt.error_name(code)} ({code})")
+
+
+# ---- the C32 restore: MiniMax-M3 at TP4 (118 KV regions), 32 requests restored at once --------------------
+C32_PATTERNS = ("contiguous", "runs8", "fragmented")
+
+
+def c32_layout(s: Sizes = GPU) -> Any:
+    """``regions`` regions of ``moved + slack`` pages in one device and one host buffer; the ``slack`` pages
+    that open every region are never written (sentinels)."""
+    regions, moved, slack, page = s.c32
+    return presets.kv_layout(regions, moved + slack, page, shared_device=True)
+
+
+def c32_mapping(pattern: str, s: Sizes, direction: str, seed: int = 32) -> BlockMapping:
+    """The C32 restore's block pairs: ``moved`` of them per region, destinations always at or above ``slack``.
+    contiguous: one run; runs8: runs of 8 at shuffled places on both sides; fragmented: sources shuffled,
+    destinations ascending (almost no pair adjacent on both sides)."""
+    _, n, slack, _ = s.c32
+    rng = np.random.default_rng(seed)
+    if pattern == "contiguous":
+        src, dst = np.arange(n), np.arange(n) + slack
+    elif pattern == "runs8":
+        src = (rng.permutation(n // 8)[:, None] * 8 + np.arange(8)).ravel()
+        dst = (rng.permutation(n // 8)[:, None] * 8 + np.arange(8)).ravel() + slack
+    elif pattern == "fragmented":
+        src, dst = rng.permutation(n), np.arange(n) + slack
+    else:
+        raise ValueError(f"pattern = {pattern!r}: expected one of {', '.join(C32_PATTERNS)}")
+    return BlockMapping(direction=direction, src_ids=src, dst_ids=dst)
+
+
+C32Entry = tuple[TransferPlan, np.ndarray, np.ndarray]
+
+
+def c32_plans(target: Target, s: Sizes = GPU, merged_only: bool = False) -> dict[str, C32Entry]:
+    """Every C32 plan with the pages it must move, as (plan, source page numbers, destination page numbers) over
+    the buffers' pages: merged, per block (vLLM 0.34's submission: one descriptor per block per region, flags 0,
+    emulated by a per-block plan on the same executor) and one copy of the whole buffer (the baseline)."""
+    regions, moved, slack, page = s.c32
+    blocks = moved + slack
+    layout = c32_layout(s)
+    out = {}
+    for direction in ("h2d", "d2h"):
+        for pattern in C32_PATTERNS:
+            m = c32_mapping(pattern, s, direction)
+            base = (np.arange(regions, dtype=np.int64) * blocks)[:, None]
+            src = (base + np.asarray(m.src_ids, np.int64)).ravel()
+            dst = (base + np.asarray(m.dst_ids, np.int64)).ravel()
+            out[f"{direction} {pattern} merged"] = (plan_transfer(layout, m, target), src, dst)
+            if not merged_only:
+                per_block = plan_transfer(layout, m, target, PlanOptions(coalesce=False))
+                out[f"{direction} {pattern} per-block"] = (per_block, src, dst)
+        if not merged_only:
+            one = presets.kv_layout(1, 1, regions * blocks * page, shared_device=True)  # the same two buffers
+            every = np.arange(regions * blocks, dtype=np.int64)
+            out[f"{direction} one-copy"] = (plan_transfer(one, BlockMapping(direction=direction, src_ids=[0], dst_ids=[0]),
+                                                          target), every, every)
+    return out
+
+
+@dataclass
+class C32Memory:
+    """The C32 buffers (device and pinned host), page fingerprints and what the host buffer holds now."""
+
+    mem: dict[str, Any]
+    weights: Any  # one odd int64 per 8-byte word of a page
+    host_fp: Any  # fingerprints of the host buffer's pages as they are now (on the device)
+
+
+def fingerprints(ck: Check, buf: Any, page: int, weights: Any, chunk_bytes: int = 256 << 20) -> Any:
+    """One int64 per page of ``buf``: the wrapping sum of its 8-byte words times ``weights`` (odd, so any change
+    of one word changes it), computed on the device; host buffers are copied in ``chunk_bytes`` pieces."""
+    t = ck.dev.torch
+    n = buf.numel() // page
+    out = t.empty(n, dtype=t.int64, device=ck.dev.dev)
+    step = max(1, chunk_bytes // page)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        part = buf[lo * page:hi * page]
+        if part.device != out.device:
+            part = part.to(ck.dev.dev, non_blocking=True)
+        out[lo:hi] = (part.view(t.int64).view(hi - lo, page // 8) * weights).sum(1)
+    return out
+
+
+def c32_memory(ck: Check) -> C32Memory:
+    if ck.c32 is None:
+        t = ck.dev.torch
+        page = ck.sizes.c32[3]
+        t0 = time.perf_counter()
+        mem = ck.dev.memory(c32_layout(ck.sizes), seed=32)
+        g = t.Generator(device=ck.dev.dev)
+        g.manual_seed(3232)
+        weights = t.randint(-2**62, 2**62, (page // 8,), dtype=t.int64, device=ck.dev.dev, generator=g) | 1
+        ck.c32 = C32Memory(mem, weights, fingerprints(ck, mem["cpu"], page, weights))
+        ck.c32_setup_s = time.perf_counter() - t0
+    return ck.c32
+
+
+def c32_run(ck: Check, ex: Any, name: str, entry: C32Entry, reps: int,
+            seed: int, api: str | None = None) -> dict[str, Any]:
+    """``entry``'s plan on the C32 buffers, timed (``reps`` runs after a warm-up; 0: one run), and its bytes
+    checked page by page against the pages the block ids name (not the plan): every destination page holds its
+    source page, every other destination page is as before. The device-side operand gets fresh random bytes
+    first, so a run that copies nothing cannot pass."""
+    plan, src_pages, dst_pages = entry
+    c = c32_memory(ck)
+    page = ck.sizes.c32[3]
+    t = ck.dev.torch
+    gpu, cpu = c.mem["gpu"], c.mem["cpu"]
+    ck.dev.fill(gpu, seed)
+    if plan.direction.value == "h2d":
+        src_fp, before = c.host_fp, fingerprints(ck, gpu, page, c.weights)
+    else:
+        src_fp, before = fingerprints(ck, gpu, page, c.weights), c.host_fp
+    bound = bind(ex, plan, c.mem)
+    try:
+        if reps:
+            row = timed_runs(ex, plan, bound, reps)
+        else:
+            t0 = time.perf_counter()
+            tr = ex.run(plan, bound)
+            submit = time.perf_counter() - t0
+            copy = tr.wait().elapsed_s
+            row = {"ranges": plan.num_ranges, "calls": plan.num_calls, "bytes": plan.total_bytes,
+                   "GB/s": spread([plan.total_bytes / max(copy or 0, 1e-12) / 1e9]), "copy_ms": spread([(copy or 0) * 1e3]),
+                   "submit_ms": spread([submit * 1e3])}
+    finally:
+        unbind(bound)
+    ck.dev.synchronize()
+    after = fingerprints(ck, gpu if plan.direction.value == "h2d" else cpu, page, c.weights)
+    if plan.direction.value == "d2h":
+        c.host_fp = after
+    di, si = t.from_numpy(dst_pages).to(ck.dev.dev), t.from_numpy(src_pages).to(ck.dev.dev)
+    untouched = t.ones(after.numel(), dtype=t.bool, device=ck.dev.dev)
+    untouched[di] = False
+    row["bytes_ok"] = bool(t.equal(after[di], src_fp[si])) and bool(t.equal(after[untouched], before[untouched]))
+    row["pages_checked"], row["sentinel_pages"] = int(di.numel()), int(untouched.sum())
+    row["api"] = api or plan.api.value  # what issued the copies: the plan's driver call, or the kernel
+    print(f"c32 {name:36} {row['api']:18} {plan.num_ranges:>8} ranges {row['GB/s']['median']:>7.2f} GB/s  "
+          f"submit {row['submit_ms']['median']:>9.3f} ms  bytes {'ok' if row['bytes_ok'] else 'WRONG'}")
+    return row
+
+
+def _guarded(rows: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    """One row of a long section: its error is recorded and the section goes on."""
+    try:
+        rows[name] = fn()
+    except Exception as e:
+        rows[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"c32 {name}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def c32_restore(ck: Check) -> dict[str, Any]:
+    """The C32 restore (118 regions x 16,128 blocks x 32 KiB, 62 GB) on the copy engines: merged against per
+    block (vLLM 0.34's submission, emulated) and one copy of the whole buffer, timed on the newest ABI; then
+    every merged plan once through the 12.8 ABI and the per-copy path. Every run's pages checked."""
+    regions, moved, slack, page = ck.sizes.c32
+    rows: dict[str, Any] = {"shape": {"regions": regions, "blocks_moved": moved, "sentinel_blocks": slack, "page": page,
+                                      "bytes": regions * moved * page}}
+    c32_memory(ck)
+    rows["setup_s"] = ck.c32_setup_s
+    ex = ck.executor("dma")
+    for i, (name, entry) in enumerate(c32_plans(ex.target, ck.sizes).items()):
+        _guarded(rows, f"dma {name}", lambda: c32_run(ck, ex, f"dma {name}", entry, ck.sizes.c32_reps, 3200 + i))
+    for d in ("h2d", "d2h"):
+        base = rows.get(f"dma {d} one-copy", {}).get("GB/s", {}).get("median")
+        for pattern in C32_PATTERNS:
+            merged, per_block = rows.get(f"dma {d} {pattern} merged", {}), rows.get(f"dma {d} {pattern} per-block", {})
+            if "GB/s" in merged and base:
+                merged["vs_one_copy"] = merged["GB/s"]["median"] / base
+            if "GB/s" in merged and "GB/s" in per_block:
+                merged["vs_per_block_GB/s"] = merged["GB/s"]["median"] / per_block["GB/s"]["median"]
+                merged["per_block_submit_over_merged"] = per_block["submit_ms"]["median"] / merged["submit_ms"]["median"]
+    for role in ("dma-12.8", "dma-per-copy"):
+        other = ck.executor(role)
+        for i, (name, entry) in enumerate(c32_plans(other.target, ck.sizes, merged_only=True).items()):
+            _guarded(rows, f"{role} {name}", lambda: c32_run(ck, other, f"{role} {name}", entry, 0, 3300 + i))
+    return rows
+
+
+def c32_triton(ck: Check) -> dict[str, Any]:
+    """The C32 restore's merged plans on the Triton kernel, once each, every page checked; the C32 buffers are
+    freed afterwards."""
+    rows: dict[str, Any] = {}
+    try:
+        c32_memory(ck)
+        ex = ck.executor("triton")
+        for i, (name, entry) in enumerate(c32_plans(ck.target, ck.sizes, merged_only=True).items()):
+            _guarded(rows, f"triton {name}", lambda: c32_run(ck, ex, f"triton {name}", entry, 0, 3400 + i, "triton kernel"))
+    finally:
+        ck.c32 = None
+        if ck.dev.gpu:
+            ck.dev.torch.cuda.empty_cache()
+    return rows
+
+
+def executor_close(ck: Check) -> dict[str, Any]:
+    """A DMA executor made, run and closed while torch keeps using the GPU: torch's memory is then freed,
+    allocated and computed with as before (closing an executor must leave the process's context alone)."""
+    t = ck.dev.torch
+    regions, blocks, moved, page = ck.sizes.roundtrip
+    layout = presets.kv_layout(regions, blocks, page, shared_device=True)
+    ex = make_executor(ck.dev, "dma", ck.cuda_stand_in)
+    plan = plan_transfer(layout, presets.mapping("runs8", moved, blocks, "h2d"), ex.target)
+    mem = ck.dev.memory(plan, seed=77)
+    ex.run(plan, mem).wait()
+    ex.close()
+    del mem
+    ck.dev.synchronize()
+    x = t.ones(1 << 20, device=ck.dev.dev)
+    ok = float(x.sum()) == float(1 << 20)
+    del x
+    ck.dev.synchronize()
+    if ck.dev.gpu:
+        t.cuda.empty_cache()
+    print(f"executor close: torch works after it: {ok}")
+    return {"torch_after_close": ok}
+
+
 SECTIONS: tuple[tuple[str, Callable[[Check], Any]], ...] = (
     ("environment", environment),
     ("dma-roundtrip", lambda ck: round_trips(ck, "dma")),
     ("bandwidth", bandwidth),
     ("submit", submit_cost),
     ("dma-interference", lambda ck: copies_beside(ck, "dma")),
+    ("cuda-apis", cuda_apis),
+    ("copy-flags", copy_flags),
+    ("layerwise", layerwise),
+    ("c32", c32_restore),
     ("triton-roundtrip", lambda ck: round_trips(ck, "triton")),
     ("run-api", run_api),
     ("crossover", crossover),
     ("triton-interference", lambda ck: copies_beside(ck, "triton")),
+    ("c32-triton", c32_triton),
     ("offload", offload_jobs),
+    ("executor-close", executor_close),
 )
 
 
@@ -799,7 +1241,86 @@ def summary(report: dict[str, Any]) -> str:
           and "error" not in report[k] for p, ok in report[k].items()]
     if rt:
         lines.append("\nround trips: " + ", ".join(f"{k.split('-')[0]} {p} {'ok' if ok else 'MISMATCH'}" for k, p, ok in rt))
+    lines += _new_tables(report)
     return "\n".join(lines)
+
+
+def _ok(row: dict[str, Any]) -> str:
+    return "ok" if row.get("bytes_ok") else "WRONG"
+
+
+def _new_tables(report: dict[str, Any]) -> list[str]:
+    """The tables of the CUDA-path, copy-flag, layer-wise, C32 and close sections."""
+    lines: list[str] = []
+    apis = _section(report, "cuda-apis")
+    if apis:
+        lines += ["", f"{'cuda path':13} {'target':10} {'plan':26} {'api':18} {'ranges':>7} {'GB/s':>8} {'submit ms':>10} "
+                  f"{'bytes':>6} round trips"]
+        for role, row in apis.items():
+            trips = "ok" if all(row["round_trips"].values()) else "MISMATCH"
+            for name, r in row.items():
+                if isinstance(r, dict) and "GB/s" in r:
+                    lines.append(f"{role:13} {row['target']:10} {name:26} {r['api']:18} {r['ranges']:>7} "
+                                 f"{r['GB/s']['median']:>8.2f} {r['submit_ms']['median']:>10.3f} {_ok(r):>6} {trips}")
+    flags = _section(report, "copy-flags")
+    if flags:
+        lines += ["", f"{'copy flags':34} {'flags':6} {'max range':>10} {'GB/s':>7} {'decode':>8} {'copies':>7} "
+                  f"{'gemm':>8} {'copies':>7} {'bytes':>6}"]
+        for name, r in flags.items():
+            b = r["beside"]
+            lines.append(f"{name:34} {','.join(r['flags']):6} {r['max_range_bytes']:>10} {r['GB/s']['median']:>7.2f} "
+                         f"{_pct(b['decode']['slowdown_pct']):>8} {_num(b['decode']['copy_GB/s_during']):>7} "
+                         f"{_pct(b['gemm']['slowdown_pct']):>8} {_num(b['gemm']['copy_GB/s_during']):>7} {_ok(r):>6}")
+    lw = _section(report, "layerwise")
+    if lw:
+        lines += ["", f"{'layer-wise':11} {'calls':>5} {'GB/s':>7} {'1 call':>7} {'submit':>8} {'1 call':>8} "
+                  f"{'1st layer':>9} {'all':>8} {'lag med':>8} {'lag max':>8} {'fwd pipe':>9} {'fwd after':>9}"]
+        for pattern in ("contiguous", "fragmented"):
+            r = lw.get(pattern)
+            if not r:
+                continue
+            pl, oc, lag = r["per layer"], r["one call"], r.get("consumer_lag_ms")
+            tail = ("(no device events)" if lag is None else
+                    f"{r['layer_done_ms'][0]:>9.3f} {r['layer_done_ms'][-1]:>8.3f} {lag['median']:>8.4f} {lag['max']:>8.4f} "
+                    f"{r['forward_pipelined_ms']:>9.3f} {r['forward_after_restore_ms']:>9.3f}")
+            lines.append(f"{pattern:11} {pl['calls']:>5} {pl['GB/s']['median']:>7.2f} {oc['GB/s']['median']:>7.2f} "
+                         f"{pl['submit_ms']['median']:>8.3f} {oc['submit_ms']['median']:>8.3f} {tail}")
+    for sec in ("c32", "c32-triton"):
+        rows = _section(report, sec)
+        if not rows:
+            continue
+        lines += ["", f"{sec + ' restore plan':42} {'api':18} {'ranges':>8} {'GB/s':>7} {'submit ms':>10} {'vs 1 copy':>9} "
+                  f"{'vs per-block':>12} {'bytes':>6}"]
+        for name, r in rows.items():
+            if not isinstance(r, dict) or name in ("shape",):
+                continue
+            if "error" in r:
+                lines.append(f"{name:42} ERROR {r['error'][:80]}")
+                continue
+            lines.append(f"{name:42} {r['api']:18} {r['ranges']:>8} {r['GB/s']['median']:>7.2f} "
+                         f"{r['submit_ms']['median']:>10.3f} "
+                         f"{_num(r.get('vs_one_copy')):>9} {_num(r.get('vs_per_block_GB/s')):>12} {_ok(r):>6}")
+    close = _section(report, "executor-close")
+    if close:
+        lines.append(f"\nexecutor close: torch works after it: {close['torch_after_close']}")
+    return lines
+
+
+def _section(report: dict[str, Any], name: str) -> dict[str, Any]:
+    r = report.get(name)
+    return r if isinstance(r, dict) and "error" not in r else {}
+
+
+def _bytes_flags(obj: Any) -> list[bool]:
+    """Every ``bytes_ok`` and every round-trip verdict under ``obj`` (the new sections' rows)."""
+    if not isinstance(obj, dict):
+        return []
+    out = [bool(v) for k, v in obj.items() if k == "bytes_ok"]
+    out += [bool(v) for v in obj.get("round_trips", {}).values()]
+    for k, v in obj.items():
+        if k != "round_trips":
+            out += _bytes_flags(v)
+    return out
 
 
 def bytes_all_ok(report: dict[str, Any]) -> bool:
@@ -808,6 +1329,7 @@ def bytes_all_ok(report: dict[str, Any]) -> bool:
              for v in report.get(k, {}).values())
     ok &= all(r.get("bytes_ok", True) for r in report.get("bandwidth", {}).values() if isinstance(r, dict))
     ok &= all(r.get("bytes_ok", True) for r in report.get("crossover", {}).get("rows", {}).values())
+    ok &= all(f for k in ("cuda-apis", "copy-flags", "layerwise", "c32", "c32-triton") for f in _bytes_flags(report.get(k)))
     return ok
 
 

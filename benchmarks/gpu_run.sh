@@ -11,14 +11,14 @@
 # 3. Run the check under `timeout`, writing gpu_check.json and gpu_check.log into $OUT.
 # --setup-only stops after step 2 and its import check.
 #
-# Environment: PYTHON (default python3), OUT (default ./out), GPU_CHECK_TIMEOUT_S (default 300: the check is
-# sized for about 3 minutes, so a rerun fits in the same 15-minute device budget), KVXFER_SITE (default: a
+# Environment: PYTHON (default python3), OUT (default ./out), GPU_CHECK_TIMEOUT_S (default 420: the check is
+# sized for about 4.5 minutes by estimate (--dry-run prints it), so a rerun fits in the 15-minute device budget), KVXFER_SITE (default: a
 # fresh temporary folder).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/out}"
-TIMEOUT_S="${GPU_CHECK_TIMEOUT_S:-300}"
+TIMEOUT_S="${GPU_CHECK_TIMEOUT_S:-420}"
 SITE="${KVXFER_SITE:-$(mktemp -d /tmp/kvxfer-site.XXXXXX)}"
 SETUP_ONLY=0
 if [[ "${1:-}" == "--setup-only" ]]; then SETUP_ONLY=1; shift; fi

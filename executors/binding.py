@@ -276,18 +276,23 @@ class BoundMemory:
         """Every check of ``descriptors``, keeping nothing (the offsets are bounded where they are)."""
         lower(plan, self, CHECK)
 
-def hold_for_stream(bound: BoundMemory, stream: int) -> None:
+def hold_for_stream(bound: BoundMemory, stream: int) -> bool:
     """Tell torch's caching allocator that the CUDA tensors bound in ``bound`` are used by copies on ``stream``
     (a raw handle): memory freed while copies queued there are pending (a resize of a storage, whose size torch
-    cannot fix on a GPU) is then reused only after them. Nothing for other memory."""
+    cannot fix on a GPU) is then reused only after them. Nothing for other memory. Returns whether torch was
+    told: from then on torch records an event on ``stream`` whenever such memory is freed, so the stream must
+    outlive it (DmaExecutor.close then leaves the stream to the process)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return
+        return False
+    told = False
     for m in bound.memory:
         owner = m.owner if m is not None else None
         if isinstance(owner, torch.Tensor) and owner.device.type == "cuda" and owner.numel():
             alias = torch.empty(0, dtype=torch.uint8, device=owner.device).set_(owner.untyped_storage())
             alias.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
+            told = True
+    return told
 
 
 def _buffers_of(buffers: Layout | TransferPlan | Iterable[Buffer]) -> tuple[Buffer, ...]:

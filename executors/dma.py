@@ -218,6 +218,7 @@ class DmaExecutor(Executor):
         self._lock = threading.Lock()
         self._last: DmaTransfer | None = None
         self._inflight: list[DmaTransfer] = []  # keeps bound memory alive until the copies finish
+        self._stream_held = False  # torch was told the copy stream uses its tensors (hold_for_stream)
         with runtime.current():
             self._stream: int | None = runtime.stream_create()
 
@@ -237,17 +238,23 @@ class DmaExecutor(Executor):
 
     def _attach(self, bound: BoundMemory) -> None:
         if self._stream is not None:
-            hold_for_stream(bound, self._stream)
+            self._stream_held |= hold_for_stream(bound, self._stream)
 
     def close(self) -> None:
         """Wait for the last transfer, destroy the copy stream and close a runtime the executor made; later runs raise
-        ExecutorError. Safe to call twice."""
+        ExecutorError. Safe to call twice.
+
+        A copy stream that torch was told about (CUDA tensors bound, see ``hold_for_stream``) is not destroyed
+        but left to the process: torch records an event on it whenever one of those tensors is freed, even
+        long after this executor is gone, and an event on a destroyed stream aborts the process (seen on an
+        H200: "context is destroyed" when such a tensor was freed after close)."""
         with self._lock:
             if self._stream is not None:
                 if self._last is not None:
                     self._last.wait()
-                with self.runtime.current():
-                    self.runtime.stream_destroy(self._stream)
+                if not self._stream_held:
+                    with self.runtime.current():
+                        self.runtime.stream_destroy(self._stream)
                 self._stream = None
             if self._own_runtime:
                 self.runtime.close()
@@ -283,7 +290,7 @@ class DmaExecutor(Executor):
             if self._stream is None:
                 raise ExecutorError("run", 0, None, "the executor was closed", 0)
             if bound is not memory:  # bound for this run only: tell torch which stream uses it
-                hold_for_stream(bound, self._stream)
+                self._stream_held |= hold_for_stream(bound, self._stream)
             low = bound.descriptors(plan, self._buffers.reserve(plan.num_ranges))
             self._check_calls(low)
             self._inflight = [t for t in self._inflight if not _finished(t)]

@@ -1,10 +1,15 @@
 """CUDA batch executor: each planned call is one cuMemcpyBatchAsync (13.0 ABI without failIdx, or 12.8 ABI
 with it), or per-range cuMemcpyAsync when the plan targets a driver below 12.8.
 
-``CudaRuntime`` uses cuda-bindings for init, version, context, streams, events and the per-range copy. The
-batch entry points are resolved with cuGetProcAddress and called through ctypes: cuda-bindings' wrappers
-build one Python object per pointer, too slow for tens of thousands of descriptors. A NULL entry point
-(older drivers return success with NULL) means "unavailable". Tests pass a host-memory runtime instead.
+``CudaRuntime`` uses cuda-bindings for init, version, context, streams and events. The copy entry points
+(both batch ABIs and cuMemcpyAsync) are resolved with cuGetProcAddress and called through ctypes:
+cuda-bindings' wrappers build one Python object per pointer, too slow for tens of thousands of descriptors. A
+NULL entry point (older drivers return success with NULL) means "unavailable". Tests pass a host-memory
+runtime instead.
+
+The device's primary context is retained once and kept for the life of the process, as the CUDA runtime
+does: a release that drops the last reference resets the context under every other user of the runtime API in
+the process (torch among them), and nothing here can tell whether another reference exists.
 """
 from __future__ import annotations
 
@@ -25,18 +30,24 @@ BATCH_V12080 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c
                                 POINTER(c_size_t), c_void_p)
 BATCH_V13000 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t, c_void_p)
 BATCH_ABIS = ((CopyApi.CUDA_BATCH_V2, 13000, BATCH_V13000), (CopyApi.CUDA_BATCH, 12080, BATCH_V12080))
+MEMCPY_ASYNC = ctypes.CFUNCTYPE(c_int, ctypes.c_uint64, ctypes.c_uint64, c_size_t, c_void_p)
 CU_STREAM_NON_BLOCKING = 1
 INSTALL_HINT = "the CUDA batch executor needs cuda-bindings: pip install 'kvxfer[cuda]'"
 
 
 class CudaRuntime:
-    """The CUDA driver on device ``device`` (a Runtime): cuda-bindings for everything but the batch call."""
+    """The CUDA driver on device ``device`` (a Runtime): cuda-bindings for everything but the copy calls.
+
+    ``version`` drives the runtime as an older driver (at most the installed one): 12080 uses the 12.8 batch
+    ABI on a 13.x driver, anything below 12080 the per-range cuMemcpyAsync path. None: cuDriverGetVersion.
+    Plans must then be made for ``executor.target``, which reports that version.
+    """
 
     platform = Platform.CUDA
     domain = "cuda"  # events and streams of every CUDA context in the process order each other
     _batch: dict[CopyApi, Any]  # ctypes function pointers by ABI, only those the driver has
 
-    def __init__(self, device: int = 0):
+    def __init__(self, device: int = 0, *, version: int | None = None):
         try:
             from cuda.bindings import driver as cu  # type: ignore[import-untyped, import-not-found, unused-ignore]
         except ImportError as e:
@@ -48,7 +59,11 @@ class CudaRuntime:
             raise
         except Exception as e:  # cuda-bindings raises when libcuda.so itself is missing
             raise ExecutorError("cuInit", 0, None, f"no CUDA driver could be loaded ({e})", 0) from None
-        self.version = int(self._ok(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        self.driver_version = int(self._ok(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        if version is not None and not 0 < int(version) <= self.driver_version:
+            raise ValueError(f"version = {version}: must be a CUDA driver version in 1..{self.driver_version} "
+                             f"(the installed driver's cuDriverGetVersion)")
+        self.version = self.driver_version if version is None else int(version)
         self.device = device
         self._device = self._ok(cu.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = self._ok(cu.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
@@ -59,6 +74,11 @@ class CudaRuntime:
                                           cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
                 if int(res[0]) == 0 and res[1]:
                     self._batch[api] = proto(int(res[1]))
+        res = cu.cuGetProcAddress(b"cuMemcpyAsync", min(self.driver_version, 13000),
+                                  cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
+        if int(res[0]) != 0 or not res[1]:
+            raise ExecutorError("cuGetProcAddress", 0, None, f"no entry point for cuMemcpyAsync ({res[0]})", 0)
+        self._copy = MEMCPY_ASYNC(int(res[1]))
 
     def _ok(self, result: Any, call: str) -> Any:
         return driver_result(result, call, self._name)
@@ -84,9 +104,8 @@ class CudaRuntime:
         return int(fn(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, byref(fail_idx), stream))
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
-        """cuMemcpyAsync."""
-        cu = self._cu
-        return int(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, cu.CUstream(stream))[0])
+        """cuMemcpyAsync (through ctypes: the per-range path issues one call per range)."""
+        return int(self._copy(dst, src, nbytes, stream))
 
     def stream_create(self) -> int:
         """cuStreamCreate (non-blocking)."""
@@ -139,10 +158,8 @@ class CudaRuntime:
         check_location(buf, mem)
 
     def close(self) -> None:
-        """Release the primary context retained by the constructor (once)."""
-        if self._ctx is not None:
-            self._cu.cuDevicePrimaryCtxRelease(self._device)
-            self._ctx = None
+        """Nothing to release: the primary context stays retained for the process (see the module docstring),
+        so closing an executor never resets the context other code in the process is using."""
 
 
 class CudaBatchExecutor(DmaExecutor):

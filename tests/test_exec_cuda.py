@@ -336,3 +336,23 @@ def test_bind_once_then_run_many_plans(make):
     with pytest.raises(BindingError, match="bound by another executor kind"):
         ex.run(plan, NumpyExecutor().bind(layout, bufs))
     assert len(st.counts) == issued
+
+
+@pytest.mark.parametrize("torch_told", [False, True])
+def test_close_keeps_a_copy_stream_torch_was_told_about(make, monkeypatch, torch_told):
+    """torch records an event on the copy stream whenever a tensor bound to it is freed, even after close: a
+    stream torch was told about must outlive the executor (destroying it aborted the process on an H200)."""
+    import kvxfer.executors.dma as dma
+    monkeypatch.setattr(dma, "hold_for_stream", lambda bound, stream: torch_told)
+    layout, plan = _plan(V13)
+    ex, _ = make(V13)
+    destroyed = []
+    real = ex.runtime.stream_destroy
+    monkeypatch.setattr(ex.runtime, "stream_destroy", lambda s: destroyed.append(s) or real(s))
+    bound = ex.bind(layout, host_buffers(layout, seed=1))
+    ex.run(plan, bound).wait()
+    bound.close()
+    ex.close()
+    assert len(destroyed) == (0 if torch_told else 1)
+    with pytest.raises(ExecutorError, match="closed"):
+        ex.run(plan, host_buffers(layout, seed=2))

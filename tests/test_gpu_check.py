@@ -69,6 +69,40 @@ def test_byte_check_catches_a_wrong_byte_and_a_stray_write():
 
 
 @needs_torch
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_c32_check_catches_a_copy_undone_a_wrong_page_and_a_stray_write(direction):
+    import torch
+    ck = gpu_check.Check(gpu_check.Device(torch, gpu=False), gpu_check.CPU, None)
+    entry = gpu_check.c32_plans(Target(), gpu_check.CPU, merged_only=True)[f"{direction} runs8 merged"]
+    page = gpu_check.CPU.c32[3]
+    dst_page = int(entry[2][0])
+
+    def spoiled(spoil):
+        class Spoiled(NumpyExecutor):
+            def run(self, plan, memory, stream=None, after=None):
+                dst = ck.c32.mem["gpu" if direction == "h2d" else "cpu"]
+                before = dst.clone()
+                done = super().run(plan, memory, stream, after)
+                spoil(dst, before)
+                return done
+        return Spoiled()
+
+    def undo(dst, before):
+        dst.copy_(before)
+
+    def wrong_page(dst, before):
+        dst[dst_page * page + 5] ^= 1
+
+    def stray(dst, before):
+        dst[3] ^= 1  # page 0 of region 0: a sentinel page
+
+    assert gpu_check.c32_run(ck, NumpyExecutor(), "clean", entry, 0, 1)["bytes_ok"]
+    for spoil in (undo, wrong_page, stray):
+        assert not gpu_check.c32_run(ck, spoiled(spoil), spoil.__name__, entry, 0, 2)["bytes_ok"], spoil.__name__
+    assert gpu_check.c32_run(ck, NumpyExecutor(), "clean again", entry, 1, 3)["bytes_ok"]
+
+
+@needs_torch
 def test_host_fill_through_the_device_covers_every_chunk():
     import torch
     dev = gpu_check.Device(torch, gpu=False)
@@ -112,8 +146,37 @@ def test_dry_run_plans_every_case(tmp_path):
     plans = json.loads((tmp_path / "d.json").read_text())["plans"]
     assert plans["h2d contiguous merged"]["ranges"] == 118 and plans["h2d fragmented per-block"]["ranges"] == 30208
     assert plans["h2d one-copy"]["ranges"] == 1
-    assert len({p["bytes"] for k, p in plans.items() if not k.startswith(("submit", "h2d crossover"))}) == 1
+    assert len({p["bytes"] for k, p in plans.items() if not k.startswith(("submit", "h2d crossover", "c32"))}) == 1
     assert [p["ranges"] for k, p in plans.items() if k.startswith("submit")] == [236, 944, 3776, 15104, 30208]
+    assert plans["h2d contiguous per-layer"]["calls"] == 59 and plans["h2d fragmented per-layer"]["ranges"] == 30208
+    c32 = {k[4:]: p for k, p in plans.items() if k.startswith("c32 ")}
+    assert {p["ranges"] for k, p in c32.items() if k.endswith("per-block")} == {118 * 16128}
+    assert c32["h2d contiguous merged"]["ranges"] == 118 and c32["d2h one-copy"]["ranges"] == 1
+    assert c32["h2d contiguous merged"]["bytes"] == 118 * 16128 * 32 * 1024
+    est = json.loads((tmp_path / "d.json").read_text())["estimate_s"]
+    assert set(est) == {n for n, _ in gpu_check.SECTIONS} | {"startup", "total"}
+    assert est["total"] <= 300  # the check is sized so a rerun fits in the device budget
+
+
+@pytest.mark.parametrize("pattern", gpu_check.C32_PATTERNS)
+def test_c32_pages_are_what_the_block_ids_name(pattern):
+    s = gpu_check.CPU
+    regions, moved, slack, page = s.c32
+    plans = gpu_check.c32_plans(Target(platform="cuda", runtime_version=13000), s)
+    for direction in ("h2d", "d2h"):
+        m = gpu_check.c32_mapping(pattern, s, direction)
+        assert sorted(m.src_ids) == list(range(moved)) and min(m.dst_ids) >= slack  # the slack pages are sentinels
+        merged, src, dst = plans[f"{direction} {pattern} merged"]
+        per_block = plans[f"{direction} {pattern} per-block"][0]
+        assert per_block.num_ranges == regions * moved and merged.total_bytes == per_block.total_bytes
+        layout = gpu_check.c32_layout(s)
+        rng = np.random.default_rng(1)
+        mem = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in layout.buffers}
+        srcbuf, dstbuf = ("cpu", "gpu") if direction == "h2d" else ("gpu", "cpu")
+        want = mem[dstbuf].reshape(-1, page).copy()
+        want[dst] = mem[srcbuf].reshape(-1, page)[src]
+        NumpyExecutor().run(merged, mem)
+        assert np.array_equal(mem[dstbuf].reshape(-1, page), want)
 
 
 # ---- the whole check on the CPU, over the CUDA driver shim ----------------------------------------------------
@@ -128,6 +191,10 @@ def test_every_section_runs_on_the_cpu_over_the_cuda_shim(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     shim_saw = json.loads(r.stdout.strip().splitlines()[-1])
+    # each CUDA path ran on its own driver copy: the newest ABI (no failIdx), the 12.8 ABI (failIdx), per-range copies
+    assert shim_saw["13000"]["batch_calls"] > 0 and shim_saw["13000"]["fail_idx_calls"] == 0
+    assert shim_saw["12080"]["batch_calls"] > 0 and shim_saw["12080"]["fail_idx_calls"] == shim_saw["12080"]["batch_calls"]
+    assert shim_saw["12000"]["batch_calls"] == 0 and shim_saw["12000"]["copies"] > 0
     report = json.loads((tmp_path / "r.json").read_text())
     status = {k: v["status"] for k, v in report["sections"].items()}
     assert list(status) == [name for name, _ in gpu_check.SECTIONS]
@@ -135,7 +202,6 @@ def test_every_section_runs_on_the_cpu_over_the_cuda_shim(tmp_path):
     assert errors == {}, errors
     assert "running" not in report and report["bytes_ok"] is True
     assert report["environment"]["dma_executor"] == "CudaBatchExecutor" and report["environment"]["executor_target"] == "cuda-13.0"
-    assert shim_saw["batch_calls"] > 0 and shim_saw["descriptors"] > 0
     bw = report["bandwidth"]
     assert len(bw) == 14 and all(r["bytes_ok"] and len(r["GB/s"]["samples"]) == gpu_check.CPU.reps for r in bw.values())
     assert bw["h2d contiguous merged"]["ranges"] == gpu_check.CPU.regions and bw["h2d one-copy"]["vs_one_copy"] == 1
@@ -146,7 +212,23 @@ def test_every_section_runs_on_the_cpu_over_the_cuda_shim(tmp_path):
     assert [int(s) for s in report["crossover"]["rows"]] == list(gpu_check.CPU.crossover_sizes)
     for sec in ("dma-interference", "triton-interference"):
         assert {"decode", "gemm"} <= set(report[sec]) and report[sec]["decode"]["op_ms_alone"] > 0
-    assert "## summary" in r.stdout and "restore plan" in r.stdout
+    apis = report["cuda-apis"]
+    assert {role: row["target"] for role, row in apis.items()} == {"dma": "cuda-13.0", "dma-12.8": "cuda-12.8",
+                                                                   "dma-per-copy": "cuda-12.0"}
+    assert apis["dma-per-copy"]["h2d runs8 merged"]["api"] == "cuMemcpyAsync"
+    assert all(all(row["round_trips"].values()) for row in apis.values())
+    flags = report["copy-flags"]
+    assert len(flags) == 6 and {tuple(r["flags"]) for r in flags.values()} == {("0x0",), ("0x1",)}
+    lw = report["layerwise"]["fragmented"]
+    assert lw["per layer"]["calls"] == gpu_check.CPU.regions // 2 and lw["one call"]["calls"] == 1
+    assert len(lw["layer_done_ms"]) == lw["per layer"]["calls"] and lw["consumer_lag_ms"] is not None
+    c32 = {k: v for k, v in report["c32"].items() if k not in ("shape", "setup_s")}
+    assert len(c32) == 14 + 12 and all("error" not in v and v["bytes_ok"] for v in c32.values()), c32
+    assert c32["dma h2d fragmented per-block"]["ranges"] == 4 * 64 and c32["dma-per-copy d2h runs8 merged"]["api"] == "cuMemcpyAsync"
+    assert c32["dma h2d contiguous merged"]["sentinel_pages"] == 4 * 8 and "vs_one_copy" in c32["dma d2h runs8 merged"]
+    assert len(report["c32-triton"]) == 6 and all(v["bytes_ok"] for v in report["c32-triton"].values())
+    assert report["executor-close"] == {"torch_after_close": True}
+    assert "## summary" in r.stdout and "restore plan" in r.stdout and "c32 restore plan" in r.stdout
 
 
 # ---- the launcher's offline install, on a fresh interpreter with no pydantic ----------------------------------
