@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 PIP_FLAGS ?= --progress-bar on
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz
+EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz,docs
 DEMO_EXTRAS ?= cli
 
 .PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check venv-vllm test-vllm
@@ -53,11 +53,15 @@ bench: $(BIN)/.installed-demo
 	$(BIN)/kvxfer bench
 
 # ---- docs and the example notebook (output under build/, git-ignored) ----------------------------------------
-# API reference (tests/reference/reference.py over pdoc): every package in pyproject's package-dir, their public submodules,
-# a page per CLI command, and an index that opens on the entry points (packages added later are picked up)
+# The site (MkDocs, mkdocs.yml, strict: a broken link or a page outside the nav fails the build) in build/site, with
+# the API reference (tests/reference/reference.py over pdoc: every package in pyproject's package-dir, their public
+# submodules, a page per CLI command, an index that opens on the entry points) in build/site/api.
 docs: $(BIN)/.installed
-	rm -rf build/docs
-	$(BIN)/python tests/reference/reference.py build/docs
+	rm -rf build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d build/site
+	rm -rf build/site/api
+	$(BIN)/python tests/reference/reference.py build/site/api
+	@echo "docs: build/site/index.html (API reference: build/site/api/index.html)"
 
 # executes the example notebook (nbclient + ipykernel) and renders it to HTML (nbconvert)
 notebook: $(BIN)/.installed
