@@ -4,6 +4,7 @@ The public API is ``__all__``: the values (layouts, mappings, targets, options, 
 the errors, the strict file loader other layers read files with (``read_bytes``, ``read_json``), the
 message helpers models of other layers word their errors with (``Spec`` to subclass; ``shorten``,
 ``suggest``), ``check_alignment`` for plans over aligned (O_DIRECT) buffers, and the public submodules
+``bounds`` (a plan's bound rules over arrays, which ``TransferPlan.check`` and executors' lowering apply),
 ``presets`` (example layouts and patterns), ``render`` (explain, HTML, rich, stats), ``diff``, ``golden`` and
 ``viz`` (the transfer map; matplotlib is imported only when drawing). Submodules not imported here load on
 first use, so ``import kvxfer.planner`` stays cheap.
@@ -13,9 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import diff, render
+from . import bounds, diff, render
 from ._model import Spec
 from .alignment import check_alignment
+from .bounds import MAX_RANGE_BYTES
 from .case import Case
 from .column_pool import ColumnPool
 from .diff import diff_plans, equivalent
@@ -23,7 +25,7 @@ from .errors import LayoutError, MappingError, PlanError, TargetError
 from .files import PlanFileError, read_bytes, read_json, shorten, suggest
 from .frozen import freeze, is_frozen
 from .layout import Layout
-from .plan import COLUMNS, MAX_RANGE_BYTES, SCHEMA_VERSION, TransferPlan, format_bytes
+from .plan import COLUMNS, SCHEMA_VERSION, TransferPlan, format_bytes
 from .planning import plan_transfer
 from .spec import BlockMapping, Buffer, Direction, Fragment, Location, Placement, Region
 from .target import (
@@ -41,12 +43,13 @@ from .target import (
 _LAZY = ("golden", "presets", "viz")  # public submodules imported on first use
 
 __all__ = [
-    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "ColumnPool", "CopyApi", "CopyAttributes", "Direction",
-    "Fragment", "Layout", "LayoutError", "Location", "LocationHint", "MAX_RANGE_BYTES", "MappingError", "Placement",
-    "PlanError", "PlanFileError", "PlanOptions", "Platform", "Region", "SCHEMA_VERSION", "Spec", "Target",
-    "TargetError", "TransferPlan", "check_alignment", "cuda_version", "diff", "diff_plans", "equivalent",
-    "format_bytes", "freeze", "golden", "hip_version", "is_frozen", "plan_transfer", "presets", "read_bytes",
-    "read_json", "render", "shorten", "suggest", "viz",
+    "AccessOrder", "BlockMapping", "Buffer", "COLUMNS", "Case", "ColumnPool", "CopyApi", "CopyAttributes",
+    "Direction", "Fragment", "Layout", "LayoutError", "Location", "LocationHint", "MAX_RANGE_BYTES",
+    "MappingError", "Placement", "PlanError", "PlanFileError", "PlanOptions", "Platform",
+    "Region", "SCHEMA_VERSION", "Spec", "Target", "TargetError", "TransferPlan", "bounds", "check_alignment",
+    "cuda_version", "diff", "diff_plans", "equivalent", "format_bytes", "freeze", "golden", "hip_version",
+    "is_frozen", "plan_transfer", "presets", "read_bytes", "read_json", "render", "shorten",
+    "suggest", "viz",
 ]
 
 
