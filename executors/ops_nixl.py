@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Layout, TransferPlan
+from kvxfer.planner import Buffer, Layout, TransferPlan, import_optional
 
 from .base import (
     After,
@@ -62,8 +62,6 @@ from .nixl_memory import (
 from .options import NixlOptions
 
 __all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "PeerInfo", "PeerInfoError", "RemoteBuffer"]
-
-INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
 
 # ---- one plan in flight: posting, polling with a deadline, release, precise failure ----------------------------
 SPIN_S = 2e-3  # busy-poll this long before sleeping: small transfers finish within it
@@ -283,7 +281,7 @@ class NixlExecutor(Executor):
     """Runs each call of a plan as one NIXL transfer between this agent and one remote agent.
 
     Construct with options (NixlOptions fields) or ``from_options``; pass ``agent`` to share an existing
-    nixl_agent. Raises ImportError with an install hint when nixl-cu13 is missing.
+    nixl_agent. Raises MissingDependencyError (an ImportError) with the install line when nixl-cu13 is missing.
 
     ``bind(layout, bindings)`` registers the local memory with the agent once (the registration is released
     by ``bound.close()``); a one-off ``run(plan, bindings)`` needs local memory registered with ``register``.
@@ -299,10 +297,8 @@ class NixlExecutor(Executor):
             else options.model_copy(update=kw)
         self.options = opts
         if agent is None:
-            try:
-                from nixl_cu13._api import nixl_agent, nixl_agent_config
-            except ImportError as e:
-                raise ImportError(f"{INSTALL_HINT} ({e})") from e
+            api = import_optional("nixl_cu13._api", "the NIXL executor")
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
             conf = nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=list(opts.backends),
                                      num_threads=opts.num_threads, capture_telemetry=opts.telemetry)
             try:  # a plugin that cannot start (GDS without cuFile) is skipped or refused by nixl: say which
