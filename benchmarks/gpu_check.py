@@ -296,13 +296,12 @@ def make_executor(dev: Device, role: str, cuda_stand_in: Any = None) -> Any:
     interpreter (TRITON_INTERPRET=1 must be set before triton is imported).
     """
     if role == "dma":
-        from kvxfer.executors import NumpyExecutor
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor
+        from kvxfer.executors import CudaBatchExecutor, NumpyExecutor
         if dev.gpu:
             return CudaBatchExecutor()
         return CudaBatchExecutor(cuda_stand_in) if cuda_stand_in is not None else NumpyExecutor()
     if role == "triton":
-        from kvxfer.executors.ops_triton import TritonExecutor
+        from kvxfer.executors import TritonExecutor
         return TritonExecutor()
     raise ValueError(f"role = {role!r}: expected 'dma' or 'triton'")
 

@@ -7,9 +7,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, NumpyExecutor, TargetMismatchError
-from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
-from kvxfer.executors.ops_cuda import CudaBatchExecutor
+from kvxfer.executors import CudaBatchExecutor, ExecutorError, NumpyExecutor, TargetMismatchError
+from kvxfer.executors._dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h

@@ -51,11 +51,9 @@ def test_a_module_outside_the_table_is_a_programming_error():
 
 
 def _sites():
-    from kvxfer.executors import torch_layout
-    from kvxfer.executors.ops_cuda import CudaRuntime
-    from kvxfer.executors.ops_nixl import NixlExecutor
-    from kvxfer.executors.ops_triton import TritonExecutor
-    from kvxfer.executors.pinning import cuda_registrar
+    from kvxfer.executors import NixlExecutor, TritonExecutor, torch_layout
+    from kvxfer.executors._ops_cuda import CudaRuntime
+    from kvxfer.executors._pinning import cuda_registrar
     from kvxfer.planner import presets, render, viz
 
     plan = __import__("kvxfer.planner", fromlist=["plan_transfer"]).plan_transfer(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import NumpyExecutor, RawMemory, bind
-from kvxfer.executors.lowering import AFTER_CHECK
+from kvxfer.executors._lowering import AFTER_CHECK
 from kvxfer.planner import COLUMNS, MAX_RANGE_BYTES, Buffer, Location, PlanError, TransferPlan, bounds, plan_transfer, presets
 from kvxfer.planner.runs import Runs
 

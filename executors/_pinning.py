@@ -16,7 +16,7 @@ from typing import Any
 
 from kvxfer.planner import Platform, import_optional
 
-from .memory import resolve
+from ._memory import resolve
 
 MAX_CHUNK_BYTES = 64 << 30
 
@@ -44,7 +44,7 @@ def hip_registrar(flags: int = 0, library: str | Path | None = None) -> Registra
     """hipHostRegister / hipHostUnregister through ctypes on libamdhip64, loaded as the HIP executor loads it
     (``library`` overrides the search; ``flags``: hipHostRegister* bits). Raises ExecutorError naming every
     library tried when none loads."""
-    from .ops_hip import load_hip
+    from ._ops_hip import load_hip
 
     lib = load_hip(library)
     register, unregister, error_name = lib.hipHostRegister, lib.hipHostUnregister, lib.hipGetErrorName

@@ -16,10 +16,10 @@ from typing import Any
 
 from kvxfer.planner import Buffer, CopyApi, Platform, Target, import_optional
 
-from .base import ExecutorError
-from .dma import DmaExecutor, Runtime, driver_result
-from .memory import Memory, check_location
-from .options import HipOptions
+from ._base import ExecutorError
+from ._dma import DmaExecutor, Runtime, driver_result
+from ._memory import Memory, check_location
+from ._options import HipOptions
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")  # only devel installs ship the first
 HIP_MAX_DESCRIPTORS = Target(platform=Platform.ROCM).default_max_descriptors

@@ -16,10 +16,10 @@ from typing import Any
 
 from kvxfer.planner import Buffer, CopyApi, Platform, import_optional
 
-from .base import ExecutorError
-from .dma import DmaExecutor, Runtime, driver_result
-from .memory import Memory, check_location
-from .options import CudaOptions
+from ._base import ExecutorError
+from ._dma import DmaExecutor, Runtime, driver_result
+from ._memory import Memory, check_location
+from ._options import CudaOptions
 
 BATCH_V12080 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t,
                                 POINTER(c_size_t), c_void_p)

@@ -6,7 +6,7 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-A buffer bound to a ``FileBinding`` (nixl_memory) is a file: this agent reads and writes it itself through a
+A buffer bound to a ``FileBinding`` (file_trust) is a file: this agent reads and writes it itself through a
 storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
 Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
@@ -33,7 +33,7 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Layout, TransferPlan, import_optional
 
-from .base import (
+from ._base import (
     After,
     Bindings,
     Executor,
@@ -45,21 +45,22 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory
-from .lowering import Lowered
-from .memory import BindingError, Memory
+from ._binding import BoundMemory
+from ._lowering import Lowered
+from ._memory import BindingError, Memory
+from ._options import NixlOptions
+from .file_trust import FileBinding
 from .nixl_memory import (
-    FileBinding,
     PeerInfo,
     PeerInfoError,
     Registration,
     RemoteBuffer,
     Segment,
+    file_remote,
     register,
     register_files,
     segment_of,
 )
-from .options import NixlOptions
 
 __all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "PeerInfo", "PeerInfoError", "RemoteBuffer"]
 
@@ -426,7 +427,7 @@ class NixlExecutor(Executor):
         if not any(isinstance(b, FileBinding) for b in bindings.values()):
             return bindings
         table = {b.name: b for b in getattr(buffers, "buffers", buffers)}
-        return {n: (b.open(table[n]).remote(self.agent_name) if isinstance(b, FileBinding) and n in table else b)
+        return {n: (file_remote(b.open(table[n]), self.agent_name) if isinstance(b, FileBinding) and n in table else b)
                 for n, b in bindings.items()}
 
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Bindings) -> BoundMemory:

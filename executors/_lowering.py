@@ -35,7 +35,7 @@ import numpy as np
 
 from kvxfer.planner import COLUMNS, Buffer, TransferPlan, bounds
 
-from .memory import Memory
+from ._memory import Memory
 
 ADDRESSES, OFFSETS, CHECK = "addresses", "offsets", "check"  # what ``lower`` keeps: addresses, offsets, nothing
 LONG_RUN = 8192  # runs at least this long (on average) get their base added per run, without a per-range array
