@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from kvxfer.executors import RawMemory, bind
-    from kvxfer.executors.lowering import DescriptorArrays
+    from kvxfer.executors._lowering import DescriptorArrays
     old = load_baseline(args.baseline) if args.baseline else None
     layout = presets.kv_layout(args.regions, 2 * args.blocks, 64, shared_host=False)
     target = Target(platform="cuda", runtime_version=13000)

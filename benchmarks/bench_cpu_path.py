@@ -112,7 +112,7 @@ def limits(nbytes: int, reps: int) -> dict[str, float]:
     except ImportError:
         pass
     from kvxfer.executors import NumpyExecutor
-    from kvxfer.executors.ops_numpy import HostPath
+    from kvxfer.executors._ops_numpy import HostPath
     ex = NumpyExecutor()
     mm = ex._memmove  # the memmove path's per-range call
     n, src, dst = 10_000, a.ctypes.data, b.ctypes.data

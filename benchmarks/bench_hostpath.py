@@ -228,7 +228,7 @@ def bound_lowering(executor: Any, layout: Layout, bindings: dict[str, Any]) -> t
     measured on the code before bind existed, where every run resolved and checked every buffer.)
     """
     from kvxfer.executors import NumpyExecutor
-    from kvxfer.executors.lowering import DescriptorArrays
+    from kvxfer.executors._lowering import DescriptorArrays
 
     bound = executor.bind(layout, bindings)
     if isinstance(executor, NumpyExecutor):
@@ -273,7 +273,7 @@ def executors(shim_dir: Path) -> list[tuple[str, Any]]:
 
     out: list[tuple[str, Any]] = [("numpy", NumpyExecutor())]
     try:
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor
+        from kvxfer.executors import CudaBatchExecutor
         from tests.shims.build import build, compiler
 
         if compiler() is None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvxfer.executors import NixlExecutor
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV, PeerProcess
-from kvxfer.executors.ops_nixl import NixlExecutor
 from kvxfer.planner import PlanOptions, plan_transfer, presets
 from kvxfer.testing import random_buffers, run_reference
 

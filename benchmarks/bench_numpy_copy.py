@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from kvxfer.executors import NumpyExecutor
-from kvxfer.executors.ops_numpy import SMALL_RANGE_BYTES
+from kvxfer.executors._ops_numpy import SMALL_RANGE_BYTES
 from kvxfer.planner import plan_transfer, presets
 
 from timing import medians_ms  # this folder: on sys.path when the script runs

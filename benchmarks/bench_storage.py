@@ -154,7 +154,7 @@ def main() -> None:
     args = ap.parse_args()
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
-    from kvxfer.executors.ops_nixl import NixlExecutor
+    from kvxfer.executors import NixlExecutor
 
     ex = NixlExecutor(backends=["POSIX"], poll_timeout_s=600)
     directory = Path(tempfile.mkdtemp(prefix="kvxfer-bench-storage-", dir=args.dir))

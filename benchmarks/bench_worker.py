@@ -153,7 +153,7 @@ def main() -> None:
         from pathlib import Path
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for tests.shims
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor
+        from kvxfer.executors import CudaBatchExecutor
         from tests.shims.build import build  # the test shim: a host-memory stand-in for the driver
         from tests.shims.runtime import ShimCudaRuntime
         lib = str(build("fake_cuda", tempfile.mkdtemp()))

@@ -25,7 +25,7 @@ import bench_hostpath as bh
 from bench_binding import load_baseline
 
 from kvxfer.executors import bind
-from kvxfer.executors.lowering import DescriptorArrays
+from kvxfer.executors._lowering import DescriptorArrays
 
 SHAPES = [("contiguous", 256, 1), ("runs8", 256, 1), ("fragmented", 256, 1), ("fragmented", 2048, 1),
           ("fragmented", 2048, 4)]

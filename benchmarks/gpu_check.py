@@ -341,14 +341,13 @@ def make_executor(dev: Device, role: str, cuda_stand_in: Any = None) -> Any:
     (TRITON_INTERPRET=1 must be set before triton is imported).
     """
     if role in DMA_ROLES:
-        from kvxfer.executors import NumpyExecutor
-        from kvxfer.executors.ops_cuda import CudaBatchExecutor, CudaRuntime
+        from kvxfer.executors import CudaBatchExecutor, CudaRuntime, NumpyExecutor
         version = DMA_ROLES[role]
         if dev.gpu:
             return CudaBatchExecutor(CudaRuntime(0, version=version)) if version else CudaBatchExecutor()
         return CudaBatchExecutor(cuda_stand_in(version)) if cuda_stand_in is not None else NumpyExecutor()
     if role == "triton":
-        from kvxfer.executors.ops_triton import TritonExecutor
+        from kvxfer.executors import TritonExecutor
         return TritonExecutor()
     raise ValueError(f"role = {role!r}: expected one of {', '.join([*DMA_ROLES, 'triton'])}")
 

@@ -52,12 +52,14 @@ def _version(value: bool) -> None:
 
 
 def build_app() -> Any:
-    """The typer app with every command of COMMAND_MODULES registered. Exits (SystemExit with an install hint) without typer."""
+    """The typer app with every command of COMMAND_MODULES registered. Exits (SystemExit with the install line of
+    ``kvxfer.planner.MissingDependencyError``) without typer."""
     try:
-        import typer
+        import typer  # a plain import: --version and --help load no planner
         from typer.core import TyperCommand, TyperGroup
     except ImportError as e:
-        raise SystemExit(f"kvxfer's CLI needs typer and rich: pip install 'kvxfer[cli]' ({e})") from None
+        from kvxfer.planner import MissingDependencyError
+        raise SystemExit(str(MissingDependencyError("typer", "kvxfer's command line", e))) from None
     app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                       help="Plan, inspect and run KV-cache block transfers.")
 

@@ -23,11 +23,11 @@ from pydantic import Field
 
 from kvxfer.planner import Buffer, Direction, Layout, Platform, Target, TransferPlan
 
-from .base import After, Executor, Stream, Transfer, transfers_after
-from .binding import BoundMemory, bind
-from .memory import BindingError, resolve
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
-from .registry import BACKENDS, Backend, ExecutorKind, backend, kind_of
+from ._base import After, Executor, Stream, Transfer, transfers_after
+from ._binding import BoundMemory, bind
+from ._memory import BindingError, resolve
+from ._options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
+from ._registry import BACKENDS, Backend, ExecutorKind, backend, kind_of
 
 __all__ = ["AutoExecutor", "ConfigError", "ExecutorConfig", "ExecutorKind", "backend_for", "build_executor",
            "choose_executor", "detect_platform", "executor_class", "get_executor"]

@@ -24,7 +24,7 @@ import numpy as np
 from .nixl_memory import MAX_PEER_INFO_BYTES, PeerInfo, PeerInfoError, Registration, RemoteBuffer
 
 if TYPE_CHECKING:  # ops_nixl imports nixl lazily, but importing it here would load the executor for every peer
-    from .ops_nixl import NixlExecutor
+    from ._ops_nixl import NixlExecutor
 
 LOOPBACK_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
 
@@ -53,7 +53,7 @@ def exchange(executor: NixlExecutor, conn: Connection, registration: Registratio
 
 def _serve(conn: Any) -> None:
     """Child process: own agent, random-filled buffers, then answer read/write/notifs/close commands."""
-    from .ops_nixl import NixlExecutor
+    from ._ops_nixl import NixlExecutor
 
     sizes, seed, options = conn.recv()
 
@@ -168,8 +168,8 @@ def demo(regions: int = 4, blocks: int = 64, page_bytes: int = 4096) -> None:
     """Load (READ) and store (WRITE) runs of 8 blocks against a peer process; check bytes; print."""
     from kvxfer.planner import plan_transfer, presets
 
-    from .ops_nixl import NixlExecutor
-    from .ops_numpy import NumpyExecutor
+    from ._ops_nixl import NixlExecutor
+    from ._ops_numpy import NumpyExecutor
 
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)

@@ -8,15 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvxfer.planner import Buffer, Layout, LayoutError, Location, Placement, Region
+from kvxfer.planner import Buffer, Layout, LayoutError, Location, Placement, Region, import_optional
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"building layouts from tensors needs torch: pip install 'kvxfer[torch]' ({e})") from None
-    return torch
+    return import_optional("torch", "building layouts from tensors")
 
 
 class _Buffers:

@@ -11,6 +11,7 @@ from typing import Any, overload
 import numpy as np
 
 from ._model import IntTuple
+from .bounds import check_call_offsets, check_dtype, check_indices, check_inside, check_length, check_runs, check_sizes
 from .errors import PlanError
 from .files import PLAN_COLUMNS, PlanFileError, check_int, int_array, parse_json, plan_fields, read_bytes, read_npz, validate
 from .frozen import freeze
@@ -21,7 +22,6 @@ from .target import CopyAttributes as CopyAttributes  # defined with the target 
 from .target import LocationHint as LocationHint  # import both from here too
 
 SCHEMA_VERSION = 1
-MAX_RANGE_BYTES = 1 << 63  # no range is this large: offsets and ends of smaller ones cannot wrap uint64 once bounded
 COLUMNS: dict[str, np.dtype] = PLAN_COLUMNS
 
 
@@ -191,7 +191,7 @@ class TransferPlan:
 
     def column(self, name: str) -> np.ndarray:
         """Column ``name`` (one of COLUMNS) as a read-only array; a run-length column is expanded once."""
-        col = self._store[name]
+        col = self._stored(name)
         if not isinstance(col, Runs):
             return col
         dense = self._dense.get(name)
@@ -201,7 +201,18 @@ class TransferPlan:
 
     def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, lengths) of a column's runs of equal values, without expanding run-length columns."""
-        return runs_of(self._store[name])
+        return runs_of(self._stored(name))
+
+    def _stored(self, name: str) -> Column:
+        """Column ``name`` as stored, after the shape rule (``bounds.check_dtype`` / ``check_runs``: a column of
+        another type, or runs whose values and lengths differ in length, raise PlanError rather than numpy's
+        IndexError or ValueError wherever they are read). O(runs) for a run-length column, else O(1)."""
+        col = self._store[name]
+        if isinstance(col, Runs):
+            check_runs(name, col.values, col.lengths, COLUMNS[name])
+        else:
+            check_dtype(name, col, COLUMNS[name])
+        return col
 
     def buffers_used(self, side: str) -> np.ndarray:
         """Sorted indices of the buffers read (``side="src"``) or written (``"dst"``) by any range."""
@@ -213,51 +224,36 @@ class TransferPlan:
         """Raise PlanError unless every column has ``num_ranges`` entries and ``call_offsets`` rises strictly
         from 0 to ``num_ranges`` (the constructor ensures both; ``planned`` takes them on trust). O(columns +
         calls). A column whose length differs from the others' is named (``nbytes`` counts as one of them)."""
-        lengths = {name: len(self._store[name]) for name in COLUMNS}
+        lengths = {name: len(self._stored(name)) for name in COLUMNS}
         counts = list(lengths.values())
         n = max(set(counts), key=lambda v: (counts.count(v), v == lengths["nbytes"]))  # the length most columns have
         for name, m in lengths.items():
-            if m != n:
-                raise PlanError(name, m, f"column length differs from the other columns' ({n})")
-        co = self.call_offsets
-        if co.ndim != 1 or len(co) < 1 or co[0] != 0 or co[-1] != n or (len(co) > 1 and bool((co[1:] <= co[:-1]).any())):
-            raise PlanError("call_offsets", co.tolist()[:8], f"must rise strictly from 0 to {n}")
+            check_length(name, m, n)
+        check_call_offsets(self.call_offsets, n)
 
     def check(self) -> TransferPlan:
         """Verify the plan, once: returns self, or raises PlanError naming the column, the range index and the value.
 
-        The one validator of a plan's content: every column one length and call offsets rising from 0 to it;
-        every buffer, region and attribute index inside its table; no range empty or of 2^63 bytes or more; every
-        range inside its buffers' declared sizes (a wrapping sum included). The verdict is kept (a plan is
-        immutable): later calls return at once. Plans from ``plan_transfer`` hold by construction; this guards
-        plans read from files, unpickled or built by hand. Executors call it before they run a plan, and then
-        bound only the values they use (which a holder writing a column after the check would change).
+        The one validator of a plan's content, applying the bound rules of ``kvxfer.planner.bounds`` (which
+        lowering applies again to the values it reads): every column of its dtype and one length, and call
+        offsets rising from 0 to it; every buffer, region and attribute index inside its table; no range empty or
+        of 2^63 bytes or more; every range inside its buffers' declared sizes (a wrapping sum included). The
+        verdict is kept (a plan is immutable): later calls return at once. Plans from ``plan_transfer`` hold by
+        construction; this guards plans read from files, unpickled or built by hand. Executors call it before they run
+        a plan, and then bound only the values they use (which a holder writing a column after the check would
+        change).
         """
         if self._checked:
             return self
         self.check_shape()
         nbuf = len(self.buffers)
         for col, limit in (("src_buf", nbuf), ("dst_buf", nbuf), ("region", len(self.regions)), ("attr", len(self.attrs))):
-            values, lengths = self.column_runs(col)
-            bad = (values < 0) | (values >= limit)
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise PlanError(col, int(values[i]), f"out of range (the plan has {limit})", int(lengths[:i].sum()))
-        nb_values, nb_lengths = self.column_runs("nbytes")
-        for bad, reason in ((nb_values == 0, "empty range"), (nb_values >= MAX_RANGE_BYTES, "range too large")):
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise PlanError("nbytes", int(nb_values[j]), reason, int(nb_lengths[:j].sum()))
+            check_indices(col, *self.column_runs(col), limit)
+        check_sizes(*self.column_runs("nbytes"))
         sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
-        nb = self.nbytes
+        names = [b.name for b in self.buffers]
         for side in ("src", "dst"):
-            off, buf = self.column(f"{side}_offset"), self.column(f"{side}_buf")
-            end = off + nb  # uint64: a wrap shows up as end < off
-            bad = (end < off) | (end > sizes[buf])
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise PlanError(f"{side}_offset", int(off[i]), f"range of {int(nb[i])} bytes runs past buffer "
-                                f"{self.buffers[int(buf[i])].name!r} of {int(sizes[buf[i]])} bytes", i)
+            check_inside(side, self.column(f"{side}_offset"), self.nbytes, self.column(f"{side}_buf"), sizes, names)
         object.__setattr__(self, "_checked", True)
         return self
 

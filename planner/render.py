@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import PlanError
 from .layout import Layout
+from .optional import import_optional
 from .plan import TransferPlan, format_bytes
 from .spec import Location
 from .target import CopyApi
@@ -328,13 +329,11 @@ def to_html(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
 def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full: bool = False,
             ranges: bool = True, layout: Layout | None = None, hint: str = VIEW_HINT) -> Any:
     """A rich renderable (header grid and range table) with the content of ``explain`` (arguments as there).
-    Raises ImportError with an install hint without ``rich``."""
-    try:
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError as e:
-        raise ImportError(f"terminal rendering needs rich: pip install 'kvxfer[cli]' ({e})") from None
+    Raises MissingDependencyError (an ImportError) with the install line without ``rich``."""
+    import_optional("rich", "terminal rendering")
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -406,12 +405,10 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
 def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = None) -> pandas.DataFrame:
     """Per-``by`` totals as a pandas DataFrame: by "region", "buffer", "call" or "range" (the range table).
 
-    Raises ImportError with an install hint without pandas, PlanError for an unknown ``by``.
+    Raises MissingDependencyError (an ImportError) with the install line without pandas, PlanError for an
+    unknown ``by``.
     """
-    try:
-        import pandas as pd
-    except ImportError as e:
-        raise ImportError(f"stats_frame needs pandas: pip install pandas ({e})") from None
+    pd = import_optional("pandas", "stats_frame")
     if by == "range":
         names = np.array([b.name for b in plan.buffers], dtype=object)
         return pd.DataFrame({

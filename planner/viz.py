@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .layout import Layout
+from .optional import import_optional
 from .plan import TransferPlan, format_bytes
 from .render import block_bytes, plural
 
@@ -31,13 +32,9 @@ LISTED_SIZES = 12  # distinct range sizes drawn as one bar each; more: a histogr
 
 
 def require_matplotlib() -> Any:
-    """The matplotlib module; raises ImportError with the install hint when the ``viz`` extra is missing
-    (callers that write other files first check here, so nothing is written half-way)."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError(f"the transfer map needs matplotlib: pip install 'kvxfer[viz]' ({e})") from None
-    return matplotlib
+    """The matplotlib module; raises MissingDependencyError (an ImportError) with the install line when the
+    ``viz`` extra is missing (callers that write other files first check here, so nothing is written half-way)."""
+    return import_optional("matplotlib", "the transfer map")
 
 
 def range_strips(plan: TransferPlan, layout: Layout | None = None) -> dict[str, np.ndarray]:

@@ -201,7 +201,7 @@ def shim_factory(shim_path: str | None, version: int = 13000) -> Any:
     NumPy executor. Shim injection lives here only."""
     if shim_path is None:
         return None
-    from kvxfer.executors.ops_cuda import CudaBatchExecutor
+    from kvxfer.executors import CudaBatchExecutor
 
     from .shims.runtime import ShimCudaRuntime
 

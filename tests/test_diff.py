@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.executors.ops_numpy import NumpyExecutor
+from kvxfer.executors import NumpyExecutor
 from kvxfer.planner import (
     COLUMNS,
     BlockMapping,

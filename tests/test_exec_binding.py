@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, resolve
-from kvxfer.executors.memory import check_location
+from kvxfer.executors._memory import check_location
 from kvxfer.planner import COLUMNS, Buffer, Location, PlanError, TransferPlan, plan_transfer, presets
 
 
@@ -213,7 +213,7 @@ def _map_pages(n: int) -> tuple[ctypes.CDLL, int]:
 @pytest.mark.parametrize("offset", [0, 8, 16, 24, 31])
 def test_bytes_data_just_past_a_page_boundary_is_recognised_as_immutable(offset):
     """The header of a bytes object whose data starts within 32 bytes of a page lies on the page before."""
-    from kvxfer.executors.memory import over_immutable_bytes
+    from kvxfer.executors._memory import over_immutable_bytes
     libc, base = _map_pages(2)
     try:
         data = base + 4096 + offset
@@ -229,7 +229,7 @@ def test_bytes_data_just_past_a_page_boundary_is_recognised_as_immutable(offset)
 
 
 def test_bytes_data_far_from_a_page_boundary_is_recognised_as_immutable_without_the_slow_read():
-    from kvxfer.executors import memory
+    from kvxfer.executors import _memory as memory
     libc, base = _map_pages(1)
     try:
         data = base + 512
@@ -244,7 +244,7 @@ def test_bytes_data_far_from_a_page_boundary_is_recognised_as_immutable_without_
 def test_torch_tensors_over_bytes_objects_of_many_sizes_are_read_only():
     """torch.frombuffer over bytes objects wherever the allocator put them: every one is refused as a destination."""
     torch = pytest.importorskip("torch")
-    from kvxfer.executors.memory import over_immutable_bytes
+    from kvxfer.executors._memory import over_immutable_bytes
     objects = [bytes(range(n % 256)) * (1 + n // 256) + b"x" for n in range(1, 400)]  # many sizes: many placements
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, NumpyExecutor, RawMemory
+from kvxfer.executors import BACKENDS, ExecutorError, NumpyExecutor, RawMemory
 from kvxfer.executors.config import (
     AutoExecutor,
     ConfigError,
@@ -16,7 +16,6 @@ from kvxfer.executors.config import (
     executor_class,
     get_executor,
 )
-from kvxfer.executors.registry import BACKENDS
 from kvxfer.planner import BlockMapping, Location, Platform, Target, plan_transfer, presets
 
 from .shims.build import build, compiler
@@ -60,7 +59,8 @@ def test_sources_and_precedence(tmp_path):
 
 def test_name_table_is_lazy_and_complete():
     assert set(BACKENDS) == set(ExecutorKind) - {ExecutorKind.AUTO}
-    assert (BACKENDS[ExecutorKind.NIXL].module, BACKENDS[ExecutorKind.NIXL].cls) == ("ops_nixl", "NixlExecutor")
+    assert (BACKENDS[ExecutorKind.NIXL].module, BACKENDS[ExecutorKind.NIXL].cls) == ("_ops_nixl", "NixlExecutor")
+    assert all(b.load().__name__ == b.cls for b in BACKENDS.values())  # every module string names its module
     import kvxfer.executors as ex
     assert all(b.cls in ex.__all__ for b in BACKENDS.values())  # the package's lazy names come from the table
     assert ExecutorConfig(max_descriptors=4096).options_for("hip-batch").max_descriptors == 4096

@@ -7,9 +7,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvxfer.executors import ExecutorError, NumpyExecutor, TargetMismatchError
-from kvxfer.executors.dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
-from kvxfer.executors.ops_cuda import CudaBatchExecutor
+from kvxfer.executors import CudaBatchExecutor, ExecutorError, NumpyExecutor, TargetMismatchError
+from kvxfer.executors._dma import ATTR_DTYPE, MemcpyAttributes, MemLocation
 from kvxfer.planner import Case, PlanError, PlanOptions, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import CUDA_INCLUDE, HERE, ShimState, build, compiler, has_cuda_h
@@ -342,7 +341,7 @@ def test_bind_once_then_run_many_plans(make):
 def test_close_keeps_a_copy_stream_torch_was_told_about(make, monkeypatch, torch_told):
     """torch records an event on the copy stream whenever a tensor bound to it is freed, even after close: a
     stream torch was told about must outlive the executor (destroying it aborted the process on an H200)."""
-    import kvxfer.executors.dma as dma
+    import kvxfer.executors._dma as dma
     monkeypatch.setattr(dma, "hold_for_stream", lambda bound, stream: torch_told)
     layout, plan = _plan(V13)
     ex, _ = make(V13)

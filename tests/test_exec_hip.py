@@ -7,8 +7,8 @@ import ctypes
 import pytest
 
 from kvxfer.executors import ExecutorError, TargetMismatchError
-from kvxfer.executors.dma import ATTR_DTYPE
-from kvxfer.executors.ops_hip import HIP_LIBRARIES, HipBatchExecutor, load_hip
+from kvxfer.executors._dma import ATTR_DTYPE
+from kvxfer.executors._ops_hip import HIP_LIBRARIES, HipBatchExecutor, load_hip
 from kvxfer.planner import PlanError, PlanOptions, Target, hip_version, plan_transfer, presets
 
 from .shims.build import ShimState, build, compiler

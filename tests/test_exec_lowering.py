@@ -12,9 +12,9 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, NumpyExecutor, RawMemory, bind, lowering
-from kvxfer.executors.lowering import LONG_RUN, lowering_strategy
-from kvxfer.executors.ops_cuda import CudaBatchExecutor
+from kvxfer.executors import BindingError, CudaBatchExecutor, NumpyExecutor, RawMemory, bind
+from kvxfer.executors import _lowering as lowering
+from kvxfer.executors._lowering import LONG_RUN, lowering_strategy
 from kvxfer.planner import COLUMNS, Location, PlanError, Target, TransferPlan, cuda_version, plan_transfer, presets
 
 from .shims.build import ShimState, build, compiler

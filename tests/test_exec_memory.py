@@ -14,8 +14,7 @@ import gc
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, NumpyExecutor, bind
-from kvxfer.executors.ops_cuda import CudaBatchExecutor
+from kvxfer.executors import BindingError, CudaBatchExecutor, NumpyExecutor, bind
 from kvxfer.planner import COLUMNS, PlanError, Target, TransferPlan, cuda_version, plan_transfer, presets
 from kvxfer.testing import apply_copies, expected_copies
 
@@ -460,7 +459,8 @@ def test_each_plan_is_bounded_with_its_own_largest_range_size():
 def test_a_range_written_past_its_buffer_in_a_late_block_of_a_large_plan_is_refused_at_its_index(mode, monkeypatch):
     """Large plans are lowered in blocks of whole buffer runs: a range in the last block, written (after the check)
     to run past its buffer, is refused and named by its index in the plan, not in its block."""
-    from kvxfer.executors import RawMemory, lowering
+    from kvxfer.executors import RawMemory
+    from kvxfer.executors import _lowering as lowering
 
     monkeypatch.setattr(lowering, "BLOCK", 64)  # blocks of a few runs, on a plan small enough for a test
     layout = presets.kv_layout(8, 256, 64, shared_host=False)

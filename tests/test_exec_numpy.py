@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import ConfigError, ExecutorConfig, ExecutorError, NumpyExecutor
+from kvxfer.executors._ops_numpy import GATHER_BYTES, SMALL_RANGE_BYTES, WINDOW_STEP, HostPath
 from kvxfer.executors.config import build_executor
-from kvxfer.executors.ops_numpy import GATHER_BYTES, SMALL_RANGE_BYTES, WINDOW_STEP, HostPath
 from kvxfer.planner import COLUMNS, Buffer, Layout, Location, Placement, Region, TransferPlan, plan_transfer
 
 SIZE = 1 << 20

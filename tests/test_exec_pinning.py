@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import ExecutorError
-from kvxfer.executors.pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, hip_registrar, pin_host_memory
+from kvxfer.executors._pinning import MAX_CHUNK_BYTES, Registrar, chunk_bounds, hip_registrar, pin_host_memory
 from kvxfer.planner import Platform
 
 from .shims.build import ShimState, build, compiler
@@ -74,7 +74,7 @@ def test_with_hip_shim(tmp_path):
 def test_pinning_on_rocm_goes_through_hip_host_register():
     """The default registrar is the platform's driver: on ROCm hipHostRegister (libamdhip64), never
     cudaHostRegister; here no HIP runtime loads, and the error says which libraries were tried."""
-    from kvxfer.executors.ops_hip import load_hip
+    from kvxfer.executors._ops_hip import load_hip
 
     try:
         load_hip()

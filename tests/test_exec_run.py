@@ -14,6 +14,7 @@ import pytest
 
 from kvxfer.executors import (
     CompletedTransfer,
+    CudaBatchExecutor,
     Executor,
     ExecutorError,
     ExecutorKind,
@@ -24,7 +25,6 @@ from kvxfer.executors import (
     stream_handle,
 )
 from kvxfer.executors.config import AutoExecutor, ExecutorConfig
-from kvxfer.executors.ops_cuda import CudaBatchExecutor
 from kvxfer.planner import Platform, Target, cuda_version, plan_transfer, presets
 
 from .shims.build import ShimState, build, compiler

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvxfer.executors.ops_triton import launch_tables
+from kvxfer.executors._ops_triton import launch_tables
 
 TESTS = Path(__file__).parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
@@ -67,7 +67,7 @@ def test_compiles_ahead_of_time(backend, arch, warp, binary):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvxfer.executors.triton_kernel import copy_ranges
+    from kvxfer.executors._triton_kernel import copy_ranges
     k = triton.compile(ASTSource(copy_ranges, signature=SIGNATURE, constexprs={
         "ELEM": tl.int64, "WORD": 8, "BLOCK": 1024, "ALIGN16": True}), target=GPUTarget(backend, arch, warp))
     assert len(k.asm[binary]) > 0
@@ -77,8 +77,7 @@ def test_compiles_ahead_of_time(backend, arch, warp, binary):
 
 @pytest.mark.gpu
 def test_round_trip_on_gpu_and_refuses_pageable():
-    from kvxfer.executors import BindingError
-    from kvxfer.executors.ops_triton import TritonExecutor
+    from kvxfer.executors import BindingError, TritonExecutor
     from kvxfer.planner import plan_transfer, presets
 
     from .shims.cases import gpu_buffers, gpu_round_trip

@@ -25,8 +25,8 @@ for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports
     os.environ.setdefault(_k, _v)
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install 'kvxfer[nixl]')")
 
+from kvxfer.executors import NixlExecutor  # noqa: E402
 from kvxfer.executors.nixl_memory import FileBinding  # noqa: E402
-from kvxfer.executors.ops_nixl import NixlExecutor  # noqa: E402
 from kvxfer.offload.file_tier import (  # noqa: E402
     Durability,
     FileTier,
@@ -295,7 +295,7 @@ FULL_FS_SCRIPT = textwrap.dedent("""
     import numpy as np
     from kvxfer.offload.file_tier import FileTier, tier_layout
     from kvxfer.executors.nixl_memory import FileBinding
-    from kvxfer.executors.ops_nixl import NixlExecutor
+    from kvxfer.executors import NixlExecutor
     from kvxfer.planner import BlockMapping, plan_transfer
     mnt = sys.argv[1]
     lay = tier_layout(2, 32, 4096)

@@ -273,7 +273,7 @@ AOT = """
 import json, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvxfer.executors.triton_kernel import copy_ranges
+from kvxfer.executors._triton_kernel import copy_ranges
 sig = {"src_addr": "*i64", "dst_addr": "*i64", "nbytes": "*i64", "tile_range": "*i64", "tile_start": "*i64",
        "num_tiles": "i64", "ELEM": "constexpr", "WORD": "constexpr", "BLOCK": "constexpr", "ALIGN16": "constexpr"}
 out = {}

@@ -9,10 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, ExecutorError
+from kvxfer.executors import BindingError, ExecutorError, NixlExecutor
 from kvxfer.executors.nixl_memory import RemoteBuffer
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV, PeerProcess
-from kvxfer.executors.ops_nixl import NixlExecutor
 from kvxfer.planner import PlanOptions, plan_transfer, presets
 from kvxfer.testing import random_buffers, run_reference
 

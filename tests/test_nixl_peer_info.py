@@ -10,9 +10,8 @@ import pickle
 import numpy as np
 import pytest
 
-from kvxfer.executors import PeerInfo, PeerInfoError, RemoteBuffer
+from kvxfer.executors import NixlExecutor, PeerInfo, PeerInfoError, RemoteBuffer
 from kvxfer.executors.nixl_memory import MAX_PEER_BUFFERS, MAX_PEER_INFO_BYTES, Segment
-from kvxfer.executors.ops_nixl import NixlExecutor
 
 from .test_nixl_unit import ScriptedAgent
 

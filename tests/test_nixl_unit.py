@@ -10,9 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, ExecutorError, RunArgumentError, Transfer
+from kvxfer.executors import BindingError, ExecutorError, NixlExecutor, NixlOptions, RunArgumentError, Transfer
 from kvxfer.executors.nixl_memory import RemoteBuffer
-from kvxfer.executors.ops_nixl import NixlExecutor, NixlOptions
 from kvxfer.planner import PlanOptions, plan_transfer, presets
 
 LAYOUT = presets.kv_layout(2, 16, 256)
@@ -194,7 +193,7 @@ def test_missing_nixl_gives_install_hint(monkeypatch):
 
 
 def test_importing_executors_does_not_import_nixl():
-    code = ("import sys, kvxfer.executors as e, kvxfer.executors.ops_nixl, kvxfer.executors.nixl_peer; "
+    code = ("import sys, kvxfer.executors as e, kvxfer.executors._ops_nixl, kvxfer.executors.nixl_peer; "
             "assert e.NixlExecutor; assert not [m for m in sys.modules if m.startswith('nixl')], sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -248,7 +247,7 @@ class VirtualClock:
 
 
 def test_wait_is_bounded_by_timeout_plus_one_drain_and_stuck_memory_stays_registered(monkeypatch):
-    from kvxfer.executors import ops_nixl
+    from kvxfer.executors import _ops_nixl as ops_nixl
     clock = VirtualClock()
     monkeypatch.setattr(ops_nixl, "time", clock)
     agent = ScriptedAgent(states={0: ["PROC"], 1: ["PROC"], 2: ["PROC"]})  # never finishes (a stopped peer)

@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.executors import CompletedTransfer, ExecutorError, NumpyExecutor, Transfer
-from kvxfer.executors.base import wait_on_host
+from kvxfer.executors import CompletedTransfer, ExecutorError, NumpyExecutor, Transfer, wait_on_host
 from kvxfer.offload import DeviceKV, FileLane, HostTier, KVTensor, create_worker, spill_layout
 from kvxfer.offload.lanes import ThreadLane
 from kvxfer.offload.vllm_worker import WorkerCore

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer.executors import BindingError
-from kvxfer.executors.pinning import Registrar
+from kvxfer.executors._pinning import Registrar
 from kvxfer.offload import (
     HostLayout,
     HostTier,

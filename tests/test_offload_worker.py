@@ -619,7 +619,7 @@ def test_every_executor_kind_receives_the_callers_stream(kind, shim_lib, monkeyp
 
 TRITON_SCRIPT = textwrap.dedent("""
     import numpy as np
-    from kvxfer.executors.ops_triton import TritonExecutor
+    from kvxfer.executors import TritonExecutor
     from kvxfer.offload import DeviceKV, HostTier, KVTensor, create_worker
     from kvxfer.planner import Buffer
     seen = []

@@ -119,7 +119,7 @@ class TritonAdapter(Adapter):
 
     def __init__(self) -> None:
         super().__init__()
-        from kvxfer.executors.ops_triton import TritonExecutor
+        from kvxfer.executors import TritonExecutor
 
         class FaultyTritonExecutor(TritonExecutor):
             """Test double: launching a group whose first range is at or past descriptor ``fault`` fails, as a
@@ -180,7 +180,7 @@ class NixlAdapter(Adapter):
         super().__init__()
         from nixl_cu13._api import nixl_agent, nixl_agent_config
 
-        from kvxfer.executors.ops_nixl import NixlExecutor
+        from kvxfer.executors import NixlExecutor
         opts = {"poll_timeout_s": 20.0, "drain_timeout_s": 1.0}
         self.agent = FaultyAgent(nixl_agent("conf-engine", nixl_agent_config(backends=["UCX"])))
         self.executor, self.tier = NixlExecutor(agent=self.agent, **opts), NixlExecutor(name="conf-tier", **opts)

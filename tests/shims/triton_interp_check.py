@@ -8,7 +8,7 @@ import numpy as np
 from shims.cases import expected, host_buffers
 
 from kvxfer.executors import ExecutorError, RunArgumentError, Transfer
-from kvxfer.executors.ops_triton import TritonExecutor, launch_tables
+from kvxfer.executors._ops_triton import TritonExecutor, launch_tables
 from kvxfer.planner import PlanOptions, Target, plan_transfer, presets
 
 

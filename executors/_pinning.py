@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvxfer.planner import Platform
+from kvxfer.planner import Platform, import_optional
 
-from .memory import resolve
+from ._memory import resolve
 
 MAX_CHUNK_BYTES = 64 << 30
 
@@ -34,10 +34,7 @@ class Registrar:
 
 def cuda_registrar(flags: int = 0) -> Registrar:
     """cudaHostRegister through cuda-bindings' runtime module (``flags``: cudaHostRegister* bits)."""
-    try:
-        from cuda.bindings import runtime as rt  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    except ImportError as e:
-        raise ImportError(f"pinning on CUDA needs cuda-bindings: pip install 'kvxfer[cuda]' ({e})") from None
+    rt = import_optional("cuda.bindings.runtime", "pinning on CUDA")
     return Registrar("cudaHostRegister", lambda a, n: int(rt.cudaHostRegister(a, n, flags)[0]),
                      lambda a: int(rt.cudaHostUnregister(a)[0]),
                      lambda c: rt.cudaGetErrorName(rt.cudaError_t(c))[1].decode())
@@ -47,7 +44,7 @@ def hip_registrar(flags: int = 0, library: str | Path | None = None) -> Registra
     """hipHostRegister / hipHostUnregister through ctypes on libamdhip64, loaded as the HIP executor loads it
     (``library`` overrides the search; ``flags``: hipHostRegister* bits). Raises ExecutorError naming every
     library tried when none loads."""
-    from .ops_hip import load_hip
+    from ._ops_hip import load_hip
 
     lib = load_hip(library)
     register, unregister, error_name = lib.hipHostRegister, lib.hipHostUnregister, lib.hipGetErrorName

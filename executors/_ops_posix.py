@@ -4,8 +4,8 @@ The storage path that needs no driver: a plan whose sources are file buffers and
 read, the other way a write. Each range is one call (a merged range is one large I/O), ranges above
 ``piece_bytes`` are cut into pieces, and the pieces of a run are spread over ``threads`` threads so the reads (or
 writes) of one plan overlap; the calls themselves release the GIL. A file buffer binds to a ``FileBinding``
-(``nixl_memory.FileBinding``: opened without following a link, created private to its owner, foreign files refused, O_DIRECT
-on request), host memory to a numpy array or CPU tensor.
+(``file_trust.FileBinding``: opened without following a link, created private to its owner, foreign files refused,
+O_DIRECT on request), host memory to a numpy array or CPU tensor.
 
 What a result promises: ``wait()`` returns once every byte of every range has been read or written, and raises
 ExecutorError naming the call (``pread``/``pwrite``), the plan's call and range and the errno for a failed call;
@@ -29,12 +29,12 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Layout, Location, TransferPlan
 
-from .base import After, Executor, ExecutorError, Stream, Transfer, stream_handle, transfers_after, wait_on_host
-from .binding import BoundMemory
-from .lowering import Lowered
-from .memory import BindingError, Memory, check_host_view, describe
-from .nixl_memory import FileBinding  # where a file buffer lives (shared with the NIXL storage path)
-from .options import PosixOptions
+from ._base import After, Executor, ExecutorError, Stream, Transfer, stream_handle, transfers_after, wait_on_host
+from ._binding import BoundMemory
+from ._lowering import Lowered
+from ._memory import BindingError, Memory, check_host_view, describe
+from ._options import PosixOptions
+from .file_trust import FileBinding  # where a file buffer lives (shared with the NIXL storage path)
 
 READ, WRITE = "pread", "pwrite"
 

@@ -2,7 +2,7 @@
 or ``(address, nbytes)`` pair) is, as one ``Memory``: address, size, where it lives, and how to keep it alive
 and to tell whether its owner still points at it.
 
-``resolve`` is the one place bindings are read; ``kvxfer.executors.binding`` keeps resolved memory bound.
+``resolve`` is the one place bindings are read; ``_binding`` keeps resolved memory bound.
 """
 from __future__ import annotations
 

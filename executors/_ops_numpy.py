@@ -46,7 +46,7 @@ import numpy as np
 
 from kvxfer.planner import Buffer, TransferPlan, format_bytes
 
-from .base import (
+from ._base import (
     After,
     Bindings,
     CompletedTransfer,
@@ -58,10 +58,10 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory
-from .lowering import Lowered
-from .memory import Memory, check_host_view
-from .options import NumpyOptions
+from ._binding import BoundMemory
+from ._lowering import Lowered
+from ._memory import Memory, check_host_view
+from ._options import NumpyOptions
 
 SMALL_RANGE_BYTES: int = NumpyOptions.model_fields["small_range_bytes"].default  # below: window groups
 BULK_RANGE_BYTES: int | None = NumpyOptions.model_fields["bulk_range_bytes"].default  # at or above: torch (None: off)

@@ -14,18 +14,17 @@ from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
 from pathlib import Path
 from typing import Any
 
-from kvxfer.planner import Buffer, CopyApi, Platform, Target
+from kvxfer.planner import Buffer, CopyApi, Platform, Target, import_optional
 
-from .base import ExecutorError
-from .dma import DmaExecutor, Runtime, driver_result
-from .memory import Memory, check_location
-from .options import HipOptions
+from ._base import ExecutorError
+from ._dma import DmaExecutor, Runtime, driver_result
+from ._memory import Memory, check_location
+from ._options import HipOptions
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")  # only devel installs ship the first
 HIP_MAX_DESCRIPTORS = Target(platform=Platform.ROCM).default_max_descriptors
 HIP_MEMCPY_DEFAULT = 4
 HIP_STREAM_NON_BLOCKING = 1
-INSTALL_HINT = "the HIP batch executor needs hip-python: pip install 'kvxfer[rocm]'"
 
 
 def load_hip(library: str | Path | None = None) -> ctypes.CDLL:
@@ -61,10 +60,7 @@ class HipRuntime:
 
     def __init__(self, library: str | Path | None = None, *, device: int = 0):
         self._batch = declare_batch(load_hip(library))
-        try:
-            from hip import hip  # type: ignore[import-untyped, import-not-found, unused-ignore]
-        except ImportError as e:
-            raise ImportError(f"{INSTALL_HINT} ({e})") from None
+        hip = import_optional("hip.hip", "the HIP batch executor")
         self._hip, self.device = hip, device
         err, version = hip.hipRuntimeGetVersion()
         self.version = int(version) if int(err) == 0 else 0  # unknown counts as the oldest runtime

@@ -1,7 +1,7 @@
 """What every executor shares: errors, the Transfer handle, the Executor interface (bind once, run), and the
 two orderings every ``run`` takes: after the caller's compute ``stream``, and ``after`` other transfers.
 
-Binding itself (resolving memory, checking it, lowering ranges to addresses) lives in ``binding``.
+Binding itself (resolving memory, checking it, lowering ranges to addresses) lives in ``_binding``.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Protocol, SupportsInt, TypeAlias
 
 from kvxfer.planner import Buffer, Case, Layout, Target, TransferPlan
 
-from .binding import BoundMemory, bind, plan_buffers
-from .memory import BindingError, Memory, check_location
+from ._binding import BoundMemory, bind, plan_buffers
+from ._memory import BindingError, Memory, check_location
 
 
 class TargetMismatchError(ValueError):
@@ -240,7 +240,7 @@ class Executor:
 
     @classmethod
     def from_options(cls, options: Any) -> Executor:
-        """An executor from its backend's typed options (``kvxfer.executors.options``: each backend takes its own
+        """An executor from its backend's typed options (``kvxfer.executors``' ``*Options``: each backend takes its own
         model, so the base class cannot name one)."""
         return cls()
 

@@ -1,9 +1,9 @@
-"""Keeping memory bound: ``bind`` resolves (``kvxfer.executors.memory``) and checks each buffer of a layout once
+"""Keeping memory bound: ``bind`` resolves (``_memory``) and checks each buffer of a layout once
 and returns a ``BoundMemory``, which keeps the memory itself alive (for a torch tensor its storage, whose size is
 then fixed where torch allows it; for a numpy array a weak reference, which stops numpy resizing it) and refuses a
 run whose bound object no longer points at the bound memory.
 
-``BoundMemory.descriptors(plan)`` lowers a plan onto it (``kvxfer.executors.lowering``): the plan checked once
+``BoundMemory.descriptors(plan)`` lowers a plan onto it (``_lowering``): the plan checked once
 (``TransferPlan.check``), each of its columns read once, the values used bounded against the bound sizes, and
 ``(buffer, offset)`` pairs turned into absolute addresses, vectorized, before anything is copied
 (``BoundMemory.offsets(plan)``: the same, keeping offsets, for executors that copy through views; ``check``:
@@ -21,8 +21,8 @@ import numpy as np
 
 from kvxfer.planner import Buffer, ColumnPool, Layout, TransferPlan, freeze
 
-from .lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lower
-from .memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
+from ._lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lower
+from ._memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
 
 OWNER_SETS = 64  # sets of buffer runs whose bases and owner probes a BoundMemory keeps
 REPEAT_RANGES = 1 << 18  # bases repeated per range are kept up to this many ranges per side
@@ -249,7 +249,7 @@ class BoundMemory:
     def descriptors(self, plan: TransferPlan, out: DescriptorArrays | Sequence[np.ndarray] | None = None) -> Lowered:
         """Check ``plan`` (``TransferPlan.check``, once per plan) and return it lowered: absolute uint64 addresses,
         sizes, buffer and attribute runs and call offsets, each read from the plan once and bounded as read
-        (see ``Lowered`` and ``kvxfer.executors.lowering``).
+        (see ``Lowered`` and ``_lowering``).
 
         Refuses, before anything is copied: a closed binding or another buffer table (BindingError); a plan that
         fails its check (PlanError naming column, range and value); a value read now that fails its bound (a

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Location, Platform, Target, TransferPlan, cuda_version, hip_version
+from kvxfer.planner import Buffer, Location, Platform, Target, TransferPlan, cuda_version, hip_version, import_optional
 
-from .base import (
+from ._base import (
     After,
     Bindings,
     Executor,
@@ -37,10 +37,10 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory, hold_for_stream
-from .lowering import Lowered
-from .memory import BindingError, Memory, check_location
-from .options import TritonOptions
+from ._binding import BoundMemory, hold_for_stream
+from ._lowering import Lowered
+from ._memory import BindingError, Memory, check_location
+from ._options import TritonOptions
 
 ELEMENTS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
 TABLE_KEYS = ("src", "dst", "nbytes", "tile_range", "tile_start")
@@ -150,13 +150,10 @@ class TritonExecutor(Executor):
     def __init__(self, *, device: int = 0, tile_bytes: int = 8192, num_programs: int | None = None):
         if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
             raise ValueError(f"tile_bytes = {tile_bytes}: must be a power of two >= 16")
-        try:
-            import torch
-            import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        torch = import_optional("torch", "the Triton executor")
+        tl = import_optional("triton.language", "the Triton executor")
+        from ._triton_kernel import copy_ranges
 
-            from .triton_kernel import copy_ranges
-        except ImportError as e:
-            raise ImportError(f"the Triton executor needs triton and torch: pip install 'kvxfer[triton,torch]' ({e})") from None
         self._torch: Any = torch  # torch's stream and event classes are untyped
         self._kernel, self.tile_bytes = copy_ranges, tile_bytes
         self._elem = {w: getattr(tl, name) for w, name in ELEMENTS}

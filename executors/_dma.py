@@ -25,7 +25,7 @@ import numpy as np
 
 from kvxfer.planner import Buffer, CopyApi, CopyAttributes, PlanError, Platform, Target, TransferPlan
 
-from .base import (
+from ._base import (
     After,
     Executor,
     ExecutorError,
@@ -37,9 +37,9 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory, hold_for_stream
-from .lowering import DescriptorArrays, Lowered
-from .memory import Memory
+from ._binding import BoundMemory, hold_for_stream
+from ._lowering import DescriptorArrays, Lowered
+from ._memory import Memory
 
 __all__ = ["ATTR_DTYPE", "DmaExecutor", "DmaTransfer", "MemcpyAttributes", "MemLocation", "Runtime", "attribute_records",
            "check", "driver_result", "stream_handle"]

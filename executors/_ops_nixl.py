@@ -6,7 +6,7 @@ range must go between a local and a remote buffer, and the plan as a whole must 
 - the plan's sources are remote (a load from a remote cache tier, the decode side pulling a prefill's
   blocks): each call is one NIXL READ into local memory;
 - the plan's destinations are remote (a store to a remote tier, prefill pushing to decode): one WRITE.
-A buffer bound to a ``FileBinding`` (nixl_memory) is a file: this agent reads and writes it itself through a
+A buffer bound to a ``FileBinding`` (file_trust) is a file: this agent reads and writes it itself through a
 storage backend (``backends=["POSIX"]``, or GDS/GDS_MT on GPU machines), with no notification.
 Otherwise each call's transfer carries the notification ``kvxfer:<plan fingerprint[:12]>:<run>:<call>;`` so the
 other side can tell which plan and call have landed (``wait_notifs``).
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner import Buffer, Layout, TransferPlan
+from kvxfer.planner import Buffer, Layout, TransferPlan, import_optional
 
-from .base import (
+from ._base import (
     After,
     Bindings,
     Executor,
@@ -45,25 +45,24 @@ from .base import (
     transfers_after,
     wait_on_host,
 )
-from .binding import BoundMemory
-from .lowering import Lowered
-from .memory import BindingError, Memory
+from ._binding import BoundMemory
+from ._lowering import Lowered
+from ._memory import BindingError, Memory
+from ._options import NixlOptions
+from .file_trust import FileBinding
 from .nixl_memory import (
-    FileBinding,
     PeerInfo,
     PeerInfoError,
     Registration,
     RemoteBuffer,
     Segment,
+    file_remote,
     register,
     register_files,
     segment_of,
 )
-from .options import NixlOptions
 
 __all__ = ["NixlExecutor", "NixlOptions", "NixlTransfer", "PeerInfo", "PeerInfoError", "RemoteBuffer"]
-
-INSTALL_HINT = "the NIXL executor needs nixl-cu13: pip install 'kvxfer[nixl]' (not the 'nixl' meta package)"
 
 # ---- one plan in flight: posting, polling with a deadline, release, precise failure ----------------------------
 SPIN_S = 2e-3  # busy-poll this long before sleeping: small transfers finish within it
@@ -283,7 +282,7 @@ class NixlExecutor(Executor):
     """Runs each call of a plan as one NIXL transfer between this agent and one remote agent.
 
     Construct with options (NixlOptions fields) or ``from_options``; pass ``agent`` to share an existing
-    nixl_agent. Raises ImportError with an install hint when nixl-cu13 is missing.
+    nixl_agent. Raises MissingDependencyError (an ImportError) with the install line when nixl-cu13 is missing.
 
     ``bind(layout, bindings)`` registers the local memory with the agent once (the registration is released
     by ``bound.close()``); a one-off ``run(plan, bindings)`` needs local memory registered with ``register``.
@@ -299,10 +298,8 @@ class NixlExecutor(Executor):
             else options.model_copy(update=kw)
         self.options = opts
         if agent is None:
-            try:
-                from nixl_cu13._api import nixl_agent, nixl_agent_config
-            except ImportError as e:
-                raise ImportError(f"{INSTALL_HINT} ({e})") from e
+            api = import_optional("nixl_cu13._api", "the NIXL executor")
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
             conf = nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=list(opts.backends),
                                      num_threads=opts.num_threads, capture_telemetry=opts.telemetry)
             try:  # a plugin that cannot start (GDS without cuFile) is skipped or refused by nixl: say which
@@ -430,7 +427,7 @@ class NixlExecutor(Executor):
         if not any(isinstance(b, FileBinding) for b in bindings.values()):
             return bindings
         table = {b.name: b for b in getattr(buffers, "buffers", buffers)}
-        return {n: (b.open(table[n]).remote(self.agent_name) if isinstance(b, FileBinding) and n in table else b)
+        return {n: (file_remote(b.open(table[n]), self.agent_name) if isinstance(b, FileBinding) and n in table else b)
                 for n, b in bindings.items()}
 
     def bind(self, buffers: Layout | Sequence[Buffer], bindings: Bindings) -> BoundMemory:

@@ -64,7 +64,7 @@ class Options(BaseModel):
 class NumpyOptions(Options):
     """numpy: ranges below ``small_range_bytes`` move in window groups (gathers and scatters of one size); ranges
     of ``bulk_range_bytes`` or more move through torch's foreach copy when torch is imported (None, the default:
-    never; it pays on the main thread only, see ``ops_numpy``); the rest by memmove with the GIL held."""
+    never; it pays on the main thread only, see ``_ops_numpy``); the rest by memmove with the GIL held."""
 
     small_range_bytes: int = Field(default=16 << 10, ge=0)
     bulk_range_bytes: int | None = Field(default=None, ge=1)

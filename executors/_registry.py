@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
+from ._options import ConfigError, CudaOptions, HipOptions, NixlOptions, NumpyOptions, Options, PosixOptions, TritonOptions
 
 
 class ExecutorKind(StrEnum):
@@ -46,12 +46,12 @@ class Backend:
 
 
 BACKENDS: dict[ExecutorKind, Backend] = {b.kind: b for b in (
-    Backend(ExecutorKind.CUDA_BATCH, "ops_cuda", "CudaBatchExecutor", CudaOptions, "cuda", gpu=True),
-    Backend(ExecutorKind.HIP_BATCH, "ops_hip", "HipBatchExecutor", HipOptions, "hip", gpu=True),
-    Backend(ExecutorKind.TRITON, "ops_triton", "TritonExecutor", TritonOptions, "triton", gpu=True),
-    Backend(ExecutorKind.NUMPY, "ops_numpy", "NumpyExecutor", NumpyOptions, "numpy", gpu=False),
-    Backend(ExecutorKind.NIXL, "ops_nixl", "NixlExecutor", NixlOptions, "nixl", gpu=False),
-    Backend(ExecutorKind.POSIX, "ops_posix", "PosixFileExecutor", PosixOptions, "posix", gpu=False),
+    Backend(ExecutorKind.CUDA_BATCH, "_ops_cuda", "CudaBatchExecutor", CudaOptions, "cuda", gpu=True),
+    Backend(ExecutorKind.HIP_BATCH, "_ops_hip", "HipBatchExecutor", HipOptions, "hip", gpu=True),
+    Backend(ExecutorKind.TRITON, "_ops_triton", "TritonExecutor", TritonOptions, "triton", gpu=True),
+    Backend(ExecutorKind.NUMPY, "_ops_numpy", "NumpyExecutor", NumpyOptions, "numpy", gpu=False),
+    Backend(ExecutorKind.NIXL, "_ops_nixl", "NixlExecutor", NixlOptions, "nixl", gpu=False),
+    Backend(ExecutorKind.POSIX, "_ops_posix", "PosixFileExecutor", PosixOptions, "posix", gpu=False),
 )}
 
 

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
 from typing import Any
 
-from kvxfer.planner import Buffer, CopyApi, Platform
+from kvxfer.planner import Buffer, CopyApi, Platform, import_optional
 
-from .base import ExecutorError
-from .dma import DmaExecutor, Runtime, driver_result
-from .memory import Memory, check_location
-from .options import CudaOptions
+from ._base import ExecutorError
+from ._dma import DmaExecutor, Runtime, driver_result
+from ._memory import Memory, check_location
+from ._options import CudaOptions
 
 BATCH_V12080 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t,
                                 POINTER(c_size_t), c_void_p)
@@ -32,7 +32,6 @@ BATCH_V13000 = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t, c
 BATCH_ABIS = ((CopyApi.CUDA_BATCH_V2, 13000, BATCH_V13000), (CopyApi.CUDA_BATCH, 12080, BATCH_V12080))
 MEMCPY_ASYNC = ctypes.CFUNCTYPE(c_int, ctypes.c_uint64, ctypes.c_uint64, c_size_t, c_void_p)
 CU_STREAM_NON_BLOCKING = 1
-INSTALL_HINT = "the CUDA batch executor needs cuda-bindings: pip install 'kvxfer[cuda]'"
 
 
 class CudaRuntime:
@@ -48,10 +47,7 @@ class CudaRuntime:
     _batch: dict[CopyApi, Any]  # ctypes function pointers by ABI, only those the driver has
 
     def __init__(self, device: int = 0, *, version: int | None = None):
-        try:
-            from cuda.bindings import driver as cu  # type: ignore[import-untyped, import-not-found, unused-ignore]
-        except ImportError as e:
-            raise ImportError(f"{INSTALL_HINT} ({e})") from None
+        cu = import_optional("cuda.bindings.driver", "the CUDA batch executor")
         self._cu = cu
         try:
             self._ok(cu.cuInit(0), "cuInit")

@@ -9,14 +9,17 @@ a caller can change after that check:
   (``OFFSETS``) the executor goes on to use. A plan's columns are read-only to numpy but not to everyone
   (``torch.from_numpy`` shares a read-only array's memory and writes it), so no value is read twice: the value
   bounded is the value used.
-* Exactly those values are bounded: buffer and attribute indices inside their tables, runs covering the ranges,
-  call offsets rising from 0 to the range count, sizes non-empty and below 2^63, every range inside its bound
-  buffer's declared size (a wrapped base + offset included), every buffer read bound and every buffer written
-  writable; and the bound owners the plan touches are asked where their memory is (``BoundMemory`` probes).
+* Exactly those values are bounded, by the plan's own rules (``kvxfer.planner.bounds``, which
+  ``TransferPlan.check`` applies to the plan): buffer and attribute indices inside their tables, runs covering
+  the ranges, call offsets rising from 0 to the range count, sizes non-empty and below 2^63, every range inside
+  its bound buffer's declared size (a wrapped base + offset included); then every buffer read bound and every
+  buffer written writable; and the bound owners the plan touches are asked where their memory is
+  (``BoundMemory`` probes). Lowering adds only proofs that let it skip the per-range rule (one reduction per run
+  where the largest range fits); where a proof fails, the rule itself decides.
 
 A value that fails these bounds on a plan that passed ``check`` was written after the check (or the planner
 built a bad plan): the run is refused before anything moves, with a PlanError naming the column, the range and
-the value.
+the value, in the rule's words followed by ``AFTER_CHECK``.
 
 Per run the cost is a few passes over the plan's columns: run-length columns are read as runs (one comparison
 per run, not per range); per side, one addition writes the addresses (one 2-D broadcast when every run has the
@@ -30,18 +33,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer.planner import MAX_RANGE_BYTES, Buffer, PlanError, TransferPlan
+from kvxfer.planner import COLUMNS, Buffer, TransferPlan, bounds
 
-from .memory import Memory
+from ._memory import Memory
 
 ADDRESSES, OFFSETS, CHECK = "addresses", "offsets", "check"  # what ``lower`` keeps: addresses, offsets, nothing
 LONG_RUN = 8192  # runs at least this long (on average) get their base added per run, without a per-range array
 FILL_RUNS = 16  # sizes in at most this many runs are written run by run into a reused array
 FRESH_RANGES = 16384  # below this many ranges, sizes go into a fresh array (no page faults at that size)
-SHORT = 16  # arrays up to this long are reduced through a Python list
 BLOCK = 1 << 18  # ranges lowered per block on large plans (offsets and addresses of a block stay in cache)
-AFTER_CHECK = ("does not match the plan that was checked: a column was written after the check (a plan's columns "
-               "must never be written) or the planner built it wrong")
+AFTER_CHECK = ("this does not match the plan that was checked: a column was written after the check (a plan's "
+               "columns must never be written) or the planner built it wrong")
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,8 +210,7 @@ def lower(plan: TransferPlan, bound: Bounds, mode: str, out: DescriptorArrays | 
     n = plan.num_ranges
     co = _call_offsets(plan, n)
     nb_values, nb_lengths = _read_runs(plan, "nbytes", n, None)
-    nb_values = nb_values.astype(np.uint64, copy=False)
-    nb_min, nb_max = _check_sizes(nb_values, nb_lengths)
+    nb_min, nb_max = bounds.check_sizes(nb_values, nb_lengths, AFTER_CHECK)
     attr_runs = _read_runs(plan, "attr", n, len(plan.attrs))
     src_runs = _read_runs(plan, "src_buf", n, None)
     dst_runs = _read_runs(plan, "dst_buf", n, None)
@@ -231,74 +232,32 @@ def lower(plan: TransferPlan, bound: Bounds, mode: str, out: DescriptorArrays | 
     return Lowered(sides[0], sides[1], sizes, src_runs, dst_runs, attr_runs, co, total)
 
 
-def _tampered(field: str, value: Any, index: int | None = None) -> PlanError:
-    return PlanError(field, value, AFTER_CHECK, index)
-
-
-def _span(a: np.ndarray) -> tuple[int, int]:
-    """(smallest, largest) of a non-empty integer array, as Python ints (short arrays, the usual case for runs,
-    through a list: cheaper than two reductions)."""
-    if len(a) <= SHORT:
-        values = a.tolist()
-        return min(values), max(values)
-    return int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
-
-
 def _call_offsets(plan: TransferPlan, n: int) -> np.ndarray:
-    """A copy of the plan's call offsets, bounded: rising strictly from 0 to ``n``."""
-    co = np.array(plan.call_offsets, dtype=np.int64)
-    ok = co.ndim == 1 and len(co) >= 2 and co[0] == 0 and co[-1] == n
-    if ok and len(co) > 2:
-        ok = _span(np.diff(co))[0] > 0
-    if not ok and not (co.shape == (1,) and n == 0 and co[0] == 0):  # a plan of no ranges has no call
-        raise _tampered("call_offsets", co.tolist()[:8])
+    """A copy of the plan's call offsets, bounded: int64, rising strictly from 0 to ``n``."""
+    co = np.array(plan.call_offsets)
+    bounds.check_call_offsets(co, n, AFTER_CHECK)
     return co
 
 
 def _read_runs(plan: TransferPlan, name: str, n: int, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Column ``name``'s runs (values, int64 lengths), copied from the plan and bounded: positive lengths
-    covering ``n`` ranges and, with ``limit``, values in [0, limit)."""
+    """Column ``name``'s runs (values of the column's dtype, int64 lengths), copied from the plan and bounded:
+    the shape rule (lengths covering ``n`` ranges) and, with ``limit``, the index rule (values in [0, limit))."""
     values, lengths = plan.column_runs(name)  # both are new arrays (fancy indexing and diff copy)
-    lengths = lengths.astype(np.int64, copy=False)
-    if len(lengths) <= SHORT:
-        counts = lengths.tolist()
-        shortest, total = min(counts, default=1), sum(counts)
-    else:
-        shortest, total = int(np.minimum.reduce(lengths)), int(np.add.reduce(lengths))
-    if shortest <= 0 or total != n:
-        raise _tampered(name, f"runs covering {total} ranges of {n}")
-    if limit is not None and len(values):
-        lo, hi = _span(values)
-        if lo < 0 or hi >= limit:
-            i = int(np.argmax((values < 0) | (values >= limit)))
-            raise _tampered(name, int(values[i]), int(lengths[:i].sum()))
+    bounds.check_runs(name, values, lengths, COLUMNS[name], n, AFTER_CHECK)
+    if limit is not None:
+        bounds.check_indices(name, values, lengths, limit, AFTER_CHECK)
     return values, lengths
 
 
-def _check_sizes(values: np.ndarray, lengths: np.ndarray) -> tuple[int, int]:
-    """(smallest, largest) size of the runs ``values``/``lengths``, after refusing an empty range or one of 2^63
-    bytes or more (offset + size cannot wrap once offsets are bounded)."""
-    if not len(values):
-        return 0, 0
-    lo, hi = _span(values)
-    if lo == 0 or hi >= MAX_RANGE_BYTES:
-        j = int(np.argmax((values == 0) | (values >= MAX_RANGE_BYTES)))
-        raise _tampered("nbytes", int(values[j]), int(lengths[:j].sum()))
-    return lo, hi
-
-
 def _check_buffers(bound: Bounds, src: Runs, dst: Runs) -> None:
-    """Refuse buffer runs with an index outside the bound table (PlanError), or that read a buffer not bound or
-    write one not writable (BindingError naming it)."""
+    """Refuse buffer runs with an index outside the bound table (PlanError: the index rule), or that read a buffer
+    not bound or write one not writable (BindingError naming it)."""
     limit = len(bound.buffers)
     for name, (values, lengths), usable, write in (("src_buf", src, bound.readable, False),
                                                    ("dst_buf", dst, bound.writable, True)):
         if not len(values):
             continue
-        lo, hi = _span(values)
-        if lo < 0 or hi >= limit:
-            i = int(np.argmax((values < 0) | (values >= limit)))
-            raise _tampered(name, int(values[i]), int(lengths[:i].sum()))
+        bounds.check_indices(name, values, lengths, limit, AFTER_CHECK)
         ok = usable[values]
         if not ok.all():
             bound.refuse_access(int(values[int(np.argmin(ok))]), write)
@@ -346,8 +305,8 @@ def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, 
     whole buffer runs of about BLOCK ranges, each bounded while it is in cache, so the offsets and the addresses
     cross memory once."""
     offs = plan.column(f"{side}_offset")
-    if offs.dtype != np.uint64 or len(offs) != n:
-        raise _tampered(f"{side}_offset", f"{offs.dtype} column of {len(offs)}")
+    bounds.check_dtype(f"{side}_offset", offs, COLUMNS[f"{side}_offset"], AFTER_CHECK)
+    bounds.check_length(f"{side}_offset", len(offs), n, AFTER_CHECK)
     if not n:
         return np.zeros(0, np.uint64)
     if mode == ADDRESSES:
@@ -422,18 +381,19 @@ def _add_bases(offs: np.ndarray, bases: np.ndarray, lengths: np.ndarray, addr: n
 def _bound(bound: Bounds, side: str, used: np.ndarray, first: int, buffers: Runs, bases: np.ndarray | None,
            sizes: _PerRange, last: tuple[np.ndarray, np.ndarray, np.ndarray, bool], grid: bool) -> None:
     """Refuse a range of ``used`` (ranges ``first`` onwards; addresses, with ``bases`` the base of each buffer
-    run, else offsets) that is not inside its buffer's declared size, a wrapped sum included.
+    run, else offsets) that is not inside its buffer's declared size, a wrapped sum included (the inside rule,
+    ``bounds.check_inside``).
 
     Buffers come in runs: per run, the largest value at most the last start at which the plan's largest range
     fits proves every range of the run inside (one reduction per run; for offsets, one reduction over all of
     them when that holds for the tightest buffer), and with bases added the smallest address at least the base
-    proves no sum wrapped; only where that fails is every range compared exactly."""
+    proves no sum wrapped; only where that fails does the rule itself compare every range."""
     values, lengths = buffers
     last_off, last_addr, fits, all_fit = last
     rows = len(values)
     inside = all_fit or bool(np.logical_and.reduce(fits[values]))  # the largest range fits every buffer used
     limit = (last_off if bases is None else last_addr)[values]
-    if bases is None and inside and int(np.maximum.reduce(used)) <= _span(limit)[0]:
+    if bases is None and inside and int(np.maximum.reduce(used)) <= bounds.span(limit)[0]:
         return  # offsets: one reduction proves them all inside when the tightest buffer holds the largest
     starts = np.arange(0, len(used), len(used) // rows) if grid else np.cumsum(lengths) - lengths
     ok = np.maximum.reduceat(used, starts) <= limit  # reduceat: faster than a reduction along a 2-D axis
@@ -441,13 +401,6 @@ def _bound(bound: Bounds, side: str, used: np.ndarray, first: int, buffers: Runs
         ok &= np.minimum.reduceat(used, starts) >= bases
     if inside and np.logical_and.reduce(ok):
         return
-    base_of = np.repeat(bases if bases is not None else np.zeros(rows, np.uint64), lengths)
-    rel = used - base_of  # the offset used, modulo 2^64
-    lim = np.repeat(bound.size[values], lengths)
-    size = sizes(first, first + len(used))
-    bad = (rel > lim) | (size > lim - rel)  # the second term is only read where the first is False
-    if bad.any():
-        i = int(np.argmax(bad))
-        b = int(np.repeat(values, lengths)[i])
-        raise PlanError(f"{side}_offset", int(rel[i]), f"range of {int(size[i])} bytes runs past buffer "
-                        f"{bound.buffers[b].name!r} of {int(bound.size[b])} bytes: this {AFTER_CHECK}", first + i)
+    rel = used if bases is None else used - np.repeat(bases, lengths)  # the offsets used, modulo 2^64
+    bounds.check_inside(side, rel, sizes(first, first + len(used)), np.repeat(values, lengths), bound.size,
+                        [b.name for b in bound.buffers], first, AFTER_CHECK)
