@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     def _cmd(case_path: Path = typer.Argument(..., metavar="FILE", help="case file, plan file (.json/.npz) or golden file"),
              executor: str | None = typer.Option(
-                 None, "--executor", "-e", metavar="NAME", help="auto, cuda-batch, hip-batch, triton, numpy, nixl"),
+                 None, "--executor", "-e", metavar="NAME", help="auto, cuda-batch, hip-batch, triton, numpy, nixl, posix"),
              config: Path | None = typer.Option(None, "--config", metavar="FILE",
                                                 help="executor config file (TOML or JSON)"),
              verify: bool = typer.Option(False, "--verify", help="compare every byte with the test oracle"),

@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import Field, WithJsonSchema, field_validator, model_serializer, model_validator
+from pydantic import Field, PlainSerializer, WithJsonSchema, field_validator, model_serializer, model_validator
 
 from ._model import Spec
 from .errors import LayoutError, MappingError
@@ -205,6 +205,8 @@ class Region(Spec):
 
 
 _IDS_SCHEMA = WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})
+# ids serialize as lists wherever a mapping is dumped, alone or inside another model (a Case's model_dump_json)
+_IDS_AS_LIST = PlainSerializer(lambda ids: ids.tolist(), return_type=list)
 
 
 class BlockMapping(Spec):
@@ -214,8 +216,8 @@ class BlockMapping(Spec):
     model_config = Spec.model_config | {"arbitrary_types_allowed": True}
     _error: ClassVar = MappingError
     direction: Direction
-    src_ids: Annotated[np.ndarray, _IDS_SCHEMA]
-    dst_ids: Annotated[np.ndarray, _IDS_SCHEMA]
+    src_ids: Annotated[np.ndarray, _IDS_SCHEMA, _IDS_AS_LIST]
+    dst_ids: Annotated[np.ndarray, _IDS_SCHEMA, _IDS_AS_LIST]
     group_sizes: tuple[int, ...] | None = None
     group_starts: tuple[int, ...] | None = None
 

@@ -75,3 +75,12 @@ def test_string_versions_validate_and_plan():
     d["target"] = {"platform": "cuda", "runtime_version": "12.8"}
     assert not list(_validator().iter_errors(d))
     assert Case.model_validate(d).target.runtime_version == 12080
+
+
+def test_a_case_dumps_to_json_through_pydantic_and_reads_back():
+    from kvxfer.planner import Case, presets
+    case = Case(layout=presets.kv_layout(2, 32, 64), mapping=presets.mapping("fragmented", 6, 32, "d2h", seed=4))
+    text = case.model_dump_json()  # pydantic's own serializer, nested mapping included (it raised on numpy ids)
+    back = Case.model_validate_json(text)
+    assert back == case and back.plan().num_ranges == case.plan().num_ranges
+    assert case.model_dump()["mapping"]["src_ids"] == case.mapping.src_ids.tolist()

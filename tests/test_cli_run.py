@@ -147,3 +147,13 @@ def test_every_golden_runs_and_verifies():
         ok = run_case(path, NumpyExecutor(), ExecutorConfig(kind="numpy"), verify=True,
                       echo=lambda m, err=False: lines.append(m), on_gpu=False)
         assert ok and lines[-1].startswith("verify: OK") and lines[-1].endswith("the test oracle"), (path.name, lines)
+
+
+def test_run_help_names_every_executor_kind():
+    from typer.testing import CliRunner
+
+    from kvxfer.cli.main import build_app
+    from kvxfer.executors import ExecutorKind
+    text = " ".join(CliRunner().invoke(build_app(), ["run", "--help"], terminal_width=200).output.split())
+    missing = [k.value for k in ExecutorKind if k.value not in text]
+    assert missing == [], f"kvxfer run --help does not name {missing}"
