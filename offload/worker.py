@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from kvxfer.executors import BoundMemory, Executor, Stream, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
+from .files.spill import FileLane
 from .jobs import (
     LOAD,
     STORE,
@@ -46,7 +47,6 @@ from .jobs import (
     touched,
 )
 from .lanes import ExecutorLane, IssueLane, ThreadLane, run
-from .spill import FileLane
 from .tier import Geometry, TPRank
 
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]

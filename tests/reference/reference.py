@@ -22,6 +22,7 @@ import importlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import tomllib
@@ -34,8 +35,8 @@ ENTRY_POINTS = ("kvxfer.planner.plan_transfer", "kvxfer.planner.TransferPlan", "
 SUBMODULES = ("kvxfer.planner.presets", "kvxfer.planner.viz", "kvxfer.planner.render", "kvxfer.planner.diff",
               "kvxfer.planner.golden", "kvxfer.planner.files", "kvxfer.executors.config", "kvxfer.executors.torch_layout",
               "kvxfer.executors.file_tier", "kvxfer.executors.nixl_memory", "kvxfer.executors.nixl_peer",
-              "kvxfer.offload.spill", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.offload.vllm_checks",
-              "kvxfer.offload.vllm_connector", "kvxfer.offload.checksums", "kvxfer.testing.pytest_plugin")
+              "kvxfer.offload.files.spill", "kvxfer.offload.files.file_tier", "kvxfer.offload.vllm", "kvxfer.offload.vllm.checks",
+              "kvxfer.offload.vllm.connector", "kvxfer.offload.checksums", "kvxfer.testing.pytest_plugin")
 CLI_FOLDER = "cli"
 
 
@@ -67,6 +68,9 @@ def _resolve_lazy_names(module: Any) -> None:
                     setattr(module, name, _stand_in(module.__name__, name, doc, str(e)))
             except AttributeError:
                 pass  # a submodule pdoc imports itself, or a name that cannot load here: the check reports it
+        value = vars(module).get(name)
+        if isinstance(value, ModuleType) and hasattr(value, "__path__") and value.__name__ == f"{module.__name__}.{name}":
+            _resolve_lazy_names(value)  # a subpackage (a wing): pdoc reads its __all__ while walking
 
 
 def _stand_in(module: str, name: str, doc: str, missing: str) -> type:

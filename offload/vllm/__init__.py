@@ -28,10 +28,10 @@ as they are. Worker side: ``KvxferOffloadingWorker``, which turns vLLM's load/st
   (``kvxfer.offload.checksums``); a chunk that no longer matches fails its load (refused before any copy).
 
 What vLLM hands over and what is refused at start-up (``UnsupportedFeatureError`` naming the feature, and
-``ExtraConfigError`` naming a key and its value, ``kvxfer.offload.vllm_checks``) is in ``read_caches`` and the
+``ExtraConfigError`` naming a key and its value, ``kvxfer.offload.vllm.checks``) is in ``read_caches`` and the
 spec. A job that fails is never reported as success. Under vLLM's ``OffloadingConnector``, which cannot take a
 failed job, ``get_finished`` raises ``JobFailedError`` naming the job and its cause, and the engine stops. Under
-``KvxferOffloadingConnector`` (``kvxfer.offload.vllm_connector``) the worker reports it failed instead: a failed
+``KvxferOffloadingConnector`` (``kvxfer.offload.vllm.connector``) the worker reports it failed instead: a failed
 load's blocks go back to vLLM as load errors (recomputed with ``kv_load_failure_policy="recompute"``) and its
 chunks are no longer offered as hits, a failed store's chunks are dropped from the host tier's index, and the
 engine goes on.
@@ -44,11 +44,11 @@ import functools
 import importlib
 from typing import Any
 
-from .checksums import ChecksumError
-from .vllm_caches import CacheMap, read_caches
-from .vllm_checks import KVXFER_KEYS, ExtraConfigError, UnsupportedFeatureError
-from .vllm_stats import StatsFile, WorkerStats
-from .vllm_worker import JobFailedError, WorkerCore, build_worker
+from ..checksums import ChecksumError
+from .caches import CacheMap, read_caches
+from .checks import KVXFER_KEYS, ExtraConfigError, UnsupportedFeatureError
+from .stats import StatsFile, WorkerStats
+from .worker import JobFailedError, WorkerCore, build_worker
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor releases whose offloading interface this module was written against
 INSTALL_HINT = ("kvxfer.offload.vllm needs vLLM {supported}: `pip install vllm` (CUDA/ROCm builds) or "
@@ -81,7 +81,7 @@ _LAZY = {
         "back, the request as a failed receive), which vLLM recomputes under ``kv_load_failure_policy=\"recompute\"``\n"
         "(under \"fail\" the request ends with an error). A failed store is completed unsuccessfully in the scheduler's\n"
         "offloading manager, which drops its chunks from the index; the chunks of a failed load are no longer offered as\n"
-        "hits. See ``kvxfer.offload.vllm_connector``."),
+        "hits. See ``kvxfer.offload.vllm.connector``."),
     "FailedTransfers": (
         "An ``OffloadingManager`` over vLLM's (``FailedTransfers(manager)``), told which jobs failed, as\n"
         "``KvxferOffloadingConnector``'s scheduler side uses it: a failed store is completed with ``success=False`` (its\n"
@@ -94,15 +94,15 @@ _LAZY = {
         "vLLM's ``OffloadingWorkerMetadata`` plus ``failed_jobs``: the ids of the jobs that failed on a worker\n"
         "since its last report (merged over the ranks by ``aggregate``), for the scheduler side of\n"
         "``KvxferOffloadingConnector``."),
-    # the storage tiers (kvxfer.offload.vllm_tiers, loaded by name on first access)
+    # the storage tiers (kvxfer.offload.vllm.tiers, loaded by name on first access)
     "KvxferTieringOffloadingSpec": (
         "vLLM's ``TieringOffloadingSpec`` with kvxfer's worker bound to vLLM's shared primary tier, so that vLLM's\n"
-        "secondary tiers (its ``fs``, ``KvxferFileTier``) run over it, on vLLM's CPU build too (``vllm_tiers``)."),
+        "secondary tiers (its ``fs``, ``KvxferFileTier``) run over it, on vLLM's CPU build too (``tiers``)."),
     "KvxferFileTier": (
-        "A vLLM secondary tier storing primary-tier chunks in files through kvxfer (``vllm_tiers``: integrity\n"
+        "A vLLM secondary tier storing primary-tier chunks in files through kvxfer (``tiers``: integrity\n"
         "records, durability, capacity, namespaces by identity, warm restarts)."),
 }
-_TIERS = ("KvxferTieringOffloadingSpec", "KvxferFileTier")  # built by vllm_tiers (which imports this module)
+_TIERS = ("KvxferTieringOffloadingSpec", "KvxferFileTier")  # built by .tiers (which imports this module)
 
 __all__ = ["INSTALL_HINT", "KVXFER_KEYS", "SUPPORTED_VLLM", "CacheMap", "ChecksumError", "ExtraConfigError",
            "JobFailedError", "StatsFile", "UnsupportedFeatureError", "WorkerCore", "WorkerStats", "build_worker",
@@ -129,18 +129,18 @@ def _classes() -> dict[str, type]:
     """Build the vLLM-facing classes (imports vLLM; once per process). Each is named as an attribute of this module,
     so vLLM can pickle what crosses its processes (the worker metadata) and find the connector by name."""
     import_vllm()
-    from .vllm_connector import connector_classes
-    from .vllm_spec import spec_classes
+    from .connector import connector_classes
+    from .spec import spec_classes
 
-    built = {**spec_classes(_LAZY), **connector_classes(_LAZY)}  # the tiers' classes are vllm_tiers' own
+    built = {**spec_classes(_LAZY), **connector_classes(_LAZY)}  # the tiers' classes are .tiers' own
     for name, cls in built.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return built
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TIERS:  # by name, so that this module does not import vllm_tiers (which imports this one)
-        return getattr(importlib.import_module(".vllm_tiers", __package__), name)
+    if name in _TIERS:  # by name, so that this module does not import .tiers (which imports this one)
+        return getattr(importlib.import_module(".tiers", __name__), name)
     if name in _LAZY:
         return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

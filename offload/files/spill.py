@@ -40,10 +40,10 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
+from ..jobs import Job, SubmissionError
+from ..lanes import ThreadLane
+from ..tier import HOST_BUFFER, Geometry
 from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
-from .jobs import Job, SubmissionError
-from .lanes import ThreadLane
-from .tier import HOST_BUFFER, Geometry
 
 FILE_BUFFER = "file"
 SPILL, RESTORE = "spill", "restore"

@@ -9,10 +9,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checksums import HostChecksums
-from .tier import HostTier, SharedSpec, Sharing
-from .vllm_caches import CacheMap, read_caches
-from .vllm_checks import (
+from ..checksums import HostChecksums
+from ..tier import HostTier, SharedSpec, Sharing
+from ..worker import ExecutorSpec, OffloadWorker
+from .caches import CacheMap, read_caches
+from .checks import (
     UnsupportedFeatureError,
     check_blocks_per_chunk,
     check_executor_device,
@@ -20,8 +21,7 @@ from .vllm_checks import (
     check_host_memory,
     stats_path,
 )
-from .vllm_worker import WorkerCore, build_worker
-from .worker import ExecutorSpec, OffloadWorker
+from .worker import WorkerCore, build_worker
 
 __all__ = ["caches_device", "spec_classes"]
 

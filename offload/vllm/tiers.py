@@ -13,7 +13,7 @@ included (where vLLM's own worker refuses the platform)::
         "secondary_tiers": [{"type": "KvxferFileTier", "module_path": "kvxfer.offload.vllm",
                              "root_dir": "/var/cache/kv", "capacity_bytes": 200 << 30}]}
 
-``KvxferFileTier`` stores primary chunks in files through a ``ChunkStore`` (``chunk_store``): integrity records
+``KvxferFileTier`` stores primary chunks in files through a ``ChunkStore`` (``kvxfer.offload.files.chunk_store``): integrity records
 per chunk, durability before a store is reported done, bounded capacity with LRU eviction, files private to
 their owner, a namespace per identity (``tier_identity``), warm restarts, and loads that check every chunk. Its
 keys (``StoreConfig``): ``root_dir``, ``capacity_bytes`` (required), ``durability``, ``verify``, ``o_direct``,
@@ -35,14 +35,14 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Layout, Location
 
-from .build import assemble_worker
-from .chunk_store import ChunkStore, StoreConfig, StoreConfigError
-from .tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
-from .vllm import import_vllm
-from .vllm_caches import CacheMap, read_caches
-from .vllm_checks import UnsupportedFeatureError, check_executor_device, check_extra, stats_path
-from .vllm_spec import caches_device
-from .vllm_worker import WorkerCore
+from ..build import assemble_worker
+from ..files.chunk_store import ChunkStore, StoreConfig, StoreConfigError
+from ..tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
+from . import import_vllm
+from .caches import CacheMap, read_caches
+from .checks import UnsupportedFeatureError, check_executor_device, check_extra, stats_path
+from .spec import caches_device
+from .worker import WorkerCore
 
 FORMAT = "kvxfer-file-tier-1"  # the byte format of a stored chunk: a whole primary-tier row
 TIER_KEYS = (*StoreConfig.model_fields, "locality")
