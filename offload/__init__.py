@@ -26,19 +26,29 @@ import warnings
 from types import FrameType, ModuleType
 from typing import Any
 
-from .build import DeviceKV, create_worker, device_from_tensors, host_memory
+from .build import create_worker, host_memory
 from .jobs import DependencyError, JobResult, OffloadError, SubmissionError, WorkerClosedError
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
 from .simple import CopyParams, build_params, copy_blocks, pin_tensor
-from .tier import Cell, Geometry, HostLayout, HostTier, KVTensor, SharedSpec, Sharing, TPRank, build_layout, make_geometry
+from .tier import (
+    Cell,
+    DeviceKV,
+    Geometry,
+    HostLayout,
+    HostTier,
+    KVTensor,
+    SharedSpec,
+    Sharing,
+    TPRank,
+    build_layout,
+    device_from_tensors,
+    make_geometry,
+)
 from .worker import OffloadWorker
 
-# the files wing's names, loaded on first access (name -> module of kvxfer.offload.files)
-_FILES = {
-    "Durability": "file_tier", "FileTier": "file_tier", "IntegrityError": "file_tier", "TierError": "file_tier",
-    "TierResult": "file_tier", "aligned_empty": "file_tier", "tier_layout": "file_tier",
-    "FileLane": "spill", "attach_files": "spill", "spill_layout": "spill",
-}
+# the files wing's names this face exports, loaded on first access
+_FILES = ("Durability", "FileLane", "FileTier", "IntegrityError", "TierError", "TierResult", "aligned_empty",
+          "attach_files", "spill_layout", "tier_layout")
 _WINGS = ("files", "vllm")
 # old dotted paths of the modules that moved into a wing -> their new paths
 MOVED = {
@@ -66,7 +76,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _FILES:
-        return getattr(importlib.import_module(f".files.{_FILES[name]}", __name__), name)
+        return getattr(importlib.import_module(".files", __name__), name)
     if name in _WINGS:
         return importlib.import_module(f".{name}", __name__)
     if f"{__name__}.{name}" in MOVED:  # kvxfer.offload.file_tier as an attribute: the module, with the warning

@@ -1,11 +1,13 @@
 """What the offload worker knows about a job: its result, its errors, and which bytes it reads and writes.
 
-A job touches three id spaces: device blocks, host chunks, and file slots (a spill writes chunk c's slot, a
-restore reads it). Stores read device blocks and write host chunks; loads read host chunks and write device
-blocks; spills read host chunks and write file slots; restores read file slots and write host chunks. Two jobs
-conflict when one writes an id the other reads or writes (read-after-write, write-after-read, write-after-
-write); the worker orders every conflicting pair and fails a job that reads what a failed job was to write.
-Ids are tracked at the granularity of host chunks and device blocks: a store into part of a chunk writes it.
+A job touches id spaces: device blocks, host chunks, and the slots of a lower tier (a storage tier below host
+memory, ``lanes.TierLane``; a spill writes chunk c's slot, a restore reads it; the tier names the space, such as
+the file tier's "file slots"). Stores read device blocks and write host chunks; loads read host chunks and write
+device blocks; spills read host chunks and write their slots; restores read the slots and write host chunks. Two
+jobs conflict when one writes an id the other reads or writes (read-after-write, write-after-read, write-after-
+write); the worker orders every conflicting pair and fails a job that reads what a failed job was to write
+Ids are tracked at the granularity of host chunks and device blocks: a store into part of a chunk
+writes it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from kvxfer.executors import Stream
 from kvxfer.planner import Direction, TransferPlan
 
 STORE, LOAD = Direction.D2H, Direction.H2D
-DEVICE, HOST, FILE = "device blocks", "host chunks", "file slots"
+SPILL, RESTORE = "spill", "restore"  # a lower tier's jobs: host chunks down to it, and back
+TIER_OPS = {SPILL: STORE, RESTORE: LOAD}  # their directions
+DEVICE, HOST = "device blocks", "host chunks"
 Ids = tuple[tuple[str, np.ndarray], ...]  # (id space, sorted unique ids) pairs
 
 
@@ -114,13 +118,14 @@ class Job:
                          self.plan.num_ranges, self.error, self.op)
 
 
-def touched(op: str, device_ids: np.ndarray, host_ids: np.ndarray) -> tuple[Ids, Ids]:
-    """(reads, writes) of a job: device block ids and host chunk ids (sorted unique), by operation."""
+def touched(op: str, device_ids: np.ndarray, host_ids: np.ndarray, slots: str = "") -> tuple[Ids, Ids]:
+    """(reads, writes) of a job, by operation: device block ids and host chunk ids (sorted unique); a spill or restore
+    moves host chunks to or from their slots in a lower tier, id space ``slots`` (one slot per chunk)."""
     return {
         "store": (((DEVICE, device_ids),), ((HOST, host_ids),)),
         "load": (((HOST, host_ids),), ((DEVICE, device_ids),)),
-        "spill": (((HOST, host_ids),), ((FILE, host_ids),)),
-        "restore": (((FILE, host_ids),), ((HOST, host_ids),)),
+        SPILL: (((HOST, host_ids),), ((slots, host_ids),)),
+        RESTORE: (((slots, host_ids),), ((HOST, host_ids),)),
     }[op]
 
 

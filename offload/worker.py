@@ -1,12 +1,13 @@
 """OffloadWorker: store (device -> host) and load (host -> device) jobs for a serving engine's loop, and spill
-(host -> file) and restore (file -> host) jobs once a file tier is attached.
+(host -> a lower tier) and restore (back) jobs once a lower tier is attached (``attach_tier``; the file tier:
+``kvxfer.offload.attach_files``).
 
 One way to order. Each kind of job runs in a lane, in submission order (``lanes``). A job that conflicts with a
-pending job of another lane (one writes a device block, host chunk or file slot the other reads or writes:
+pending job of another lane (one writes a device block, host chunk or tier slot the other reads or writes:
 ``jobs``) is ordered after the newest such job of that lane, which covers the older ones since lanes are in
 order. That is the one dependency mechanism: a job lists the jobs it is ordered after, and the executor
 receives their transfers as ``after`` (``Executor.run(plan, bound, stream, after)``), which it honours on the
-device where it can. A job waiting for a job of a host lane (the file tier, a synchronous executor) is not
+device where it can. A job waiting for a job of a host lane (a lower tier, a synchronous executor) is not
 issued until that job is done, so submitting never blocks; lane order holds, and ``wait``, ``wait_for_layer``
 and ``stream_wait_for_layer`` wait for such a job to be issued first. The result equals a sequential replay in
 submission order.
@@ -32,10 +33,12 @@ from pydantic import BaseModel
 from kvxfer.executors import BoundMemory, Executor, Stream, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
-from .files.spill import FileLane
 from .jobs import (
     LOAD,
+    RESTORE,
+    SPILL,
     STORE,
+    TIER_OPS,
     DependencyError,
     Job,
     JobResult,
@@ -46,8 +49,8 @@ from .jobs import (
     overlap,
     touched,
 )
-from .lanes import ExecutorLane, IssueLane, ThreadLane, run
-from .tier import Geometry, TPRank
+from .lanes import ExecutorLane, IssueLane, ThreadLane, TierLane, run
+from .tier import Geometry
 
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
@@ -71,7 +74,7 @@ class OffloadWorker:
     ``on_close``: callables run last by ``shutdown`` (releasing host memory). Ids are bounded by the layout: each
     placement's ``num_blocks`` where it states one (a KV tensor's blocks, the host tier's chunks), else its buffer;
     an id past them is refused by the planner (SubmissionError naming the id). ``host``/``geometry``: the host
-    rows and their Geometry, for a file tier (``attach_files``; ``create_worker`` passes them).
+    rows and their Geometry, for a lower tier (``attach_files``; ``create_worker`` passes them).
 
     Threading contract:
 
@@ -84,10 +87,10 @@ class OffloadWorker:
       ``transfer``, ``mark``, ``error``, ``settled``). It is held to accept a job (its dependencies are computed
       and it is queued or issued in one step, so every lane sees its jobs in submission order), to issue on a
       non-synchronous executor (whose ``run`` only enqueues), to poll for completion and to retire jobs. It is
-      never held while anything is awaited: a copy, a file job, a lane thread, a synchronous executor's run.
+      never held while anything is awaited: a copy, a lower tier's job, a lane thread, a synchronous executor's run.
     - Planning a submission is pure and runs outside the lock; the job id is checked before planning and again
       when the job is accepted.
-    - Lane threads (one per direction on a synchronous executor, one for the file tier) each run their lane's
+    - Lane threads (one per direction on a synchronous executor, one for a lower tier) each run their lane's
       jobs in order; they wait for a job's dependencies without the lock, then take it to record the outcome and
       to issue jobs of issue lanes that were waiting for it.
     - ``get_finished`` only polls, so it never blocks; ``wait``, ``wait_for_layer``, ``stream_wait_for_layer`` and
@@ -99,11 +102,10 @@ class OffloadWorker:
     """
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
-                 tp: TPRank | None = None, regions_per_layer: int | None = 1, max_descriptors: int | None = None,
+                 regions_per_layer: int | None = 1, max_descriptors: int | None = None,
                  on_close: Sequence[Callable[[], Any]] = (), host: np.ndarray | None = None,
                  geometry: Geometry | None = None):
         self.layout = layout
-        self.tp = tp or TPRank()
         self.host, self.geometry = host, geometry
         self._executors, self._owned = self._make_executors(executor)
         self.target = self._executors[STORE].target
@@ -119,7 +121,7 @@ class OffloadWorker:
         self._seq = 0
         self._closed = False
         self._shut = threading.Event()  # set once shutdown has finished
-        self._files: FileLane | None = None  # set by attach_files (kvxfer.offload.attach_files)
+        self._tier: TierLane | None = None  # set by attach_tier
         self._bound: dict[Direction, BoundMemory] = {}
         self._lanes: dict[Direction, Lane] = {}
         try:
@@ -166,36 +168,38 @@ class OffloadWorker:
         """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
         return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
 
-    def attach_files(self, lane: FileLane) -> None:
-        """Use ``lane`` (a FileLane; build it with ``kvxfer.offload.attach_files``) for spills and restores.
-        Raises WorkerClosedError after shutdown, ValueError when a file tier is already attached."""
+    def attach_tier(self, lane: TierLane) -> None:
+        """Use ``lane`` (a lower tier: ``lanes.TierLane``; the file tier's is built by ``kvxfer.offload.attach_files``)
+        for spills and restores. Raises WorkerClosedError after shutdown, ValueError when one is already attached."""
         with self._lock:
             if self._closed:
                 raise WorkerClosedError("the worker was shut down")
-            if self._files is not None:
+            if self._tier is not None:
                 raise ValueError("a file tier is already attached")
             lane.step = self._step
-            self._files = lane
+            self._tier = lane
+
+    attach_files = attach_tier  # the name ``kvxfer.offload.attach_files`` called before lower tiers had one
 
     def submit_spill(self, job_id: int, chunk_ids: Ids) -> bool:
-        """Write host chunks ``chunk_ids`` to the file tier, after in-flight jobs writing them. Returns True once
+        """Write host chunks ``chunk_ids`` to the lower tier, after in-flight jobs writing them. Returns True once
         accepted; raises SubmissionError (nothing queued) or WorkerClosedError."""
-        return self._submit_file("spill", job_id, chunk_ids)
+        return self._submit_tier(SPILL, job_id, chunk_ids)
 
     def submit_restore(self, job_id: int, chunk_ids: Ids) -> bool:
-        """Read host chunks ``chunk_ids`` back from the file tier, after in-flight stores and loads touching them;
+        """Read host chunks ``chunk_ids`` back from the lower tier, after in-flight stores and loads touching them;
         later stores and loads of these chunks are ordered after it. A chunk not spilled, stale or torn fails the
         job, and the loads that read it."""
-        return self._submit_file("restore", job_id, chunk_ids)
+        return self._submit_tier(RESTORE, job_id, chunk_ids)
 
-    def _submit_file(self, op: str, job_id: Any, chunk_ids: Ids) -> bool:
+    def _submit_tier(self, op: str, job_id: Any, chunk_ids: Ids) -> bool:
         job_id = self._check_id(job_id)
-        files = self._files
-        if files is None:
+        tier = self._tier
+        if tier is None:
             raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.attach_files)")
-        direction, plan, chunks = files.plan(job_id, op, chunk_ids)
-        reads, writes = touched(op, np.zeros(0, np.int64), chunks)
-        self._accept(Job(job_id, op, direction, plan, reads, writes), files)
+        plan, chunks = tier.plan(job_id, op, chunk_ids)
+        reads, writes = touched(op, np.zeros(0, np.int64), chunks, tier.space)
+        self._accept(Job(job_id, op, TIER_OPS[op], plan, reads, writes), tier)
         return True
 
     def _check_id(self, job_id: Any) -> int:
@@ -394,7 +398,7 @@ class OffloadWorker:
         return True
 
     def _all_lanes(self) -> list[Lane]:
-        return [*self._lanes.values(), *([self._files] if self._files is not None else [])]
+        return [*self._lanes.values(), *([self._tier] if self._tier is not None else [])]
 
     def _retire(self) -> list[Job]:
         out = []
@@ -484,7 +488,7 @@ class OffloadWorker:
 
     # ---- shutting down ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Refuse new jobs, drain every accepted one, release the file tier, bound memory and executors, then the
+        """Refuse new jobs, drain every accepted one, release the lower tier, bound memory and executors, then the
         host memory. Raises OffloadError for failed jobs not yet reported; their results stay in ``get_finished``.
         A second call waits for the first to finish and returns."""
         with self._lock:
@@ -507,8 +511,8 @@ class OffloadWorker:
 
     def _close_lanes(self, on_close: bool) -> None:
         try:
-            if self._files is not None:
-                self._files.close()
+            if self._tier is not None:
+                self._tier.close()
             for lane in self._lanes.values():
                 lane.close()
             for bound in self._bound.values():

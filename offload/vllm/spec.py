@@ -22,6 +22,7 @@ from .api import (
 from .caches import CacheMap, read_caches
 from .checks import (
     UnsupportedFeatureError,
+    caches_device,
     check_blocks_per_chunk,
     check_executor_device,
     check_extra,
@@ -30,7 +31,7 @@ from .checks import (
 )
 from .worker import WorkerCore, build_worker
 
-__all__ = ["KvxferOffloadingSpec", "KvxferOffloadingWorker", "caches_device"]
+__all__ = ["KvxferOffloadingSpec", "KvxferOffloadingWorker"]
 
 _log = logging.getLogger("kvxfer.offload.vllm")
 
@@ -142,18 +143,6 @@ def _checksums(worker: OffloadWorker, num_chunks: int) -> HostChecksums:
     if worker.host is None:
         raise RuntimeError("kvxfer_verify: the offload worker holds no host rows to check")
     return HostChecksums(worker.layout, worker.host, num_chunks)
-
-
-def caches_device(spec: Any, kv_caches: Any) -> str:
-    """The device type of vLLM's ``kv_caches`` ("cpu" or "cuda"), after refusing others and a host tier of 0 chunks
-    (UnsupportedFeatureError naming the feature); shared by kvxfer's specs."""
-    kind = str(kv_caches.tensors[0].tensor.device.type) if kv_caches.tensors else "cpu"
-    if kind not in ("cpu", "cuda"):
-        raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
-    if spec.num_chunks <= 0:
-        raise UnsupportedFeatureError("a host tier of 0 chunks",
-                                      f"cpu_bytes_to_use {spec.extra_config.get('cpu_bytes_to_use')} holds no chunk")
-    return kind
 
 
 def _make_worker(spec: Any, kv_caches: Any) -> KvxferOffloadingWorker:

@@ -49,8 +49,7 @@ from .api import (
 )
 from .api import JobResult as TierJobResult
 from .caches import read_caches
-from .checks import check_executor_device, stats_path
-from .spec import caches_device
+from .checks import caches_device, check_executor_device, stats_path
 from .tiering import (
     FORMAT,
     TIER_KEYS,
