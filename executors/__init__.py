@@ -40,6 +40,7 @@ from .registry import BACKENDS, ExecutorKind
 _HELPERS = {  # not backends: configuration, pinning and NIXL memory, imported on first use
     "ExecutorConfig": "config", "get_executor": "config", "choose_executor": "config", "AutoExecutor": "config",
     "backend_for": "config",
+    "coerce_executor": "_coerce", "ExecutorSource": "_coerce", "ExecutorSpec": "_coerce", "PlanRunner": "_coerce",
     "pin_host_memory": "pinning", "PinnedRegion": "pinning", "RemoteBuffer": "nixl_memory", "PeerInfo": "nixl_memory",
     "PeerInfoError": "nixl_memory", "FileBinding": "nixl_memory",
 }

@@ -11,27 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.executors import ExecutorSpec, coerce_executor
 from kvxfer.planner import Layout, LayoutError
 
 from .shared import SharedRegion
 from .tier import HOST_BUFFER, DeviceKV, Geometry, HostTier, TPRank, build_layout, make_geometry
-from .worker import ExecutorSpec, OffloadWorker
-
-
-def _on_gpu(executor: Any) -> bool:
-    """Whether ``executor`` (an executor, a factory or a config) is a GPU executor: ``Backend.gpu`` of the
-    entry that runs it (``backend_for``). A factory is unknown until built, and an executor of a class the
-    backend table does not list (a wrapper) is not taken for one: their tier is pinned when it asks
-    (``tier.pin=True``)."""
-    from kvxfer.executors import ExecutorConfig, backend_for
-
-    if hasattr(executor, "run") and not isinstance(executor, type):
-        runs = backend_for(executor)
-    elif callable(executor):
-        return False
-    else:
-        runs = backend_for(executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor))
-    return runs is not None and runs.gpu
+from .worker import OffloadWorker
 
 
 def host_memory(device: DeviceKV, tier: HostTier, tp: TPRank) -> tuple[Geometry, np.ndarray, SharedRegion | None]:
@@ -60,7 +45,9 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
                   registrar: Any = None, **kw: Any) -> OffloadWorker:
     """An OffloadWorker over ``device`` and a host tier: builds the layout (canonical cells for replicated
     and sharded tensors in the canonical layout), maps or allocates the host rows and pins them when the
-    executor runs on a GPU (``tier.pin``; ``registrar`` overrides the platform's host registration,
+    executor runs on a GPU (``tier.pin``; None: when the backend that runs it, known without making one, is a GPU
+    executor; a factory's is not known, nor a wrapper's: pin such a tier with ``tier.pin=True``; ``registrar``
+    overrides the platform's host registration,
     cudaHostRegister or hipHostRegister). ``kw`` goes to
     OffloadWorker. The worker's ``host`` is the host rows (``geometry`` their shape); ``shutdown`` releases them
     last."""
@@ -72,8 +59,9 @@ def create_worker(device: DeviceKV, tier: HostTier, executor: ExecutorSpec = Non
         if region is not None:
             region.close()
         raise
-    pin = tier.pin if tier.pin is not None else _on_gpu(executor)
-    return assemble_worker(layout, device, (geometry, memory, region), executor, tp=tp, pin=pin,
+    source = coerce_executor(executor)  # read once: whether it runs on a GPU, then the worker's executors
+    pin = tier.pin if tier.pin is not None else bool(source.backend and source.backend.gpu)
+    return assemble_worker(layout, device, (geometry, memory, region), source, tp=tp, pin=pin,
                            registrar=registrar, strict_pin=bool(tier.pin), **kw)
 
 

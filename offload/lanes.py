@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxfer.executors import BoundMemory, Executor, Stream, Transfer
+from kvxfer.executors import BoundMemory, PlanRunner, Stream, Transfer
 from kvxfer.planner import TransferPlan
 
 if TYPE_CHECKING:  # what a lane runs; the lane never looks inside one
     from .jobs import Job
 
 
-def run(executor: Executor, plan: TransferPlan, bound: BoundMemory, stream: Stream, after: Sequence[Transfer]) -> Transfer:
+def run(executor: PlanRunner, plan: TransferPlan, bound: BoundMemory, stream: Stream, after: Sequence[Transfer]) -> Transfer:
     """``executor.run`` of ``plan`` after ``stream``'s work so far and after every transfer of ``after`` (the one
     ordering mechanism: the executor honours ``after`` on the device where it can, else on the host)."""
     transfer: Transfer = executor.run(plan, bound, stream=stream, after=list(after) or None)
@@ -44,7 +44,7 @@ class IssueLane:
 
     issues = True
 
-    def __init__(self, name: str, executor: Executor, bound: BoundMemory, barrier: TransferPlan):
+    def __init__(self, name: str, executor: PlanRunner, bound: BoundMemory, barrier: TransferPlan):
         self.name, self.executor, self.bound, self.barrier = name, executor, bound, barrier
         self.jobs: deque[Job] = deque()
         self.waiting: deque[Job] = deque()
@@ -103,7 +103,7 @@ class ThreadLane:
 class ExecutorLane(ThreadLane):
     """One direction on a synchronous executor (NumPy; Triton under the interpreter; ``auto`` without a GPU)."""
 
-    def __init__(self, name: str, executor: Executor, bound: BoundMemory):
+    def __init__(self, name: str, executor: PlanRunner, bound: BoundMemory):
         self.executor, self.bound = executor, bound
         super().__init__(name)
 

@@ -22,15 +22,13 @@ current stream), so a store never reads blocks that compute queued before it is 
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
-from pydantic import BaseModel
 
-from kvxfer.executors import BoundMemory, Executor, Stream, stream_handle
+from kvxfer.executors import BoundMemory, ExecutorSpec, PlanRunner, Stream, coerce_executor, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
 from .jobs import (
@@ -55,18 +53,17 @@ from .tier import Geometry
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
 Ids: TypeAlias = Sequence[int] | np.ndarray
-# an Executor (or an object with its interface), a zero-argument factory, or a config: ExecutorConfig, dict or path
-ExecutorSpec: TypeAlias = Executor | Callable[[], Executor] | BaseModel | Mapping[str, Any] | str | os.PathLike[str] | None
 Lane: TypeAlias = IssueLane | ThreadLane
 
 
 class OffloadWorker:
     """Store and load jobs over one layout (device buffers and the host tier), bound once.
 
-    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor (shared by
-    both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
-    ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
-    factories and configs build one executor per direction, closed by ``shutdown``. A non-synchronous executor
+    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: any form
+    ``kvxfer.executors.coerce_executor`` takes: an Executor (shared by both directions, the caller's to close), a
+    zero-argument factory, or an ExecutorConfig / dict / path / None for ``kvxfer.executors.get_executor`` (auto:
+    the GPU's DMA executor, or the NumPy executor without a GPU); factories and configs build one executor per
+    direction, closed by ``shutdown``. A non-synchronous executor
     (``Executor.synchronous`` False) must complete its runs in the order they were issued, as every kvxfer GPU
     executor does. Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a
     replicated region rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan.
@@ -142,17 +139,23 @@ class OffloadWorker:
         return IssueLane(d.value, ex, bound, plan_transfer(self.layout, empty, self.target, self._options[d]))
 
     @staticmethod
-    def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, Executor], bool]:
-        if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
-            return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # anything with run() and bind()
-        if callable(executor):  # a factory: one executor (one copy stream) per direction
-            return {STORE: executor(), LOAD: executor()}, True
-        from kvxfer.executors import ExecutorConfig, backend_for, get_executor
-
-        config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
-        runs = backend_for(config)  # auto: the kind this platform runs (a worker's jobs need one fixed executor)
-        config = config if runs is None or runs.kind is config.kind else config.model_copy(update={"kind": runs.kind})
-        return {STORE: get_executor(config), LOAD: get_executor(config)}, True
+    def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, PlanRunner], list[PlanRunner]]:
+        """One executor per direction (the same given one for both, or one made per direction: one copy stream
+        each; ``auto`` made as the kind this platform runs, since a worker's jobs need one fixed executor), and
+        those the worker made and closes."""
+        source = coerce_executor(executor)
+        made: dict[Direction, PlanRunner] = {}
+        owned: list[PlanRunner] = []
+        try:
+            for d in (STORE, LOAD):
+                made[d], mine = source.make(one_kind=True)
+                if mine:
+                    owned.append(made[d])
+        except BaseException:
+            for ex in owned:
+                ex.close()
+            raise
+        return made, owned
 
     # ---- submitting -----------------------------------------------------------------------------------------
     def submit_store(self, job_id: int, device_ids: Ids, host_ids: Ids, group_sizes: Sequence[int] | None = None,
@@ -517,9 +520,8 @@ class OffloadWorker:
                 lane.close()
             for bound in self._bound.values():
                 bound.close()
-            if self._owned:
-                for ex in {id(e): e for e in self._executors.values()}.values():
-                    ex.close()
+            for ex in self._owned:
+                ex.close()
         finally:
             for close in self._on_close if on_close else ():
                 close()

@@ -8,9 +8,11 @@ import logging
 import re
 from typing import Any
 
+from kvxfer.executors import ExecutorSpec
+
 from ..checksums import HostChecksums
 from ..tier import HostTier, SharedSpec, Sharing
-from ..worker import ExecutorSpec, OffloadWorker
+from ..worker import OffloadWorker
 from .api import (
     CPUOffloadingSpec,
     OffloadingWorker,

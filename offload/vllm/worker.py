@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.executors import ExecutorSpec
 from kvxfer.planner import Buffer, Layout, Location
 
 from ..build import assemble_worker, host_memory
 from ..checksums import ChecksumError, HostChecksums
 from ..jobs import LOAD, JobResult, OffloadError
 from ..tier import HOST_BUFFER, HostTier, host_region
-from ..worker import ExecutorSpec, OffloadWorker
+from ..worker import OffloadWorker
 from .caches import CacheMap
 from .stats import StatsFile, WorkerStats
 
