@@ -27,7 +27,8 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from .build import create_worker, host_memory
-from .jobs import DependencyError, JobResult, OffloadError, SubmissionError, WorkerClosedError
+from .graph import DependencyError
+from .jobs import JobResult, OffloadError, SubmissionError, WorkerClosedError
 from .shared import SharedRegion, SharedRegionError, find_stale, remove_stale
 from .simple import CopyParams, build_params, copy_blocks, pin_tensor
 from .tier import (
