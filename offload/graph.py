@@ -101,7 +101,7 @@ class GraphError(ValueError):
         super().__init__(f"{event}({job_id!r}): {reason}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     """One accepted job as the graph sees it: its lane, operation, the ids it reads and writes, and its state."""
 
@@ -139,6 +139,7 @@ class JobGraph:
         self._lanes: dict[Hashable, _Lane] = {}
         self._nodes: dict[int, Node] = {}  # accepted and not retired
         self._seq = 0
+        self._waiting = 0  # accepted jobs not started, over every lane
         for lane, pipelined in (lanes or {}).items():
             self.add_lane(lane, pipelined)
 
@@ -171,13 +172,20 @@ class JobGraph:
             raise GraphError("accept", job_id, f"unknown lane {lane!r} (lanes: {list(self._lanes)})")
         node = Node(job_id, self._seq, lane, op, reads, writes, expedited)
         self._seq += 1
-        self._dependencies(node)
+        if self._nodes:
+            self._dependencies(node)
         self._nodes[job_id] = node
         state = self._lanes[lane]
         state.jobs.append(node)
+        # accepting a job changes no other job's chances: it alone may start now
+        if self._may_start(node, state, state.waiting, self._done() if node.after else set()):
+            node.started = True
+            state.running += 1
+            return [job_id]
         state.waiting.append(node)
         state.expedited += expedited
-        return self._start()
+        self._waiting += 1
+        return []
 
     def fail(self, job_id: int, error: BaseException) -> None:
         """Record the own error of started job ``job_id`` before its work has ended (it stays ordered until then)."""
@@ -215,8 +223,9 @@ class JobGraph:
     # ---- queries --------------------------------------------------------------------------------------------
     def after(self, job_id: int) -> list[int]:
         """The jobs ``job_id`` is ordered after that are not done (the worker orders on their transfers)."""
-        done = self._done()
-        return [d.job_id for d in self.node(job_id).after if not (d.retired or id(d) in done)]
+        after = self.node(job_id).after
+        done = self._done() if after else set()
+        return [d.job_id for d in after if not (d.retired or id(d) in done)]
 
     def failure(self, job_id: int) -> DependencyError | None:
         """The failure ``job_id`` inherits, as known now: a job it reads from failed (on its own, or inherited)."""
@@ -259,9 +268,10 @@ class JobGraph:
     def _dependencies(self, node: Node) -> None:
         unexplained = dict(node.reads)  # id space -> ids it reads whose last writer is not found yet
         ordered = {node.lane}  # lanes whose order already covers the rest
-        done = self._done()
+        done: set[int] | None = None  # found when first needed (most jobs conflict with none)
         for prev in reversed(self._nodes.values()):
-            if prev.lane not in ordered and id(prev) not in done and conflict(node, prev):
+            if prev.lane not in ordered and conflict(node, prev) \
+                    and id(prev) not in (done := self._done() if done is None else done):
                 node.after.append(prev)
                 if not prev.expedited:  # it starts after every older job of its lane; an expedited one may not
                     ordered.add(prev.lane)
@@ -274,7 +284,7 @@ class JobGraph:
                     unexplained[space] = np.setdiff1d(left, ids, assume_unique=True)
 
     def _met(self, dep: Node, done: set[int]) -> bool:
-        return dep.retired or id(dep) in done or (dep.started and self._lanes[dep.lane].pipelined)
+        return dep.retired or (dep.started and self._lanes[dep.lane].pipelined) or id(dep) in done
 
     def _may_start(self, node: Node, state: _Lane, earlier: list[Node], done: set[int]) -> bool:
         """Whether waiting ``node`` may start: ``earlier`` (its lane's jobs before it that have not started) is
@@ -288,15 +298,18 @@ class JobGraph:
 
     def _start(self) -> list[int]:
         started: list[int] = []
-        done = self._done()  # a start ends nothing: the same set throughout
-        progress = True
+        if not self._waiting:
+            return started
+        lanes = [state for state in self._lanes.values() if state.waiting]
+        done = self._done() if any(n.after for state in lanes for n in state.waiting) else set()  # a start ends none
+        progress = bool(lanes)
         while progress:
             progress = False
-            for state in self._lanes.values():
+            for state in lanes:
                 i = 0
                 while i < len(state.waiting):
                     node = state.waiting[i]
-                    if not self._may_start(node, state, state.waiting[:i], done):
+                    if not self._may_start(node, state, state.waiting[:i] if i else [], done):
                         if not state.expedited:
                             break  # only the oldest job of a lane without expedited jobs may start
                         i += 1
@@ -305,6 +318,7 @@ class JobGraph:
                     node.started = True
                     state.running += 1
                     state.expedited -= node.expedited
+                    self._waiting -= 1
                     started.append(node.job_id)
                     progress = True
         return started
