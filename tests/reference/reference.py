@@ -38,7 +38,8 @@ SUBMODULES = ("kvxfer.planner.presets", "kvxfer.planner.viz", "kvxfer.planner.re
               "kvxfer.planner.golden", "kvxfer.planner.files", "kvxfer.executors.config", "kvxfer.executors.torch_layout",
               "kvxfer.executors.file_tier", "kvxfer.executors.nixl_memory", "kvxfer.executors.nixl_peer",
               "kvxfer.offload.files.spill", "kvxfer.offload.files.file_tier", "kvxfer.offload.files.chunk_store",
-              "kvxfer.offload.vllm", "kvxfer.offload.vllm.checks", "kvxfer.offload.checksums", "kvxfer.testing.pytest_plugin")
+              "kvxfer.offload.graph", "kvxfer.offload.vllm", "kvxfer.offload.vllm.checks", "kvxfer.offload.checksums",
+              "kvxfer.testing.pytest_plugin")
 CLI_FOLDER = "cli"
 
 
