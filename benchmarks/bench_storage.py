@@ -29,7 +29,7 @@ import numpy as np
 
 from kvxfer.executors.nixl_memory import FileBinding
 from kvxfer.executors.nixl_peer import LOOPBACK_ENV
-from kvxfer.offload.file_tier import FileTier, aligned_empty, tier_layout
+from kvxfer.offload.files.file_tier import FileTier, aligned_empty, tier_layout
 from kvxfer.planner import BlockMapping, PlanOptions, plan_transfer
 
 KIB = 1024

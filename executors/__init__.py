@@ -46,6 +46,7 @@ _moved.install()
 _HELPERS = {  # not backends: configuration, pinning, the DMA protocol, NIXL memory and files, imported on first use
     "ExecutorConfig": "config", "get_executor": "config", "choose_executor": "config", "AutoExecutor": "config",
     "backend_for": "config",
+    "coerce_executor": "_coerce", "ExecutorSource": "_coerce", "ExecutorSpec": "_coerce", "PlanRunner": "_coerce",
     "pin_host_memory": "_pinning", "PinnedRegion": "_pinning", "Runtime": "_dma", "RemoteBuffer": "nixl_memory",
     "PeerInfo": "nixl_memory", "PeerInfoError": "nixl_memory", "FileBinding": "file_trust",
     "CudaRuntime": "_ops_cuda", "HipRuntime": "_ops_hip",  # a backend's driver, to drive it as another version

@@ -4,6 +4,7 @@ imports of ``kvxfer.executors`` all read it; a backend module is imported only w
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -65,6 +66,11 @@ def backend(kind: ExecutorKind | str) -> Backend:
 
 
 def kind_of(executor: object) -> ExecutorKind | None:
-    """The kind whose class ``executor`` is an instance of (None for auto and unregistered classes)."""
-    name = type(executor).__name__
-    return next((b.kind for b in BACKENDS.values() if b.cls == name), None)
+    """The kind whose class ``executor`` is an instance of, by class (a subclass counts; a class of another module
+    with the same name does not); None for auto and unregistered classes. Only backends whose module is loaded are
+    asked: an instance's class is."""
+    for b in BACKENDS.values():
+        cls = getattr(sys.modules.get(f"{__package__}.{b.module}"), b.cls, None)
+        if isinstance(cls, type) and isinstance(executor, cls):
+            return b.kind
+    return None

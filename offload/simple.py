@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.executors import Stream, Transfer
+from kvxfer.executors import ExecutorSpec, Stream, Transfer, coerce_executor
 from kvxfer.planner import BlockMapping, Direction, Layout, PlanOptions, plan_transfer
 
 
@@ -39,7 +39,7 @@ def _named(caches: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequence[Any] | Mapping[str, Any],
-                 executor: Any = None, options: PlanOptions | None = None) -> CopyParams:
+                 executor: ExecutorSpec = None, options: PlanOptions | None = None) -> CopyParams:
     """Resolve per-layer base addresses and bytes per block once. The direction is a store (d2h) when the
     destination caches are in host memory and the sources are not, a load (h2d) when the sources are in
     host memory and the destinations are not; all-host caches count as a store. Raises LayoutError naming
@@ -51,11 +51,9 @@ def build_params(src_caches: Sequence[Any] | Mapping[str, Any], dst_caches: Sequ
     load = src_host and not all(t.device.type == "cpu" for t in dst.values())
     device, host = (dst, src) if load else (src, dst)
     layout, bindings = torch_layout.layout_from_tensors(device, host)
-    if executor is None or not hasattr(executor, "run"):
-        from kvxfer.executors import get_executor
-        executor = get_executor(executor)
-    return CopyParams(layout, Direction.H2D if load else Direction.D2H, executor,
-                      executor.bind(layout, bindings), options or PlanOptions())
+    runner, _ = coerce_executor(executor).make()  # any form the worker takes; CopyParams.close closes it
+    return CopyParams(layout, Direction.H2D if load else Direction.D2H, runner, runner.bind(layout, bindings),
+                      options or PlanOptions())
 
 
 def copy_blocks(src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray, params: CopyParams,

@@ -1,5 +1,6 @@
-"""The host tier's shape: which KV tensors there are, how ranks share them, and where each one's cells sit
-in a row of host memory. Pure values and functions (no memory is touched here).
+"""The host tier's shape: which KV tensors there are (``DeviceKV``, read from torch tensors by
+``device_from_tensors``), how ranks share them, and where each one's cells sit in a row of host memory. Values and
+functions over them (no memory is touched here).
 
 A host row holds one chunk (``blocks_per_chunk`` pages) of every tensor. Cells are carved from the start of
 the row: first the cells every rank shares (canonical layout: replicated and head-sharded tensors, in their
@@ -9,9 +10,10 @@ the direct layout). Rows are padded to ``row_align_bytes`` (4 KiB), so chunked p
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
@@ -236,3 +238,85 @@ def build_layout(device_buffers: Sequence[Buffer], tensors: Sequence[KVTensor], 
     host = Buffer(name=HOST_BUFFER, nbytes=geometry.nbytes, location=Location.HOST)
     return Layout(buffers=(*device_buffers, host), regions=tuple(host_region(t, geometry, tp) for t in tensors))
 
+
+@dataclass(frozen=True)
+class DeviceKV:
+    """The device side: buffers, the KV tensors placed in them (each stating the blocks it holds, which bound
+    the device block ids a worker accepts), and each buffer's memory."""
+
+    buffers: tuple[Buffer, ...]
+    tensors: tuple[KVTensor, ...]
+    bindings: Mapping[str, Any]
+
+
+def device_from_tensors(tensors: Mapping[str, Any], sharing: Mapping[str, Sharing | str] | None = None,
+                        shard_rows: Mapping[str, int] | None = None, groups: Mapping[str, int] | None = None, *,
+                        kv_split: bool | None = None, num_blocks: int | None = None) -> DeviceKV:
+    """DeviceKV from per-layer torch tensors, read by their shape.
+
+    A tensor is ``[num_blocks, ...]`` (``kv_split=False``: K and V packed inside each block, or one tensor per
+    layer) or ``[2, num_blocks, ...]`` (``kv_split=True``: a leading K/V dimension; the layer becomes the
+    tensors ``<name>.k`` and ``<name>.v``, two views of one buffer). ``kv_split=None`` reads it from
+    ``num_blocks``: a leading dimension of ``num_blocks`` is packed, a leading 2 followed by ``num_blocks`` is
+    split; without ``num_blocks`` a leading dimension of 2 is refused as ambiguous (2 blocks, or K and V?).
+    A block's page is the bytes of one index of the block dimension, so the dimensions inside it must be
+    row-major contiguous. Views of one storage become one buffer. ``sharing``/``shard_rows``/``groups``: per
+    layer (defaults: private, 1, group 0). Raises LayoutError naming the layer and the dimension it cannot read.
+    """
+    from kvxfer.executors import torch_layout
+
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise LayoutError("num_blocks", num_blocks, "must be a positive integer")
+    sharing, shard_rows, groups = sharing or {}, shard_rows or {}, groups or {}
+    buffers: dict[int, Buffer] = {}
+    bindings: dict[str, Any] = {}
+    out = []
+    for name, t in tensors.items():
+        for part, view in _kv_parts(name, t, kv_split, num_blocks):
+            page, stride = torch_layout.block_page(view, f"tensors[{name!r}]", 1 if len(part) > len(name) else 0)
+            storage = view.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in buffers:
+                buffers[ptr] = Buffer(name=f"device.{part}", nbytes=storage.nbytes(),
+                                      location=Location.HOST if view.device.type == "cpu" else Location.DEVICE,
+                                      device=view.device.index or 0)
+                bindings[buffers[ptr].name] = torch_layout.storage_bytes(view)
+            out.append(KVTensor(name=part, buffer=buffers[ptr].name, page_bytes=page, byte_offset=view.data_ptr() - ptr,
+                                stride_bytes=stride, num_blocks=int(view.shape[0]), group=groups.get(name, 0),
+                                sharing=Sharing(sharing.get(name, Sharing.PRIVATE)), shard_rows=shard_rows.get(name, 1)))
+    return DeviceKV(tuple(buffers.values()), tuple(out), bindings)
+
+
+def _kv_parts(name: str, t: Any, kv_split: bool | None, num_blocks: int | None) -> list[tuple[str, Any]]:
+    """The [num_blocks, ...] views of layer ``name``: itself (packed) or its K and V halves (split)."""
+    field = f"tensors[{name!r}]"
+    if not hasattr(t, "untyped_storage") or not hasattr(t, "dim"):
+        raise LayoutError(field, type(t).__name__, "expected a torch.Tensor")
+    shape = tuple(int(n) for n in t.shape)
+    if not shape:
+        raise LayoutError(f"{field}.shape", shape, "a 0-d tensor has no block dimension")
+    if kv_split is None:
+        if num_blocks is not None and shape[0] == num_blocks:
+            kv_split = False
+        elif num_blocks is not None and len(shape) >= 2 and shape[:2] == (2, num_blocks):
+            kv_split = True
+        elif num_blocks is not None:
+            raise LayoutError(f"{field}.shape[0]", shape[0], f"neither num_blocks ({num_blocks}) nor a K/V dimension of 2 "
+                              f"followed by num_blocks (shape {shape})")
+        elif shape[0] == 2:
+            raise LayoutError(f"{field}.shape[0]", 2, f"ambiguous in shape {shape}: 2 blocks, or a leading K/V "
+                              "dimension? pass kv_split=True/False or num_blocks")
+        else:
+            kv_split = False
+    if kv_split:
+        if len(shape) < 2 or shape[0] != 2:
+            raise LayoutError(f"{field}.shape[0]", shape[0], f"kv_split needs a leading K/V dimension of 2 and a block "
+                              f"dimension after it (shape {shape})")
+        parts = [(f"{name}.k", t[0]), (f"{name}.v", t[1])]
+    else:
+        parts = [(name, t)]
+    block_dim = 1 if kv_split else 0
+    if num_blocks is not None and shape[block_dim] != num_blocks:
+        raise LayoutError(f"{field}.shape[{block_dim}]", shape[block_dim],
+                          f"the block dimension holds {shape[block_dim]} blocks, not num_blocks {num_blocks} (shape {shape})")
+    return parts

@@ -1,77 +1,76 @@
 """OffloadWorker: store (device -> host) and load (host -> device) jobs for a serving engine's loop, and spill
-(host -> file) and restore (file -> host) jobs once a file tier is attached.
+(host -> a lower tier) and restore (back) jobs once a lower tier is attached (``attach_tier``; the file tier:
+``kvxfer.offload.attach_files``).
 
-One way to order. Each kind of job runs in a lane, in submission order (``lanes``). A job that conflicts with a
-pending job of another lane (one writes a device block, host chunk or file slot the other reads or writes:
-``jobs``) is ordered after the newest such job of that lane, which covers the older ones since lanes are in
-order. That is the one dependency mechanism: a job lists the jobs it is ordered after, and the executor
-receives their transfers as ``after`` (``Executor.run(plan, bound, stream, after)``), which it honours on the
-device where it can. A job waiting for a job of a host lane (the file tier, a synchronous executor) is not
-issued until that job is done, so submitting never blocks; lane order holds, and ``wait``, ``wait_for_layer``
-and ``stream_wait_for_layer`` wait for such a job to be issued first. The result equals a sequential replay in
-submission order.
+The worker plans each job, holds the lock, runs the lanes and waits; which job may start, what it is ordered
+after and what its outcome is are its job graph's (``graph.JobGraph``, a pure value the worker feeds events):
 
-Failures reach the jobs that depend on them: a job that reads bytes a failed job was to write (the last pending
-writer of an id it reads) is reported failed with a DependencyError naming that job, and it copies nothing when
-the failure is known before it starts (when it is known only later, on a GPU, its copies ran and its result is
-still a failure). A job that only overwrites what a failed job read or wrote is ordered after it, not failed.
+- Each kind of job runs in a lane, in submission order (``lanes``). A job that conflicts with a pending job of
+  another lane (one writes a device block, host chunk or tier slot the other reads or writes: ``jobs``) is
+  ordered after it. That is the one dependency mechanism: the executor receives the transfers a job is ordered
+  after as ``after`` (``Executor.run(plan, bound, stream, after)``), which it honours on the device where it can.
+  A job waiting for a job of a host lane (a lower tier, a synchronous executor) is not issued until that job has
+  ended, so submitting never blocks; ``wait``, ``wait_for_layer`` and ``stream_wait_for_layer`` wait for such a
+  job to be issued first. The result equals a sequential replay in submission order.
+- Failures reach the jobs that depend on them: a job that reads bytes a failed job was to write (the last pending
+  writer of an id it reads) is reported failed with a DependencyError naming that job, and it copies nothing when
+  the failure is known before it starts (when it is known only later, on a GPU, its copies ran and its result is
+  still a failure). A job that only overwrites what a failed job read or wrote is ordered after it, not failed.
 
 The caller's stream goes to the executor with every job: resolved on the submitting thread (None: that thread's
 current stream), so a store never reads blocks that compute queued before it is still writing.
 """
 from __future__ import annotations
 
-import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
-from pydantic import BaseModel
 
-from kvxfer.executors import BoundMemory, Executor, Stream, stream_handle
+from kvxfer.executors import BoundMemory, ExecutorSpec, PlanRunner, Stream, coerce_executor, stream_handle
 from kvxfer.planner import BlockMapping, Direction, Layout, Location, PlanError, PlanOptions, TransferPlan, plan_transfer
 
+from .graph import DependencyError, JobGraph
 from .jobs import (
     LOAD,
+    RESTORE,
+    SPILL,
     STORE,
-    DependencyError,
+    TIER_OPS,
     Job,
     JobResult,
     OffloadError,
     SubmissionError,
     WorkerClosedError,
-    conflict,
-    overlap,
     touched,
 )
-from .lanes import ExecutorLane, IssueLane, ThreadLane, run
-from .spill import FileLane
-from .tier import Geometry, TPRank
+from .lanes import ExecutorLane, IssueLane, ThreadLane, TierLane, run
+from .tier import Geometry
 
 __all__ = ["DependencyError", "JobResult", "OffloadError", "OffloadWorker", "SubmissionError", "WorkerClosedError"]
 
 Ids: TypeAlias = Sequence[int] | np.ndarray
-# an Executor (or an object with its interface), a zero-argument factory, or a config: ExecutorConfig, dict or path
-ExecutorSpec: TypeAlias = Executor | Callable[[], Executor] | BaseModel | Mapping[str, Any] | str | os.PathLike[str] | None
 Lane: TypeAlias = IssueLane | ThreadLane
 
 
 class OffloadWorker:
     """Store and load jobs over one layout (device buffers and the host tier), bound once.
 
-    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: an Executor (shared by
-    both directions), a zero-argument factory, or an ExecutorConfig / dict / path for
-    ``kvxfer.executors.get_executor`` (auto: the GPU's DMA executor, or the NumPy executor without a GPU);
-    factories and configs build one executor per direction, closed by ``shutdown``. A non-synchronous executor
-    (``Executor.synchronous`` False) must complete its runs in the order they were issued, as every kvxfer GPU
-    executor does. Which rank stores which pages is the layout's: ``Region.num_writers/writer_index`` (a
-    replicated region rotates writers over the TP ranks, see ``tier.host_region``), so each job is one plan.
-    ``regions_per_layer``: regions per layer for per-layer load completion (None: whole jobs only).
-    ``on_close``: callables run last by ``shutdown`` (releasing host memory). Ids are bounded by the layout: each
-    placement's ``num_blocks`` where it states one (a KV tensor's blocks, the host tier's chunks), else its buffer;
-    an id past them is refused by the planner (SubmissionError naming the id). ``host``/``geometry``: the host
-    rows and their Geometry, for a file tier (``attach_files``; ``create_worker`` passes them).
+    ``layout``/``bindings``: every buffer the jobs touch and its memory. ``executor``: anything
+    ``kvxfer.executors.coerce_executor`` takes: an Executor (shared by both directions, the caller's), a
+    zero-argument factory, or an ExecutorConfig / dict / path / None for ``kvxfer.executors.get_executor`` (auto:
+    the GPU's DMA executor, or the NumPy executor without a GPU); factories and configs build one executor per
+    direction, closed by ``shutdown``. A non-synchronous executor (``Executor.synchronous`` False) must complete
+    its runs in the order they were issued, as every kvxfer GPU executor does. Which rank stores which pages is the
+    layout's: ``Region.num_writers/writer_index`` (a replicated region rotates writers over the TP ranks, see
+    ``tier.host_region``), so each job is one plan. ``regions_per_layer``: regions per layer for per-layer load
+    completion (None: whole jobs only). ``on_close``: callables run last by ``shutdown`` (releasing host memory).
+    Ids are bounded by the layout: each placement's ``num_blocks`` where it states one (a KV tensor's blocks, the
+    host tier's chunks), else its buffer; an id past them is refused by the planner (SubmissionError naming the
+    id). ``host``/``geometry``: the host rows and their Geometry, for a lower tier (``attach_files``;
+    ``create_worker`` passes them).
 
     Threading contract:
 
@@ -79,17 +78,18 @@ class OffloadWorker:
       from one). A submission racing ``shutdown`` either is accepted (returns True), and is then run and
       reported before ``shutdown`` returns, or raises WorkerClosedError. ``get_finished`` reports each accepted
       job exactly once.
-    - One lock, ``_lock``, guards all bookkeeping: the pending jobs (in submission order), the sequence counter,
-      the closed flag, every lane's ``jobs``, ``waiting`` and ``mark``, and every job's state (``ready``,
-      ``transfer``, ``mark``, ``error``, ``settled``). It is held to accept a job (its dependencies are computed
-      and it is queued or issued in one step, so every lane sees its jobs in submission order), to issue on a
-      non-synchronous executor (whose ``run`` only enqueues), to poll for completion and to retire jobs. It is
-      never held while anything is awaited: a copy, a file job, a lane thread, a synchronous executor's run.
+    - One lock, ``_lock``, guards all bookkeeping: the job graph, the pending jobs, the sequence counter, the
+      closed flag, every issue lane's ``mark`` and every job's state (``ready``, ``transfer``, ``mark``,
+      ``after``, ``error``, ``elapsed_s``, ``ended``). It is held to accept a job (the graph orders it and the
+      jobs that may start are issued or queued in one step, so every lane sees its jobs in order), to issue on a
+      non-synchronous executor (whose ``run`` only enqueues), to poll for completion, to record a job's end and
+      to retire jobs. It is never held while anything is awaited: a copy, a lower tier's job, a lane thread, a
+      synchronous executor's run.
     - Planning a submission is pure and runs outside the lock; the job id is checked before planning and again
       when the job is accepted.
-    - Lane threads (one per direction on a synchronous executor, one for the file tier) each run their lane's
-      jobs in order; they wait for a job's dependencies without the lock, then take it to record the outcome and
-      to issue jobs of issue lanes that were waiting for it.
+    - Lane threads (one per direction on a synchronous executor, one for a lower tier) each run their lane's jobs
+      in order, each handed over once the graph let it start; they take the lock only to record the outcome and
+      start what was waiting for it.
     - ``get_finished`` only polls, so it never blocks; ``wait``, ``wait_for_layer``, ``stream_wait_for_layer`` and
       ``shutdown`` block without the lock.
     - No wait polls (a lane thread shares the GIL with the engine's threads): a waiter blocks on the job's ``ready``
@@ -99,11 +99,10 @@ class OffloadWorker:
     """
 
     def __init__(self, layout: Layout, bindings: Mapping[str, Any], executor: ExecutorSpec = None, *,
-                 tp: TPRank | None = None, regions_per_layer: int | None = 1, max_descriptors: int | None = None,
+                 regions_per_layer: int | None = 1, max_descriptors: int | None = None,
                  on_close: Sequence[Callable[[], Any]] = (), host: np.ndarray | None = None,
                  geometry: Geometry | None = None):
         self.layout = layout
-        self.tp = tp or TPRank()
         self.host, self.geometry = host, geometry
         self._executors, self._owned = self._make_executors(executor)
         self.target = self._executors[STORE].target
@@ -114,17 +113,19 @@ class OffloadWorker:
         self._chunked, self._groups = layout.chunked, layout.group_count
         self._device = next((b.device for b in layout.buffers if b.location is Location.DEVICE), 0)
         self._lock = threading.Lock()
-        self._pending: dict[int, Job] = {}  # accepted and not yet reported, in submission order
+        self._graph = JobGraph()
+        self._jobs: dict[int, Job] = {}  # accepted and not yet reported
         self._drained: list[Job] = []  # retired by shutdown, not yet reported
         self._seq = 0
         self._closed = False
         self._shut = threading.Event()  # set once shutdown has finished
-        self._files: FileLane | None = None  # set by attach_files (kvxfer.offload.attach_files)
+        self._tier: TierLane | None = None  # set by attach_tier
         self._bound: dict[Direction, BoundMemory] = {}
         self._lanes: dict[Direction, Lane] = {}
         try:
             for d in (STORE, LOAD):
-                self._lanes[d] = self._lane(d, bindings)
+                lane = self._lanes[d] = self._lane(d, bindings)
+                self._graph.add_lane(lane.name, lane.issues)
         except BaseException:  # what was made so far; the host memory is the caller's (on_close is not run)
             self._close_lanes(on_close=False)
             raise
@@ -140,17 +141,23 @@ class OffloadWorker:
         return IssueLane(d.value, ex, bound, plan_transfer(self.layout, empty, self.target, self._options[d]))
 
     @staticmethod
-    def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, Executor], bool]:
-        if executor is not None and hasattr(executor, "run") and not isinstance(executor, type):
-            return {STORE: executor, LOAD: executor}, False  # type: ignore[dict-item]  # anything with run() and bind()
-        if callable(executor):  # a factory: one executor (one copy stream) per direction
-            return {STORE: executor(), LOAD: executor()}, True
-        from kvxfer.executors import ExecutorConfig, backend_for, get_executor
-
-        config = executor if isinstance(executor, ExecutorConfig) else ExecutorConfig.load(executor)
-        runs = backend_for(config)  # auto: the kind this platform runs (a worker's jobs need one fixed executor)
-        config = config if runs is None or runs.kind is config.kind else config.model_copy(update={"kind": runs.kind})
-        return {STORE: get_executor(config), LOAD: get_executor(config)}, True
+    def _make_executors(executor: ExecutorSpec) -> tuple[dict[Direction, PlanRunner], list[PlanRunner]]:
+        """One executor per direction (the same given one for both, or one made per direction: one copy stream
+        each; ``auto`` made as the kind this platform runs, since a worker's jobs need one fixed executor), and
+        those the worker made and closes."""
+        source = coerce_executor(executor)
+        made: dict[Direction, PlanRunner] = {}
+        owned: list[PlanRunner] = []
+        try:
+            for d in (STORE, LOAD):
+                made[d], mine = source.make(one_kind=True)
+                if mine:
+                    owned.append(made[d])
+        except BaseException:
+            for ex in owned:
+                ex.close()
+            raise
+        return made, owned
 
     # ---- submitting -----------------------------------------------------------------------------------------
     def submit_store(self, job_id: int, device_ids: Ids, host_ids: Ids, group_sizes: Sequence[int] | None = None,
@@ -159,43 +166,47 @@ class OffloadWorker:
         from logical block ``group_starts``). Returns True once accepted; raises SubmissionError (nothing queued)
         or WorkerClosedError. ``stream``: the compute stream the copy waits for (None: the submitting thread's
         current stream), in any form the executor takes (an int handle, a torch stream)."""
-        return self._submit(STORE, job_id, device_ids, host_ids, group_sizes, group_starts, stream)
+        return self._submit(STORE, job_id, device_ids, host_ids, group_sizes, group_starts, stream, False)
 
     def submit_load(self, job_id: int, host_ids: Ids, device_ids: Ids, group_sizes: Sequence[int] | None = None,
-                    group_starts: Sequence[int] | None = None, *, stream: Stream = None) -> bool:
-        """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``."""
-        return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream)
+                    group_starts: Sequence[int] | None = None, *, stream: Stream = None, expedited: bool = False) -> bool:
+        """Copy host chunks ``host_ids`` into device blocks ``device_ids``; see ``submit_store``. ``expedited``: the
+        load may start before queued loads it does not conflict with (results still come in submission order)."""
+        return self._submit(LOAD, job_id, host_ids, device_ids, group_sizes, group_starts, stream, bool(expedited))
 
-    def attach_files(self, lane: FileLane) -> None:
-        """Use ``lane`` (a FileLane; build it with ``kvxfer.offload.attach_files``) for spills and restores.
-        Raises WorkerClosedError after shutdown, ValueError when a file tier is already attached."""
+    def attach_tier(self, lane: TierLane) -> None:
+        """Use ``lane`` (a lower tier: ``lanes.TierLane``; the file tier's is built by ``kvxfer.offload.attach_files``)
+        for spills and restores. Raises WorkerClosedError after shutdown, ValueError when one is already attached."""
         with self._lock:
             if self._closed:
                 raise WorkerClosedError("the worker was shut down")
-            if self._files is not None:
+            if self._tier is not None:
                 raise ValueError("a file tier is already attached")
             lane.step = self._step
-            self._files = lane
+            self._graph.add_lane(lane.name, lane.issues)
+            self._tier = lane
+
+    attach_files = attach_tier  # the name ``kvxfer.offload.attach_files`` called before lower tiers had one
 
     def submit_spill(self, job_id: int, chunk_ids: Ids) -> bool:
-        """Write host chunks ``chunk_ids`` to the file tier, after in-flight jobs writing them. Returns True once
+        """Write host chunks ``chunk_ids`` to the lower tier, after in-flight jobs writing them. Returns True once
         accepted; raises SubmissionError (nothing queued) or WorkerClosedError."""
-        return self._submit_file("spill", job_id, chunk_ids)
+        return self._submit_tier(SPILL, job_id, chunk_ids)
 
     def submit_restore(self, job_id: int, chunk_ids: Ids) -> bool:
-        """Read host chunks ``chunk_ids`` back from the file tier, after in-flight stores and loads touching them;
+        """Read host chunks ``chunk_ids`` back from the lower tier, after in-flight stores and loads touching them;
         later stores and loads of these chunks are ordered after it. A chunk not spilled, stale or torn fails the
         job, and the loads that read it."""
-        return self._submit_file("restore", job_id, chunk_ids)
+        return self._submit_tier(RESTORE, job_id, chunk_ids)
 
-    def _submit_file(self, op: str, job_id: Any, chunk_ids: Ids) -> bool:
+    def _submit_tier(self, op: str, job_id: Any, chunk_ids: Ids) -> bool:
         job_id = self._check_id(job_id)
-        files = self._files
-        if files is None:
+        tier = self._tier
+        if tier is None:
             raise SubmissionError(job_id, "op", op, "no file tier attached (kvxfer.offload.attach_files)")
-        direction, plan, chunks = files.plan(job_id, op, chunk_ids)
-        reads, writes = touched(op, np.zeros(0, np.int64), chunks)
-        self._accept(Job(job_id, op, direction, plan, reads, writes), files)
+        plan, chunks = tier.plan(job_id, op, chunk_ids)
+        reads, writes = touched(op, np.zeros(0, np.int64), chunks, tier.space)
+        self._accept(Job(job_id, op, TIER_OPS[op], plan), tier, reads, writes, False)
         return True
 
     def _check_id(self, job_id: Any) -> int:
@@ -210,12 +221,12 @@ class OffloadWorker:
         """Raise unless a job ``job_id`` may be accepted now (under the lock)."""
         if self._closed:
             raise WorkerClosedError(f"job {job_id!r}: the worker was shut down")
-        if job_id in self._pending:
+        if job_id in self._jobs:
             raise SubmissionError(job_id, "job_id", job_id, "a job with this id is still pending (in flight or not "
                                   "yet returned by get_finished)")
 
     def _submit(self, direction: Direction, job_id: Any, src: Ids, dst: Ids, sizes: Sequence[int] | None,
-                starts: Sequence[int] | None, stream: Stream) -> bool:
+                starts: Sequence[int] | None, stream: Stream, expedited: bool) -> bool:
         job_id = self._check_id(job_id)
         plan = self._plan(direction, job_id, src, dst, sizes, starts)
         dev, host = (dst, src) if direction is LOAD else (src, dst)  # valid ids: the plan was made from them
@@ -227,7 +238,8 @@ class OffloadWorker:
             layer_calls = plan.region[plan.call_offsets[:-1]].astype(np.int64) // self.regions_per_layer \
                 if plan.num_calls else np.zeros(0, np.int64)
         resolved = stream if stream is not None else stream_handle(None, self._device)  # on this thread
-        self._accept(Job(job_id, op, direction, plan, reads, writes, resolved, layer_calls), self._lanes[direction])
+        self._accept(Job(job_id, op, direction, plan, resolved, layer_calls), self._lanes[direction], reads, writes,
+                     expedited)
         return True
 
     def _plan(self, direction: Direction, job_id: int, src: Ids, dst: Ids, sizes: Sequence[int] | None,
@@ -251,113 +263,84 @@ class OffloadWorker:
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "group_sizes/group_starts", (sizes, starts), str(e)) from None
 
-    def _accept(self, job: Job, lane: Lane) -> None:
+    def _accept(self, job: Job, lane: Lane, reads: Any, writes: Any, expedited: bool) -> None:
         """Accept ``job`` into ``lane``: one step under the lock (or WorkerClosedError / SubmissionError)."""
         with self._lock:
             self._refuse(job.job_id)
             job.seq, self._seq, job.lane = self._seq, self._seq + 1, lane
-            self._dependencies(job)
-            self._pending[job.job_id] = job
-            lane.jobs.append(job)
-            if isinstance(lane, IssueLane):
-                lane.waiting.append(job)
-                self._pump()
-            else:
-                lane.submit(job)
+            self._jobs[job.job_id] = job
+            self._start(self._graph.accept(job.job_id, lane.name, job.op, reads, writes, expedited=expedited))
 
-    def _dependencies(self, job: Job) -> None:
-        """Fill ``job.after`` (per other lane, the newest pending conflicting job not known done) and
-        ``job.reads_from`` (the last pending writer of each id it reads, unless that one is known to have
-        succeeded). Under the lock."""
-        unexplained = dict(job.reads)  # id space -> ids it reads whose last writer is not found yet
-        ordered = {job.lane}  # lanes whose order already covers what is left
-        for prev in reversed(self._pending.values()):
-            if prev.lane not in ordered and not self._known_done(prev) and conflict(job, prev):
-                job.after.append(prev)
-                ordered.add(prev.lane)
-            for space, ids in prev.writes:
-                left = unexplained.get(space)
-                if left is not None and len(left) and overlap(left, ids):
-                    if not (prev.settled and prev.error is None):
-                        job.reads_from.append(prev)
-                    unexplained[space] = np.setdiff1d(left, ids, assume_unique=True)
-
-    @staticmethod
-    def _known_done(job: Job) -> bool:
-        return job.settled or (not job.lane.issues and job.ready.is_set())
-
-    # ---- issuing and running --------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        """Issue every waiting job of the issue lanes whose dependencies are issued (issue lanes) or done (thread
-        lanes), in lane order, until none is left that may go. Under the lock."""
-        progress = True
-        while progress:
-            progress = False
-            for lane in self._lanes.values():
-                while isinstance(lane, IssueLane) and lane.waiting and all(d.ready.is_set() for d in lane.waiting[0].after):
-                    self._issue(lane, lane.waiting.popleft())
-                    progress = True
-
-    def _issue(self, lane: IssueLane, job: Job) -> None:
-        """Run ``job`` on its lane's executor (which only issues), or fail it without running when a job it
-        reads from is known to have failed. Under the lock."""
-        source = self._failed_source(job)
+    # ---- starting and ending (under the lock, never blocking) --------------------------------------------------
+    def _start(self, job_ids: Iterable[int]) -> None:
+        """Start the jobs the graph let start, in its order, and those their starts and ends let start: fail one
+        without running it when a job it reads from is known to have failed (polling those first), else issue it
+        (issue lanes) or hand it to its lane's thread. Under the lock."""
+        queue = deque(job_ids)
         interrupt: BaseException | None = None
-        if source is not None:
-            job.error, job.mark = _inherited(source), lane.mark
-        else:
-            after = [d.mark for d in job.after if d.lane.issues and d.mark is not None]
-            try:
-                job.transfer = job.mark = run(lane.executor, job.plan, lane.bound, job.stream, after)
-            except BaseException as e:  # nothing or part of the plan was issued: successors order after an empty run
-                job.error, interrupt = e, (None if isinstance(e, Exception) else e)
-                try:
-                    job.transfer = job.mark = run(lane.executor, lane.barrier, lane.bound, job.stream, ())
-                except Exception:
+        while queue:
+            job = self._jobs[queue.popleft()]
+            while (polled := self._poll(self._graph.unsettled(job.job_id))) is not None:
+                queue += polled
+            failure = self._graph.failure(job.job_id)
+            lane = job.lane
+            if failure is not None:  # it copies nothing; successors of its lane order after the lane's last mark
+                job.error, job.ended = failure, True
+                if isinstance(lane, IssueLane):
                     job.mark = lane.mark
-        lane.mark = job.mark
-        job.ready.set()
+                job.ready.set()
+                queue += self._graph.settle(job.job_id, failure)
+                continue
+            after = [d.mark for d in map(self._jobs.__getitem__, self._graph.after(job.job_id))
+                     if d.lane.issues and d.mark is not None]
+            if isinstance(lane, ThreadLane):
+                job.after = after
+                lane.submit(job)
+                continue
+            queue += self._issue(lane, job, after)
+            if job.error is not None and not isinstance(job.error, Exception):
+                interrupt = interrupt or job.error
         if interrupt is not None:
             raise interrupt
 
+    def _issue(self, lane: IssueLane, job: Job, after: list[Any]) -> list[int]:
+        """Run ``job`` on its lane's executor (which only issues); when the run raises (nothing or part of the plan
+        issued), an empty run for later jobs to order after. The jobs that start now. Under the lock."""
+        started: list[int] = []
+        try:
+            job.transfer = job.mark = run(lane.executor, job.plan, lane.bound, job.stream, after)
+        except BaseException as e:
+            job.error = e
+            try:
+                job.transfer = job.mark = run(lane.executor, lane.barrier, lane.bound, job.stream, ())
+            except Exception:
+                job.mark = lane.mark
+            if job.transfer is None:  # nothing runs: it has ended
+                job.ended = True
+                started = self._graph.settle(job.job_id, e)
+            else:  # ordered until the empty run completes
+                self._graph.fail(job.job_id, e)
+        lane.mark = job.mark
+        job.ready.set()
+        return started
+
     def _step(self, lane: ThreadLane, job: Job) -> None:
-        """Run one job of a thread lane, on its thread: wait for its dependencies, then run it (or fail it when a
-        job it reads from failed), then record the outcome and issue what was waiting for it."""
+        """Run one job of a thread lane, on its thread (the graph let it start), then record its end and start what
+        was waiting for it."""
         error: BaseException | None = None
         seconds = 0.0
         try:
-            for d in job.after:
-                d.ready.wait()
-            with self._lock:
-                source = self._failed_source(job)
-                after = [d.mark for d in job.after if d.lane.issues and d.mark is not None]
-            if source is not None:
-                error = _inherited(source)
-            else:
-                seconds = lane.execute(job, after)
+            seconds = lane.execute(job, job.after)
         except BaseException as e:  # reported on the job, never raised on the lane's thread
             error = e
         finally:
             with self._lock:
-                job.error, job.elapsed_s = error, seconds
+                job.error, job.elapsed_s, job.ended, job.after = error, seconds, True, []
                 job.ready.set()
-                self._pump()
-
-    # ---- completion (under the lock, never blocking) ----------------------------------------------------------
-    def _failed_source(self, job: Job) -> Job | None:
-        """A job ``job`` reads from that is known to have failed (own or inherited failure), or None."""
-        for d in job.reads_from:
-            self._finished(d)  # settles it if it is done, so an inherited failure is known
-            if d.error is not None:
-                return d
-        return None
+                self._start(self._graph.settle(job.job_id, error))
 
     def _copies_done(self, job: Job) -> bool:
-        """Whether ``job`` ran (thread lanes) or its issued copies completed (issue lanes), recording their error."""
-        if not job.ready.is_set():
-            return False
-        if not job.lane.issues or job.copied or job.transfer is None:
-            return True
+        """Whether issued ``job``'s copies completed (recording their error and time). Never blocks."""
         t = job.transfer
         try:
             if not t.done():
@@ -367,40 +350,37 @@ class OffloadWorker:
                 job.elapsed_s = t.elapsed_s or 0.0
         except Exception as e:
             job.error = job.error or e
-        job.copied = True
         return True
 
-    def _finished(self, job: Job) -> bool:
-        """Whether ``job`` has finished and its outcome is final: its copies are done and so are those of every
-        job it reads from (settling them, oldest first). Never blocks."""
-        stack = [job]
-        while stack:
-            j = stack[-1]
-            if j.settled:
-                stack.pop()
-                continue
-            if not self._copies_done(j):
-                return False
-            older = [d for d in j.reads_from if not d.settled]
-            if older:
-                stack += older
-                continue
-            if j.error is None:
-                failed = next((d for d in j.reads_from if d.error is not None), None)
-                if failed is not None:
-                    j.error = _inherited(failed)
-            j.settled, j.after, j.reads_from = True, [], []
-            stack.pop()
-        return True
-
-    def _all_lanes(self) -> list[Lane]:
-        return [*self._lanes.values(), *([self._files] if self._files is not None else [])]
+    def _poll(self, job_ids: Iterable[int]) -> list[int] | None:
+        """End every issued job of ``job_ids`` whose copies completed; the jobs that start now, or None when none
+        ended. Under the lock."""
+        started: list[int] | None = None
+        for jid in job_ids:
+            job = self._jobs[jid]
+            if job.lane.issues and not job.ended and job.transfer is not None and self._copies_done(job):
+                job.ended = True
+                started = [*(started or ()), *self._graph.settle(jid, job.error)]
+        return started
 
     def _retire(self) -> list[Job]:
+        """End the issued jobs whose copies completed (each issue lane in order, up to its first one still copying),
+        start what that lets start, then take the graph's final jobs, each with its outcome. Under the lock."""
+        started: list[int] = []
+        for lane in self._lanes.values():
+            if lane.issues:
+                for jid in self._graph.started(lane.name):
+                    job = self._jobs[jid]
+                    if job.ended or job.transfer is None or not self._copies_done(job):
+                        break
+                    job.ended = True
+                    started += self._graph.settle(jid, job.error)
+        self._start(started)
         out = []
-        for lane in self._all_lanes():
-            while lane.jobs and self._finished(lane.jobs[0]):
-                out.append(lane.jobs.popleft())
+        for jid, error in self._graph.retire():
+            job = self._jobs[jid]
+            job.error = error
+            out.append(job)
         return out
 
     def get_finished(self) -> list[JobResult]:
@@ -410,13 +390,13 @@ class OffloadWorker:
             jobs = sorted(self._drained + self._retire(), key=lambda j: j.seq)
             self._drained = []
             for j in jobs:
-                del self._pending[j.job_id]
+                del self._jobs[j.job_id]
             return [j.result() for j in jobs]
 
     # ---- waiting (without the lock) ---------------------------------------------------------------------------
     def _job(self, job_id: int) -> Job:
         with self._lock:
-            job = self._pending.get(int(job_id))
+            job = self._jobs.get(int(job_id))
         if job is None:
             raise KeyError(f"job {job_id!r} is not pending (never submitted, or already returned by get_finished)")
         return job
@@ -434,19 +414,20 @@ class OffloadWorker:
         except Exception as e:
             error = e
         with self._lock:
-            if not job.copied:
-                job.copied = True
+            if not job.ended:
+                job.ended = True
                 if error is not None:
                     job.error = job.error or error
                 elif job.error is None:
                     job.elapsed_s = t.elapsed_s or 0.0
+                self._start(self._graph.settle(job.job_id, job.error))
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs have finished (ids no longer pending return at once); collect their
         results with ``get_finished``."""
         for jid in sorted(int(j) for j in job_ids):
             with self._lock:
-                job = self._pending.get(jid)
+                job = self._jobs.get(jid)
             if job is not None:
                 self._block(job)
 
@@ -484,12 +465,12 @@ class OffloadWorker:
 
     # ---- shutting down ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Refuse new jobs, drain every accepted one, release the file tier, bound memory and executors, then the
+        """Refuse new jobs, drain every accepted one, release the lower tier, bound memory and executors, then the
         host memory. Raises OffloadError for failed jobs not yet reported; their results stay in ``get_finished``.
         A second call waits for the first to finish and returns."""
         with self._lock:
             first, self._closed = not self._closed, True
-            jobs = list(self._pending.values())
+            jobs = list(self._jobs.values())
         if not first:
             self._shut.wait()
             return
@@ -507,15 +488,14 @@ class OffloadWorker:
 
     def _close_lanes(self, on_close: bool) -> None:
         try:
-            if self._files is not None:
-                self._files.close()
+            if self._tier is not None:
+                self._tier.close()
             for lane in self._lanes.values():
                 lane.close()
             for bound in self._bound.values():
                 bound.close()
-            if self._owned:
-                for ex in {id(e): e for e in self._executors.values()}.values():
-                    ex.close()
+            for ex in self._owned:
+                ex.close()
         finally:
             for close in self._on_close if on_close else ():
                 close()
@@ -525,9 +505,3 @@ class OffloadWorker:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _inherited(source: Job) -> DependencyError:
-    """The failure of a job that read what ``source`` (a failed job) was to write."""
-    return DependencyError(source.job_id, source.op, source.error or RuntimeError("failed"))
-

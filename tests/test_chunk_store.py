@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import FileBinding, PosixFileExecutor
-from kvxfer.offload.chunk_store import (
+from kvxfer.offload.files.chunk_store import (
     ENTRY,
     INDEX_HEADER_BYTES,
     ChunkStore,

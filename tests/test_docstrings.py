@@ -41,7 +41,7 @@ def _public_modules() -> list[Path]:
     return [
         path
         for folder in _package_dirs()
-        for path in sorted(folder.glob("*.py"))
+        for path in sorted(folder.rglob("*.py"))  # subpackages too (the offload wings)
         if path.name == "__init__.py" or not path.name.startswith("_")
     ]
 

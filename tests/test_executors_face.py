@@ -77,7 +77,7 @@ def test_the_readmes_architecture_section_names_every_executors_module_as_public
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
-    section = text[text.index("## Architecture"):text.index("Inside `offload/`:")]
+    section = text[text.index("## Architecture"):text.index("Inside `offload/`")]
     files = {p.stem for p in (root / "executors").glob("*.py") if p.stem != "__init__"}
     named = {m for m in files if f"`{m}`" in section}
     assert named == files, f"not in the README's architecture section: {sorted(files - named)}"

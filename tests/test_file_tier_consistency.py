@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import FileBinding
-from kvxfer.offload.file_tier import (
+from kvxfer.offload.files.file_tier import (
     HEADER_BYTES,
     RECORD,
     FileTier,

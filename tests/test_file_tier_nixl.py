@@ -27,7 +27,7 @@ pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip in
 
 from kvxfer.executors import NixlExecutor  # noqa: E402
 from kvxfer.executors.nixl_memory import FileBinding  # noqa: E402
-from kvxfer.offload.file_tier import (  # noqa: E402
+from kvxfer.offload.files.file_tier import (  # noqa: E402
     Durability,
     FileTier,
     IntegrityError,
@@ -137,7 +137,7 @@ def _zero_files(layout: Layout) -> dict[str, np.ndarray]:
 
 # ---- durability --------------------------------------------------------------------------------------------
 def test_fdatasync_policy_syncs_every_touched_file_and_its_records_before_done(executor, disk, monkeypatch):
-    import kvxfer.offload.file_tier as ft
+    import kvxfer.offload.files.file_tier as ft
 
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=3, o_direct=False)
@@ -163,7 +163,7 @@ def test_fdatasync_policy_syncs_every_touched_file_and_its_records_before_done(e
 
 
 def test_failed_fdatasync_is_a_failed_spill_naming_the_file(executor, disk, monkeypatch):
-    import kvxfer.offload.file_tier as ft
+    import kvxfer.offload.files.file_tier as ft
 
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=4, o_direct=False)
@@ -293,7 +293,7 @@ def test_closed_descriptor_is_reported_and_never_done(executor, disk):
 FULL_FS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
-    from kvxfer.offload.file_tier import FileTier, tier_layout
+    from kvxfer.offload.files.file_tier import FileTier, tier_layout
     from kvxfer.executors.nixl_memory import FileBinding
     from kvxfer.executors import NixlExecutor
     from kvxfer.planner import BlockMapping, plan_transfer
@@ -560,7 +560,7 @@ def test_records_of_an_older_format_are_refused_with_what_to_do(executor, disk):
 
 
 def test_a_record_copied_into_another_chunks_slot_is_refused_without_checksums(executor, disk):
-    from kvxfer.offload.file_tier import HEADER_BYTES, RECORD
+    from kvxfer.offload.files.file_tier import HEADER_BYTES, RECORD
 
     layout = tier_layout(REGIONS, BLOCKS, PAGE, files=FILES)
     mem = _memory(layout, seed=35, o_direct=False)

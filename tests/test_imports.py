@@ -8,6 +8,7 @@ its package's ``__init__``, except when the importer lives inside that package (
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,97 @@ def test_layers_cross_only_through_the_public_api():
             if not public:
                 bad.append(f"{m}: from {src} import {name}")
     assert not bad, "cross-layer imports outside the target's __all__:\n" + "\n".join(bad)
+
+
+# ---- offload: a core and wings --------------------------------------------------------------------------------
+OFFLOAD = ROOT / "offload"
+WINGS = ("kvxfer.offload.files", "kvxfer.offload.vllm")
+
+
+def _module_dicts(tree: ast.Module) -> dict[str, list[str]]:
+    """The module-level dicts of string values (a name table such as a face's CLASSES): name -> values."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            values = [v.value for v in node.value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            out.update({t.id: values for t in node.targets if isinstance(t, ast.Name)})
+    return out
+
+
+def by_name(module: str) -> set[str]:
+    """The internal modules ``module`` imports by name through ``importlib.import_module``: a literal name, or an
+    f-string whose fields are ``__name__``, entries of a module-level name table (each of its values), or anything
+    else (any one dotted part: every module the name could be). A leading dot is relative to this module's package
+    (a face passes its own ``__name__``)."""
+    path, is_pkg = MODULES[module]
+    tree = ast.parse(path.read_text())
+    tables, out = _module_dicts(tree), set()
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    for node in _walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args):
+            continue
+        arg, names = node.args[0], [""]
+        for part in (arg.values if isinstance(arg, ast.JoinedStr) else [arg]):
+            if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                options = [part.value]
+            elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) and part.value.id == "__name__":
+                options = [module]
+            elif (isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Subscript)
+                  and isinstance(part.value.value, ast.Name) and part.value.value.id in tables):
+                options = tables[part.value.value.id]
+            else:
+                options = ["*"]
+            names = [n + o for n in names for o in options]
+        for name in names:
+            if name.startswith("."):
+                name = package + name
+            pattern = re.compile(re.escape(name).replace(r"\*", r"[^.]+") + "$")
+            out |= {m for m in MODULES if pattern.match(m)}
+    return out
+
+
+def _room(module: str) -> str:
+    return next((w for w in WINGS if module == w or module.startswith(w + ".")), "core")
+
+
+def test_offloads_imports_hold_no_cycle_counting_imports_by_name():
+    """Imports by name through importlib (a face loading its wing's classes) count as edges too, so a face and a
+    module that imports it can no longer form a circle unseen."""
+    offload = [m for m in MODULES if m == "kvxfer.offload" or m.startswith("kvxfer.offload.")]
+    graph = {m: {t for t in IMPORTS[m].edges | by_name(m) if t in offload} for m in offload}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_offload_core_imports_no_wing_not_even_by_name():
+    """The core (offload's own modules, below its face) knows no engine and no storage kind."""
+    core = [m for m in MODULES if m.startswith("kvxfer.offload.") and _room(m) == "core"]
+    assert {"kvxfer.offload.worker", "kvxfer.offload.graph", "kvxfer.offload.lanes"} <= set(core)
+    bad = [f"{m} -> {t}" for m in core for t in IMPORTS[m].edges | by_name(m) if _room(t) != "core"]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_vllm_wing_builds_no_class_at_run_time():
+    """vLLM's classes are ordinary top-level classes: no class statement inside a function, no type(name, bases,
+    namespace), no __qualname__ rewritten; and no offload/vllm_*.py module is left beside the wing."""
+    assert not sorted(p.name for p in OFFLOAD.glob("vllm_*.py"))
+    bad = []
+    for path in sorted((OFFLOAD / "vllm").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                bad += [f"{path.name}:{c.lineno}: class {c.name} in {node.name}()" for c in ast.walk(node)
+                        if isinstance(c, ast.ClassDef)]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type" \
+                    and len(node.args) == 3:
+                bad.append(f"{path.name}:{node.lineno}: type(...) with three arguments")
+            if isinstance(node, ast.Attribute) and node.attr in ("__qualname__", "__module__") \
+                    and isinstance(node.ctx, ast.Store):
+                bad.append(f"{path.name}:{node.lineno}: {node.attr} rewritten")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_by_name_finder_finds_a_faces_name_table():
+    assert {"kvxfer.offload.vllm.spec", "kvxfer.offload.vllm.connector", "kvxfer.offload.vllm.tiers"} <= \
+        by_name("kvxfer.offload.vllm")
+    assert "kvxfer.offload.files" in by_name("kvxfer.offload")

@@ -24,7 +24,7 @@ import pytest
 from kvxfer.executors import CompletedTransfer, ExecutorError, NumpyExecutor, Transfer, wait_on_host
 from kvxfer.offload import DeviceKV, FileLane, HostTier, KVTensor, create_worker, spill_layout
 from kvxfer.offload.lanes import ThreadLane
-from kvxfer.offload.vllm_worker import WorkerCore
+from kvxfer.offload.vllm.worker import WorkerCore
 from kvxfer.planner import Buffer, Location
 
 from . import offload_cases as oc

@@ -20,7 +20,7 @@ for _k, _v in LOOPBACK_ENV.items():  # set before nixl loads UCX (kvxfer imports
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install 'kvxfer[nixl]')")
 
 from kvxfer.offload import attach_files  # noqa: E402
-from kvxfer.offload.file_tier import IntegrityError  # noqa: E402
+from kvxfer.offload.files.file_tier import IntegrityError  # noqa: E402
 
 NB, NCH, K, PAGE = 32, 12, 2, 4096
 

@@ -187,8 +187,8 @@ def test_fifty_interleaved_jobs_equal_a_sequential_replay(backend):
 def test_cross_lane_rule_is_what_makes_the_replay_hold(kind, monkeypatch):
     """Without the rule (no job ordered after another lane's), the racing lanes give other bytes. On the
     asynchronous double the race is real as on a GPU: copies run later, on another thread."""
-    import kvxfer.offload.worker as wm
-    monkeypatch.setattr(wm, "conflict", lambda a, b: False)
+    import kvxfer.offload.graph as gm
+    monkeypatch.setattr(gm, "conflict", lambda a, b: False)
     make = DOUBLES[kind]
     mismatched = 0
     for seed in range(4):
@@ -697,6 +697,41 @@ def test_jobs_waiting_for_a_file_job_are_issued_later_and_submission_never_block
     apply_copies(expected_copies(layout, BlockMapping(direction="h2d", src_ids=[3], dst_ids=[3])), want)
     oc.apply(oc.oracle(w.layout, _plain("load", [20, 21], [3])), want)
     oc.apply(oc.oracle(w.layout, _plain("store", [0, 1], [3])), want)
+    for name, arr in {**dev.bindings, "host": w.host}.items():
+        np.testing.assert_array_equal(arr, want[name], err_msg=name)
+
+
+def test_an_expedited_load_passes_queued_loads_it_does_not_conflict_with():
+    """vLLM 0.34 marks some loads expedited: one may be issued before loads queued behind a file job, unless it
+    touches what they touch; results still come in submission order, and the bytes equal a sequential replay."""
+    ex = [oc.AsyncNumpy(1), oc.AsyncNumpy(2)]
+    it = iter(ex)
+    dev = _device(12)
+    w = _worker(lambda: next(it), dev, regions_per_layer=None)
+    release, started = threading.Event(), threading.Event()
+    tier = _files(w, gate=lambda op, plan: release, started=lambda op, plan: started.set())
+    layout = spill_layout(w.geometry)
+    tier.file[:] = np.random.default_rng(4).integers(0, 256, tier.file.size, dtype=np.uint8)
+    w.host[:] = np.random.default_rng(5).integers(0, 256, w.host.size, dtype=np.uint8)
+    want = {**{k: v.copy() for k, v in dev.bindings.items()}, "host": w.host.copy(), "file": tier.file.copy()}
+    try:
+        assert w.submit_restore(1, [3])
+        assert started.wait(TIMEOUT_S)  # held in the tier
+        assert w.submit_load(2, [3], [20, 21])  # reads the restored chunk: waits for it
+        assert w.submit_load(3, [5], [22, 23], expedited=True)  # passes job 2
+        assert w.submit_load(4, [6], [20, 21], expedited=True)  # writes job 2's blocks: stays behind it
+        assert w.submit_load(5, [7], [24, 25])  # not expedited: lane order
+        assert [run[0].num_ranges > 0 for run in ex[1].runs] == [True]  # job 3 alone was issued
+        release.set()
+        w.wait([1, 2, 3, 4, 5])
+        res = w.get_finished()
+    finally:
+        release.set()
+        w.shutdown()
+    assert [(r.job_id, r.success) for r in res] == [(1, True), (2, True), (3, True), (4, True), (5, True)]
+    apply_copies(expected_copies(layout, BlockMapping(direction="h2d", src_ids=[3], dst_ids=[3])), want)
+    for chunk, blocks in (([3], [20, 21]), ([5], [22, 23]), ([6], [20, 21]), ([7], [24, 25])):
+        oc.apply(oc.oracle(w.layout, _plain("load", blocks, chunk)), want)
     for name, arr in {**dev.bindings, "host": w.host}.items():
         np.testing.assert_array_equal(arr, want[name], err_msg=name)
 

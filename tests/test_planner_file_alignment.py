@@ -23,7 +23,7 @@ from kvxfer.planner.alignment import check_alignment
 
 
 def _layout(page: int, align: int, mem_align: int = 1, blocks: int = 16) -> Layout:
-    from kvxfer.offload.file_tier import tier_layout
+    from kvxfer.offload.files.file_tier import tier_layout
 
     lay = tier_layout(3, blocks, page, files=2, align_bytes=align)
     bufs = [b.model_copy(update={"align_bytes": mem_align}) if b.name == "mem" else b for b in lay.buffers]

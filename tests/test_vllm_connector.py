@@ -68,3 +68,31 @@ def test_failed_jobs_of_any_rank_survive_the_merge_of_the_ranks_metadata() -> No
     merged = rank0.aggregate(rank1).aggregate(OffloadingWorkerMetadata(completed_jobs={3: 1}))
     assert isinstance(merged, KvxferWorkerMetadata)
     assert merged.completed_jobs == {1: 2, 2: 2, 3: 1} and merged.failed_jobs == {2}
+
+
+def test_the_worker_metadata_pickles_as_an_ordinary_class_of_its_module() -> None:
+    """What crosses vLLM's processes pickles by reference to the class's own module, which a process that unpickles
+    it imports like any other (no attribute set on a face, no renamed class)."""
+    import pickle
+
+    import kvxfer.offload.vllm.connector as connector
+
+    meta = KvxferWorkerMetadata(completed_jobs={1: 1}, failed_jobs={1})
+    assert (type(meta).__module__, type(meta).__qualname__) == ("kvxfer.offload.vllm.connector", "KvxferWorkerMetadata")
+    assert KvxferWorkerMetadata is connector.KvxferWorkerMetadata
+    back = pickle.loads(pickle.dumps(meta))
+    assert type(back) is KvxferWorkerMetadata and back.failed_jobs == {1} and back.completed_jobs == {1: 1}
+    assert b"kvxfer.offload.vllm.connector" in pickle.dumps(meta)
+
+
+@pytest.mark.parametrize("name", ["KvxferOffloadingSpec", "KvxferOffloadingWorker", "KvxferOffloadingConnector",
+                                  "KvxferWorkerMetadata", "FailedTransfers", "KvxferTieringOffloadingSpec",
+                                  "KvxferFileTier"])
+def test_every_class_vllm_loads_by_name_is_a_top_level_class_of_its_module(name: str) -> None:
+    import importlib
+
+    import kvxfer.offload.vllm as face
+
+    cls = getattr(face, name)
+    module = importlib.import_module(f"kvxfer.offload.vllm.{face.CLASSES[name]}")
+    assert cls.__module__ == module.__name__ and cls.__qualname__ == name and getattr(module, name) is cls

@@ -23,7 +23,7 @@ from kvxfer.offload.vllm import (
     build_worker,
     read_caches,
 )
-from kvxfer.offload.vllm_checks import check_extra
+from kvxfer.offload.vllm.checks import check_extra
 
 from .vllm.doubles import vllm_types
 

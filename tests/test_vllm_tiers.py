@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.offload.chunk_store import StoreConfigError, namespace
+from kvxfer.offload.files.chunk_store import StoreConfigError, namespace
 from kvxfer.offload.vllm import read_caches
-from kvxfer.offload.vllm_tiers import tier_config, tier_identity, tiering_geometry
+from kvxfer.offload.vllm.tiering import tier_config, tier_identity, tiering_geometry
 from tests.test_vllm_spec import PAGE, V, _caches, _layers, _mapping, _run
 
 needs_vllm = pytest.mark.skipif(not V.real, reason="needs vLLM's classes: run with `make test-vllm` (.venv-vllm)")

@@ -1,5 +1,5 @@
 """Bad inputs of kvxfer's vLLM backend for the catalogue in test_bad_inputs.py: the start-up checks of
-``kv_connector_extra_config`` (kvxfer.offload.vllm_checks, which need no vLLM; a shared region's name taken by
+``kv_connector_extra_config`` (kvxfer.offload.vllm.checks, which need no vLLM; a shared region's name taken by
 another file is offload_bad_inputs.py's). Each row is ``(name, act, error, fragment)`` as in offload_bad_inputs.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvxfer.offload.vllm_checks import (
+from kvxfer.offload.vllm.checks import (
     ExtraConfigError,
     check_blocks_per_chunk,
     check_executor_device,

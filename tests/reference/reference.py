@@ -16,12 +16,15 @@ What it documents, and how it differs from a bare ``pdoc`` run:
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import html
 import importlib
+import importlib.util
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import tomllib
@@ -34,8 +37,9 @@ ENTRY_POINTS = ("kvxfer.planner.plan_transfer", "kvxfer.planner.TransferPlan", "
 SUBMODULES = ("kvxfer.planner.presets", "kvxfer.planner.viz", "kvxfer.planner.render", "kvxfer.planner.diff",
               "kvxfer.planner.golden", "kvxfer.planner.files", "kvxfer.executors.config", "kvxfer.executors.torch_layout",
               "kvxfer.executors.file_tier", "kvxfer.executors.nixl_memory", "kvxfer.executors.nixl_peer",
-              "kvxfer.offload.spill", "kvxfer.offload.file_tier", "kvxfer.offload.vllm", "kvxfer.offload.vllm_checks",
-              "kvxfer.offload.vllm_connector", "kvxfer.offload.checksums", "kvxfer.testing.pytest_plugin")
+              "kvxfer.offload.files.spill", "kvxfer.offload.files.file_tier", "kvxfer.offload.files.chunk_store",
+              "kvxfer.offload.graph", "kvxfer.offload.vllm", "kvxfer.offload.vllm.checks", "kvxfer.offload.checksums",
+              "kvxfer.testing.pytest_plugin")
 CLI_FOLDER = "cli"
 
 
@@ -62,17 +66,31 @@ def _resolve_lazy_names(module: Any) -> None:
             try:
                 setattr(module, name, getattr(module, name))
             except ImportError as e:  # needs an optional dependency this machine lacks (vLLM's classes)
-                doc = getattr(module, "_LAZY", {}).get(name)
-                if isinstance(doc, str):
+                doc = _class_doc(module, name)
+                if doc is not None:
                     setattr(module, name, _stand_in(module.__name__, name, doc, str(e)))
             except AttributeError:
                 pass  # a submodule pdoc imports itself, or a name that cannot load here: the check reports it
+        value = vars(module).get(name)
+        if isinstance(value, ModuleType) and hasattr(value, "__path__") and value.__name__ == f"{module.__name__}.{name}":
+            _resolve_lazy_names(value)  # a subpackage (a wing): pdoc reads its __all__ while walking
+
+
+def _class_doc(module: Any, name: str) -> str | None:
+    """The docstring of class ``name`` that ``module`` loads on first access from the submodule its ``CLASSES`` table
+    names, read from that submodule's source (importing it needs what this machine lacks)."""
+    sub = getattr(module, "CLASSES", {}).get(name)
+    spec = importlib.util.find_spec(f"{module.__name__}.{sub}") if isinstance(sub, str) else None
+    if spec is None or spec.origin is None:
+        return None
+    tree = ast.parse(Path(spec.origin).read_text())
+    return next((ast.get_docstring(n) for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
 
 
 def _stand_in(module: str, name: str, doc: str, missing: str) -> type:
     """A class that documents ``module.name`` where it cannot be built (its base class needs a package this
-    machine lacks): the docstring the module keeps for it, and what building it needs."""
-    return type(name, (), {"__doc__": f"{doc}\n\nBuilt on first access; it needs: {missing}", "__module__": module})
+    machine lacks): its docstring, read from its source, and what building it needs."""
+    return type(name, (), {"__doc__": f"{doc}\n\nLoaded on first access; it needs: {missing}", "__module__": module})
 
 
 def _entry_rank(fullname: str) -> int:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["KVXFER_KEYS", "VLLM_KEYS", "ExtraConfigError", "UnsupportedFeatureError", "available_memory",
-           "check_blocks_per_chunk", "check_executor_device", "check_extra", "check_host_memory", "check_stats_path",
-           "stats_path"]
+           "caches_device", "check_blocks_per_chunk", "check_executor_device", "check_extra", "check_host_memory",
+           "check_stats_path", "stats_path"]
 
 KVXFER_KEYS = ("kvxfer_executor", "kvxfer_shared_region", "kvxfer_stats_path", "kvxfer_verify")
 # the keys vLLM 0.32's offloading connector, its CPU and tiering specs and its spec factory read
@@ -207,3 +207,15 @@ def check_blocks_per_chunk(extra: Mapping[str, Any], blocks_per_chunk: int, toke
                            f"a chunk of {blocks_per_chunk} block(s) of {tokens_per_block} tokens holds {tokens} tokens, more "
                            f"than the model's max_model_len {max_model_len}: no chunk would ever fill, so nothing would be "
                            "offloaded")
+
+
+def caches_device(spec: Any, kv_caches: Any) -> str:
+    """The device type of vLLM's ``kv_caches`` ("cpu" or "cuda"), after refusing others and a host tier of 0 chunks
+    (UnsupportedFeatureError naming the feature); shared by kvxfer's specs."""
+    kind = str(kv_caches.tensors[0].tensor.device.type) if kv_caches.tensors else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
+    if spec.num_chunks <= 0:
+        raise UnsupportedFeatureError("a host tier of 0 chunks",
+                                      f"cpu_bytes_to_use {spec.extra_config.get('cpu_bytes_to_use')} holds no chunk")
+    return kind

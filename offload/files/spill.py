@@ -1,6 +1,8 @@
-"""Spilling the worker's host chunks to a file and restoring them: jobs reported like stores and loads.
+"""The file tier as the worker's lower tier: spilling its host chunks to a file and restoring them, jobs reported
+like stores and loads.
 
-``attach_files(worker, path)`` builds a FileLane over the worker's host memory and hands it to the worker; then
+``attach_files(worker, path)`` builds a FileLane (a ``TierLane``, the interface the core's worker takes a lower
+tier by) over the worker's host memory and hands it to the worker (``attach_tier``); then
 ``worker.submit_spill(job_id, chunk_ids)`` / ``worker.submit_restore(job_id, chunk_ids)`` queue jobs whose
 results come out of ``get_finished`` (``JobResult.op`` "spill" / "restore"), which ``wait`` covers and
 ``shutdown`` drains.
@@ -26,11 +28,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer.executors import Transfer, wait_on_host
+from kvxfer.executors import FileBinding, Transfer, wait_on_host
 from kvxfer.planner import (
     BlockMapping,
     Buffer,
-    Direction,
     Layout,
     Location,
     Placement,
@@ -40,13 +41,12 @@ from kvxfer.planner import (
     plan_transfer,
 )
 
-from .file_tier import Durability, FileBinding, FileTier, StorageExecutor
-from .jobs import Job, SubmissionError
-from .lanes import ThreadLane
-from .tier import HOST_BUFFER, Geometry
+from ..jobs import SPILL, TIER_OPS, Job, SubmissionError
+from ..lanes import TierLane
+from ..tier import HOST_BUFFER, Geometry
+from .file_tier import Durability, FileTier, StorageExecutor
 
 FILE_BUFFER = "file"
-SPILL, RESTORE = "spill", "restore"
 
 
 def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
@@ -68,27 +68,29 @@ def spill_layout(geometry: Geometry, align_bytes: int = 1) -> Layout:
 
 
 class Worker(Protocol):
-    """What ``attach_files`` needs of an OffloadWorker: its host rows and their geometry, and ``attach_files``."""
+    """What ``attach_files`` needs of an OffloadWorker: its host rows and their geometry, and ``attach_tier``."""
 
     host: np.ndarray | None
     geometry: Geometry | None
 
-    def attach_files(self, lane: FileLane) -> None:
+    def attach_tier(self, lane: TierLane) -> None:
         """Use ``lane`` for spills and restores."""
 
 
-class FileLane(ThreadLane):
+class FileLane(TierLane):
     """Spill and restore jobs of one worker, run in submission order on a background thread through ``tier``
     (a FileTier over ``layout``, whose memory buffer is the worker's host rows). ``owned``: closed with the lane."""
+
+    space = "file slots"
 
     def __init__(self, tier: FileTier, layout: Layout, owned: tuple[Any, ...] = ()):
         self.tier, self.layout, self._owned = tier, layout, owned
         super().__init__("files")
 
-    def plan(self, job_id: int, op: str, chunk_ids: Sequence[int] | np.ndarray) -> tuple[Direction, TransferPlan, np.ndarray]:
-        """The direction, plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``;
-        SubmissionError (naming ``chunk_ids``) if it cannot be planned."""
-        direction = Direction.D2H if op == SPILL else Direction.H2D
+    def plan(self, job_id: int, op: str, chunk_ids: Sequence[int] | np.ndarray) -> tuple[TransferPlan, np.ndarray]:
+        """The plan and sorted unique chunk ids of ``op`` over host chunks ``chunk_ids``; SubmissionError (naming
+        ``chunk_ids``) if it cannot be planned."""
+        direction = TIER_OPS[op]
         try:
             m = BlockMapping(direction=direction, src_ids=chunk_ids, dst_ids=chunk_ids)
             plan = plan_transfer(self.layout, m)
@@ -96,7 +98,7 @@ class FileLane(ThreadLane):
             raise SubmissionError(job_id, "chunk_ids", e.value, e.reason, e.index) from None
         except (TypeError, ValueError) as e:
             raise SubmissionError(job_id, "chunk_ids", chunk_ids, str(e)) from None
-        return direction, plan, np.unique(np.asarray(m.src_ids, dtype=np.int64))
+        return plan, np.unique(np.asarray(m.src_ids, dtype=np.int64))
 
     def execute(self, job: Job, after: Sequence[Transfer]) -> float:
         """Wait on the host for the device jobs it is ordered after, then spill or restore; raises the tier's
@@ -146,7 +148,7 @@ def attach_files(worker: Worker, file: str | os.PathLike[str] | FileBinding, *,
         raise
     lane = FileLane(tier, layout, owned)
     try:
-        worker.attach_files(lane)
+        worker.attach_tier(lane)
     except BaseException:
         lane.close()
         raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .jobs import JobResult
+from ..jobs import JobResult
 
 __all__ = ["StatsFile", "WorkerStats"]
 

@@ -13,15 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.executors import ExecutorSpec
 from kvxfer.planner import Buffer, Layout, Location
 
-from .build import assemble_worker, host_memory
-from .checksums import ChecksumError, HostChecksums
-from .jobs import LOAD, JobResult, OffloadError
-from .tier import HOST_BUFFER, HostTier, host_region
-from .vllm_caches import CacheMap
-from .vllm_stats import StatsFile, WorkerStats
-from .worker import ExecutorSpec, OffloadWorker
+from ..build import assemble_worker, host_memory
+from ..checksums import ChecksumError, HostChecksums
+from ..jobs import LOAD, JobResult, OffloadError
+from ..tier import HOST_BUFFER, HostTier, host_region
+from ..worker import OffloadWorker
+from .caches import CacheMap
+from .stats import StatsFile, WorkerStats
 
 __all__ = ["JobFailedError", "WorkerCore", "build_worker"]
 

@@ -51,18 +51,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer.executors import (
-    BindingError,
-    BoundMemory,
-    ExecutorError,
-    Stream,
-    Transfer,
-    file_trust,
-    nixl_memory,  # FileBinding (CONTRACT: FileBinding stays in executors)
-)
+from kvxfer.executors import BindingError, BoundMemory, ExecutorError, FileBinding, Stream, Transfer, file_trust
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
-
-FileBinding = nixl_memory.FileBinding
 
 MAGIC = b"KVXSUM02"
 OLD_MAGICS = (b"KVXSUM01",)
@@ -229,7 +219,7 @@ class _Records:
     def _data_fd(fb: FileBinding) -> int:
         if fb.fd is None:
             raise BindingError(str(fb.path), "not open", "the data file must be open before its records")
-        return fb.fd
+        return int(fb.fd)
 
     def _check_header(self, name: str, fields: tuple[int, int, int], target: bytes, data: os.stat_result,
                       offset: int) -> bytes:

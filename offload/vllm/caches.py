@@ -10,9 +10,8 @@ from typing import Any
 
 from kvxfer.planner import LayoutError
 
-from .build import DeviceKV, device_from_tensors
-from .tier import HostLayout, KVTensor, Sharing, TPRank
-from .vllm_checks import UnsupportedFeatureError
+from ..tier import DeviceKV, HostLayout, KVTensor, Sharing, TPRank, device_from_tensors
+from .checks import UnsupportedFeatureError
 
 __all__ = ["CacheMap", "read_caches"]
 

@@ -1,29 +1,39 @@
-"""The spec side of kvxfer's vLLM backend: ``KvxferOffloadingSpec`` and ``KvxferOffloadingWorker`` built over
-vLLM's base classes (``spec_classes``, called by ``kvxfer.offload.vllm`` on first access, with vLLM imported), and
-the start-up checks that need vLLM's sizing or the KV caches it hands over.
+"""The spec side of kvxfer's vLLM backend: ``KvxferOffloadingSpec`` (over vLLM's CPU spec) and
+``KvxferOffloadingWorker`` (over vLLM's ``OffloadingWorker``), and the start-up checks that need vLLM's sizing or the
+KV caches it hands over. Imports vLLM (``api``); ``kvxfer.offload.vllm`` loads it on first access of these names.
 """
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
 from typing import Any
 
-from .checksums import HostChecksums
-from .tier import HostTier, SharedSpec, Sharing
-from .vllm_caches import CacheMap, read_caches
-from .vllm_checks import (
+from kvxfer.executors import ExecutorSpec
+
+from ..checksums import HostChecksums
+from ..tier import HostTier, SharedSpec, Sharing
+from ..worker import OffloadWorker
+from .api import (
+    CPUOffloadingSpec,
+    OffloadingWorker,
+    TransferResult,
+    get_current_vllm_config_or_none,
+    get_inner_dp_world_group,
+    get_world_group,
+)
+from .caches import CacheMap, read_caches
+from .checks import (
     UnsupportedFeatureError,
+    caches_device,
     check_blocks_per_chunk,
     check_executor_device,
     check_extra,
     check_host_memory,
     stats_path,
 )
-from .vllm_worker import WorkerCore, build_worker
-from .worker import ExecutorSpec, OffloadWorker
+from .worker import WorkerCore, build_worker
 
-__all__ = ["caches_device", "spec_classes"]
+__all__ = ["KvxferOffloadingSpec", "KvxferOffloadingWorker"]
 
 _log = logging.getLogger("kvxfer.offload.vllm")
 
@@ -34,11 +44,6 @@ def _region_name(engine_id: str) -> str:
 
 def _all_ranks_barrier() -> None:
     """Every worker rank of this engine reaches this point (vLLM's CPU process group)."""
-    from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
-        get_inner_dp_world_group,
-        get_world_group,
-    )
-
     try:
         group = get_inner_dp_world_group()
     except AssertionError:  # no inner data-parallel group in this configuration
@@ -48,8 +53,6 @@ def _all_ranks_barrier() -> None:
 
 def _max_model_len() -> int | None:
     """The engine's max_model_len, when vLLM has set its current config (it does while connectors are built)."""
-    from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found, unused-ignore]
-
     config = get_current_vllm_config_or_none()
     model = getattr(config, "model_config", None)
     return int(model.max_model_len) if model is not None and model.max_model_len else None
@@ -85,43 +88,49 @@ def _check_worker(spec: Any, caches: CacheMap, device: str, creator: bool) -> No
         check_host_memory(spec.num_chunks * per_chunk, extra.get("cpu_bytes_to_use"), "/dev/shm" if shared else None)
 
 
-def _worker_class(base: Any, doc: str) -> type:
-    class KvxferOffloadingWorker(WorkerCore, base):  # type: ignore[misc]
-        __doc__ = doc
+class KvxferOffloadingWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
+    """vLLM's ``OffloadingWorker`` over a kvxfer ``OffloadWorker`` (the behaviour is ``WorkerCore``'s):
+    ``submit_store``/``submit_load`` turn vLLM's load/store specs into jobs, ``get_finished`` returns
+    vLLM's ``TransferResult`` with bytes and seconds (a failed job raises ``JobFailedError``, or is reported
+    failed once ``report_failures`` was called), ``wait`` blocks for the named jobs, ``shutdown`` drains."""
 
-    return KvxferOffloadingWorker
 
+class KvxferOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``OffloadingSpec`` for kvxfer: vLLM's CPU spec (sizing from ``cpu_bytes_to_use`` and
+    ``blocks_per_chunk``, ``CPUOffloadingManager``, eviction policies, metric definitions) whose worker side is
+    ``KvxferOffloadingWorker``. vLLM builds it from ``kv_connector_extra_config`` (``spec_name``
+    "KvxferOffloadingSpec", ``spec_module_path`` "kvxfer.offload.vllm"), which may also hold the
+    ``kvxfer_*`` keys described in ``kvxfer.offload.vllm``. Refuses at start-up, in one line naming the key and value
+    (``ExtraConfigError``) or the feature (``UnsupportedFeatureError``), both ValueErrors: unknown ``kvxfer_*`` keys,
+    a bad executor config or one whose kind cannot copy the engine's KV caches, a counters path that cannot be
+    written, a host tier larger than the memory available, a chunk longer than the model's ``max_model_len``,
+    unsupported KV caches; warns about keys neither vLLM nor kvxfer reads. Subclasses may override
+    ``make_executor`` (the executor the workers run) and extend ``extra_keys`` (keys they read)."""
 
-def _spec_class(base: Any, worker_cls: type, result: type, doc: str) -> type:
-    """KvxferOffloadingSpec over vLLM's CPUOffloadingSpec ``base``, building ``worker_cls`` workers."""
+    extra_keys: tuple[str, ...] = ()  # keys of kv_connector_extra_config a subclass reads (not warned about)
+    kvxfer_shared_region: bool  # the host tier is one region shared by the engine's ranks
 
-    class KvxferOffloadingSpec(base):  # type: ignore[misc]
-        __doc__ = doc
-        extra_keys: tuple[str, ...] = ()  # keys of kv_connector_extra_config a subclass reads (not warned about)
-        kvxfer_shared_region: bool  # the host tier is one region shared by the engine's ranks
+    def __init__(self, config: Any):
+        for warning in check_extra(config.extra_config, self.extra_keys, config.parallel.world_size):
+            _log.warning("kvxfer: %s", warning)
+        self.kvxfer_shared_region = bool(config.extra_config.get("kvxfer_shared_region", config.parallel.world_size > 1))
+        super().__init__(config)
+        _check_spec(self)
 
-        def __init__(self, config: Any):
-            for warning in check_extra(config.extra_config, self.extra_keys, config.parallel.world_size):
-                _log.warning("kvxfer: %s", warning)
-            self.kvxfer_shared_region = bool(config.extra_config.get("kvxfer_shared_region", config.parallel.world_size > 1))
-            super().__init__(config)
-            _check_spec(self)
+    def _uses_shared_region(self) -> bool:
+        # vLLM sizes chunks and enables the replicated single-copy layout by this answer
+        return self.kvxfer_shared_region
 
-        def _uses_shared_region(self) -> bool:
-            # vLLM sizes chunks and enables the replicated single-copy layout by this answer
-            return self.kvxfer_shared_region
+    def make_executor(self) -> ExecutorSpec:
+        """The executor (or config, or factory) the workers run: ``kvxfer_executor``."""
+        executor: ExecutorSpec = self.extra_config.get("kvxfer_executor")
+        return executor
 
-        def make_executor(self) -> ExecutorSpec:
-            """The executor (or config, or factory) the workers run: ``kvxfer_executor``."""
-            executor: ExecutorSpec = self.extra_config.get("kvxfer_executor")
-            return executor
-
-        def get_worker(self, kv_caches: Any) -> Any:
-            if getattr(self, "_worker", None) is None:
-                self._worker = _make_worker(self, kv_caches, worker_cls, result)
-            return self._worker
-
-    return KvxferOffloadingSpec
+    def get_worker(self, kv_caches: Any) -> Any:
+        """This rank's KvxferOffloadingWorker over vLLM's ``kv_caches`` (made on the first call)."""
+        if getattr(self, "_worker", None) is None:
+            self._worker = _make_worker(self, kv_caches)
+        return self._worker
 
 
 def _shared_spec(spec: Any) -> SharedSpec | None:
@@ -138,19 +147,7 @@ def _checksums(worker: OffloadWorker, num_chunks: int) -> HostChecksums:
     return HostChecksums(worker.layout, worker.host, num_chunks)
 
 
-def caches_device(spec: Any, kv_caches: Any) -> str:
-    """The device type of vLLM's ``kv_caches`` ("cpu" or "cuda"), after refusing others and a host tier of 0 chunks
-    (UnsupportedFeatureError naming the feature); shared by kvxfer's specs."""
-    kind = str(kv_caches.tensors[0].tensor.device.type) if kv_caches.tensors else "cpu"
-    if kind not in ("cpu", "cuda"):
-        raise UnsupportedFeatureError(f"KV caches on {kind!r} devices", "kvxfer runs on the CPU, CUDA and ROCm")
-    if spec.num_chunks <= 0:
-        raise UnsupportedFeatureError("a host tier of 0 chunks",
-                                      f"cpu_bytes_to_use {spec.extra_config.get('cpu_bytes_to_use')} holds no chunk")
-    return kind
-
-
-def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> Any:
+def _make_worker(spec: Any, kv_caches: Any) -> KvxferOffloadingWorker:
     """The KvxferOffloadingWorker of ``spec`` over vLLM's ``kv_caches`` (see KvxferOffloadingSpec)."""
     p, extra = spec.config.parallel, spec.extra_config
     kind = caches_device(spec, kv_caches)
@@ -177,20 +174,8 @@ def _make_worker(spec: Any, kv_caches: Any, worker_cls: type, result: type) -> A
     except BaseException:
         worker.shutdown()
         raise
-    out = worker_cls(worker, result, stream=torch.cuda.current_stream if kind == "cuda" else None,
-                     stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size), checksums=checksums)
+    out = KvxferOffloadingWorker(worker, TransferResult, stream=torch.cuda.current_stream if kind == "cuda" else None,
+                                 stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size),
+                                 checksums=checksums)
     out.stats.host_tier = "shared" if shared else "private"
     return out
-
-
-def spec_classes(docs: Mapping[str, str]) -> dict[str, type]:
-    """KvxferOffloadingWorker and KvxferOffloadingSpec over vLLM's classes (imports vLLM), with ``docs`` as docstrings."""
-    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
-        OffloadingWorker,
-        TransferResult,
-    )
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
-
-    worker = _worker_class(OffloadingWorker, docs["KvxferOffloadingWorker"])
-    return {"KvxferOffloadingWorker": worker,
-            "KvxferOffloadingSpec": _spec_class(CPUOffloadingSpec, worker, TransferResult, docs["KvxferOffloadingSpec"])}
