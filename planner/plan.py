@@ -183,6 +183,15 @@ class TransferPlan:
                            self.region_page_bytes, self.attrs, self.passes_attrs, self.requested_copies,
                            self.aliases, self.region_writers, dict(self._store), self.call_offsets),)
 
+    def copy(self) -> TransferPlan:
+        """This plan over arrays only the copy holds: every column and ``call_offsets`` read once, into new frozen
+        memory (as a pickle or ``copy.copy`` makes it). A consumer that reads a plan more than once (a file tier
+        checks chunks, writes records and runs I/O from the same ranges) works on such a copy: no holder of the
+        plan (a ``torch.from_numpy`` alias of a column, a subclass) can change a value between its reads. Call it
+        as ``TransferPlan.copy(plan)``, so a subclass cannot stand in. The copy is not checked yet (``check``);
+        PlanError for fields of the wrong shape."""
+        return _restore(TransferPlan.__reduce__(self)[1][0])
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TransferPlan is immutable")
 
