@@ -162,8 +162,10 @@ class BoundMemory:
 
     def owners(self) -> list[Any]:
         """The objects bound (arrays, tensors, ...) and the memory held for them, for keeping them alive while
-        copies are in flight."""
-        return [*(m.owner for m in self.memory if m is not None), *self.held]
+        copies are in flight: exports of their own for buffers the binding holds by an export, so a buffer stays
+        pinned until the copies finish even when the binding is closed first."""
+        exports = [memoryview(e.obj) for k in self._kept if k is not None for e in k.exports]
+        return [*(m.owner for m in self.memory if m is not None), *self.held, *exports]
 
     def _probe(self, i: int) -> None:
         """Read every probe of buffer ``i``; BindingError (``_moved``) for the first that changed since bind."""

@@ -776,3 +776,25 @@ def test_a_tensor_over_read_only_memory_is_refused_as_a_destination_and_reads_as
     """)
     assert "READ" in out and "WROTE" not in out, out
     assert f"REFUSED bindings['{_dst(_plan())}'] = Tensor(4096,): read-only, but the plan writes to it" in out, out
+
+
+def test_a_buffer_stays_pinned_while_a_transfer_over_it_is_in_flight_though_its_binding_was_closed(shim_path):
+    """A DMA transfer keeps what it copies until it is seen finished: for a buffer the binding holds by an export,
+    an export of its own, so closing the binding first does not let the buffer grow under the copies."""
+    from .shims.runtime import ShimCudaRuntime
+
+    ex = CudaBatchExecutor(ShimCudaRuntime(shim_path, V13))
+    plan = _plan()
+    buf = bytearray(LAYOUT.buffers[0].nbytes)
+    array = np.frombuffer(buf, np.uint8)
+    bound = ex.bind(LAYOUT, _memory(**{_dst(plan).replace(".", "_"): array}))
+    array.base.release()  # numpy's own export goes: the binding's, then the transfer's, pin the buffer
+    transfer = ex.run(plan, bound)
+    bound.close()
+    with pytest.raises(BufferError):
+        buf.extend(bytes(1 << 20))
+    transfer.wait()
+    del array
+    gc.collect()
+    buf.extend(bytes(1 << 20))
+    ex.close()
