@@ -67,7 +67,7 @@ class BoundMemory:
     buffer was not bound). Holds what owns each memory (``Memory.keep``, see ``_owners``), and refuses a run
     (BindingError naming the buffer) when an owner the plan touches moved or freed its memory since bind (its
     probes: a tensor after ``set_`` or ``.data = ...``, an array or the array owning its memory after
-    ``__setstate__``, a ctypes buffer after ``ctypes.resize``, a file mapping unmapped). ``close()`` runs the
+    ``__setstate__``, a ctypes buffer after ``ctypes.resize``). ``close()`` runs the
     executor's release hooks (deregistration) once, then lets go of every memory (``memory`` is then all None);
     a closed BoundMemory refuses to lower.
 
@@ -184,7 +184,7 @@ class BoundMemory:
             where = f"{describe(owner)} ({e.reason})"
         bound = f"[{m.address:#x}, +{m.nbytes})" if m is not None else "?"
         raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound}: {probe.what} changed "
-                           "since bind (set_, .data =, __setstate__, a resize, a reallocation or an unmap); bind it again")
+                           "since bind (set_, .data =, __setstate__, a resize or a reallocation); bind it again")
 
     def buffer_runs(self, src: np.ndarray, dst: np.ndarray, check: Callable[[], None]) -> BufferRuns:
         """What a run needs of the buffers its ranges touch (``src``, ``dst``: the buffer index of each run of ranges
