@@ -9,7 +9,9 @@ region) in three block patterns. Per pattern, medians of --repeat interleaved ca
   executors keep (each column read once, the addresses bounded as written, sizes of one value kept written);
 - ``new+owners``: the same with every buffer bound to a CPU torch tensor, so each run also asks every tensor the
   plan touches where it points (the check that refuses a tensor moved since bind);
-- ``owners``: that check alone (``BoundMemory.buffer_runs`` of a set already seen: the probes).
+- ``owners``: that check alone (``BoundMemory.buffer_runs`` of a set already seen: the probes);
+- ``owners(views)``: the same with every buffer bound to a numpy view of a larger array, as aligned host memory
+  is (``kvxfer.offload.aligned_empty``): the probes read the view's data pointer and its owner's.
 Memory is never touched by lowering, so pages are 64 bytes (the tensors stay small); costs depend on counts.
 
     git show 7a517d5:executors/binding.py > /tmp/old_binding.py
@@ -60,8 +62,10 @@ def main() -> None:
         raw[b.name] = RawMemory(base, b.nbytes, b.location, device=b.device if b.location is Location.DEVICE else None)
         base += b.nbytes + 4096
     tensors = {b.name: torch.zeros(b.nbytes, dtype=torch.uint8) for b in layout.buffers}
+    views = {b.name: np.zeros(b.nbytes + 64, np.uint8)[64:] for b in layout.buffers}
     bound_raw = bind(layout, raw)
     bound_torch = bind(layout, tensors, check=lambda buf, mem: None)  # as a DMA executor binds (any location)
+    bound_views = bind(layout, views, check=lambda buf, mem: None)
     bound_old = None if old is None else old.bind(layout, {k: (m.address, m.nbytes) for k, m in raw.items()})
     print(f"{args.regions} regions x {args.blocks} blocks, {len(layout.buffers)} buffers; median of {args.repeat}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -76,6 +80,7 @@ def main() -> None:
             "new": lambda: bound_raw.descriptors(plan, arrays),
             "new+owners": lambda: bound_torch.descriptors(plan, arrays),
             "owners": lambda: bound_torch.buffer_runs(src_bufs, dst_bufs, lambda: None),
+            "owners(views)": lambda: bound_views.buffer_runs(src_bufs, dst_bufs, lambda: None),
         }
         if bound_old is not None:
             fns["old"] = lambda: bound_old.lower(plan, out)
@@ -87,7 +92,7 @@ def main() -> None:
         if "old" in ms:
             line += f"  old {ms['old']:7.3f} ms  old+nbytes {ms['old+nbytes']:7.3f} ms"
         line += (f"  new {ms['new']:7.3f} ms  new+owners {ms['new+owners']:7.3f} ms  owners {ms['owners']:7.3f} ms"
-                 f" ({len(np.unique(touched))} buffers)")
+                 f"  owners(views) {ms['owners(views)']:7.3f} ms ({len(np.unique(touched))} buffers)")
         if "old" in ms:
             line += (f"  new/old {ms['new'] / ms['old']:5.2f}  new/(old+nbytes) {ms['new'] / ms['old+nbytes']:5.2f}  "
                      f"new+owners/(old+nbytes) {ms['new+owners'] / ms['old+nbytes']:5.2f}")

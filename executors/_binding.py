@@ -1,7 +1,8 @@
 """Keeping memory bound: ``bind`` resolves (``_memory``) and checks each buffer of a layout once
-and returns a ``BoundMemory``, which keeps the memory itself alive (for a torch tensor its storage, whose size is
-then fixed where torch allows it; for a numpy array a weak reference, which stops numpy resizing it) and refuses a
-run whose bound object no longer points at the bound memory.
+and returns a ``BoundMemory``, which holds what owns each memory (``_owners``: the chain of views to the owner,
+a tensor's storage with its size fixed where torch allows it, a weak reference that stops numpy resizing an
+array, a buffer export that stops a bytearray growing or an mmap closing), refuses a run whose owner moved or
+freed the memory (its probes), and lets go of all of it at ``close``.
 
 ``BoundMemory.descriptors(plan)`` lowers a plan onto it (``_lowering``): the plan checked once
 (``TransferPlan.check``), each of its columns read once, the values used bounded against the bound sizes, and
@@ -23,6 +24,7 @@ from kvxfer.planner import Buffer, ColumnPool, Layout, TransferPlan, freeze
 
 from ._lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lower
 from ._memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
+from ._owners import Kept, Probe
 
 OWNER_SETS = 64  # sets of buffer runs whose bases and owner probes a BoundMemory keeps
 REPEAT_RANGES = 1 << 18  # bases repeated per range are kept up to this many ranges per side
@@ -32,9 +34,10 @@ _VALUE = operator.attrgetter("value")
 @dataclass(frozen=True, eq=False)
 class BufferRuns:
     """What runs over one set of buffer runs share (``BoundMemory.buffer_runs``): the base address of each run's
-    buffer on each side, and the owner probes of those buffers (indices, numpy data-pointer fields, probe calls,
-    and the values bound: fields' then calls'). ``repeated`` keeps, per side, the bases repeated for the last
-    run length asked (a grid of equal runs adds them in one contiguous addition, faster than a broadcast)."""
+    buffer on each side, and the owner probes of those buffers (indices, ctypes fields such as numpy data
+    pointers, probe calls, and the values bound: fields' then calls'). ``repeated`` keeps, per side, the bases
+    repeated for the last run length asked (a grid of equal runs adds them in one contiguous addition, faster
+    than a broadcast)."""
 
     src_bases: np.ndarray
     dst_bases: np.ndarray
@@ -61,11 +64,12 @@ class BoundMemory:
     """Memory bound once to a table of buffers; ``descriptors(plan)`` turns a plan's ranges into addresses.
 
     ``buffers`` is the table bound (a Layout's buffers); ``memory[i]`` is buffer i's Memory (None where the
-    buffer was not bound). Keeps each memory alive itself (``Memory.hold``: a tensor's storage), and refuses a
-    run (BindingError naming the buffer) when a bound owner the plan touches no longer points at the bound
-    memory (``Memory.probe``: a tensor after ``set_``, ``.data = ...`` or a resize, an array after
-    ``__setstate__``). ``close()`` runs the executor's release hooks (deregistration) once; a closed BoundMemory
-    refuses to lower.
+    buffer was not bound). Holds what owns each memory (``Memory.keep``, see ``_owners``), and refuses a run
+    (BindingError naming the buffer) when an owner the plan touches moved or freed its memory since bind (its
+    probes: a tensor after ``set_`` or ``.data = ...``, an array or the array owning its memory after
+    ``__setstate__``, a ctypes buffer after ``ctypes.resize``). ``close()`` runs the
+    executor's release hooks (deregistration) once, then lets go of every memory (``memory`` is then all None);
+    a closed BoundMemory refuses to lower.
 
     What stays the same from run to run is found once: buffer tables found equal to the bound one, the probes a
     set of buffers needs, and the last start offsets for the largest range size last asked (a plan keeps its own
@@ -88,36 +92,51 @@ class BoundMemory:
         self.extra: dict[str, Any] = {}  # executor-specific state made at bind time (registrations)
         self._on_close: list[Callable[[], None]] = []
         self._tables: list[tuple[Buffer, ...]] = [buffers]  # buffer tables already found equal (kept alive)
-        self.held: tuple[Any, ...] = tuple(m.hold() if m.hold is not None else m.owner for m in memory if m is not None)
-        self._probes: list[tuple[Callable[[], int], int] | None] = [None] * len(buffers)
-        for i, m in enumerate(memory):
-            if m is not None and m.probe is not None:
-                value = m.probe()  # read after ``hold``: the value of the memory held
-                self._probes[i] = (m.probe, value)
-                if value != m.address:
-                    self._moved(i)
-        self.probed = np.array([p is not None for p in self._probes], dtype=bool)
+        self._kept: list[Kept | None] = [m.keep() if m is not None and m.keep is not None else None for m in memory]
+        self.held: tuple[Any, ...] = tuple(k.objects if k is not None else m.owner
+                                           for m, k in zip(memory, self._kept) if m is not None)
+        self._probes: list[tuple[tuple[Probe, int], ...]] = [()] * len(buffers)
+        for i, k in enumerate(self._kept):
+            if k is not None and k.probes:
+                self._probes[i] = tuple((p, p.read()) for p in k.probes)  # read after ``keep``: the memory held
+                for p, value in self._probes[i]:
+                    if p.want is not None and value != p.want:
+                        self._moved(i, p)
+        self.probed = np.array([bool(p) for p in self._probes], dtype=bool)
         self._last: tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] | None = None  # see last_starts
         self._buffer_runs: dict[tuple[str, bytes, bytes], BufferRuns] = {}  # see buffer_runs
         self._pool = ColumnPool()  # memory for offsets read once (see private)
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"BoundMemory({len(self.buffers)} buffers, by {self.bound_by}, closed)"
         n = sum(m is not None for m in self.memory)
-        return f"BoundMemory({n} of {len(self.buffers)} buffers, by {self.bound_by}{', closed' if self.closed else ''})"
+        return f"BoundMemory({n} of {len(self.buffers)} buffers, by {self.bound_by})"
 
     def on_close(self, fn: Callable[[], None]) -> None:
         """Register ``fn`` to run on ``close()``; hooks run once, last registered first."""
         self._on_close.append(fn)
 
     def close(self) -> None:
-        """Release what binding made (registrations) and the memory held; afterwards runs with this BoundMemory are
-        refused. Transfers still in flight keep their own references to the memory."""
+        """Release what binding made (registrations), then let go of every memory: nothing bound is referred to
+        afterwards (the object bound, its views, what owns it, exports: an owner may resize it or close its
+        mmap again), and runs with this BoundMemory are refused. Transfers still in flight keep their own
+        references to the memory."""
         if self.closed:
             return
         self.closed = True
-        while self._on_close:
-            self._on_close.pop()()
-        self.held = ()
+        try:
+            while self._on_close:
+                self._on_close.pop()()
+        finally:
+            for k in self._kept:
+                if k is not None:
+                    k.release()
+            self._kept = [None] * len(self.buffers)
+            self.memory = (None,) * len(self.buffers)
+            self.held, self.extra = (), {}
+            self._probes = [()] * len(self.buffers)
+            self._buffer_runs = {}
 
     def __enter__(self) -> BoundMemory:
         return self
@@ -127,23 +146,35 @@ class BoundMemory:
 
     def verify(self) -> None:
         """Re-resolve every binding and refuse, naming the buffer, one whose memory moved or changed size since
-        bind (a tensor re-allocated or resized): such memory must be bound again. Costs one resolve per buffer;
-        runs check the owners they touch more cheaply (``Memory.probe``)."""
-        for buf, m in zip(self.buffers, self.memory):
+        bind (a tensor re-allocated or resized), or whose owner moved its memory (every probe read): such memory
+        must be bound again. Costs one resolve per buffer; runs check the owners they touch more cheaply (the
+        probes alone)."""
+        if self.closed:
+            raise BindingError(self.bound_by, repr(self), "this BoundMemory was closed; bind again")
+        for i, (buf, m) in enumerate(zip(self.buffers, self.memory)):
             if m is None or isinstance(m.owner, (RawMemory, tuple)) or hasattr(m.owner, "__kvxfer_memory__"):
                 continue  # memory given by address cannot move
             now = resolve(m.owner, buf.name)
             if (now.address, now.nbytes) != (m.address, m.nbytes):
                 raise BindingError(buf.name, f"[{now.address:#x}, +{now.nbytes})",
                                    f"changed since bind (was [{m.address:#x}, +{m.nbytes})); bind it again")
+            self._probe(i)
 
     def owners(self) -> list[Any]:
         """The objects bound (arrays, tensors, ...) and the memory held for them, for keeping them alive while
-        copies are in flight."""
-        return [*(m.owner for m in self.memory if m is not None), *self.held]
+        copies are in flight: exports of their own for buffers the binding holds by an export, so a buffer stays
+        pinned until the copies finish even when the binding is closed first."""
+        exports = [memoryview(e.obj) for k in self._kept if k is not None for e in k.exports]
+        return [*(m.owner for m in self.memory if m is not None), *self.held, *exports]
 
-    def _moved(self, i: int) -> None:
-        """Raise BindingError: buffer ``i``'s owner no longer points at the memory bound."""
+    def _probe(self, i: int) -> None:
+        """Read every probe of buffer ``i``; BindingError (``_moved``) for the first that changed since bind."""
+        for p, value in self._probes[i]:
+            if p.read() != value:
+                self._moved(i, p)
+
+    def _moved(self, i: int, probe: Probe) -> None:
+        """Raise BindingError: ``probe`` of buffer ``i`` changed: its owner moved or freed the memory bound."""
         m = self.memory[i]
         owner = m.owner if m is not None else None
         try:
@@ -152,8 +183,8 @@ class BoundMemory:
         except BindingError as e:
             where = f"{describe(owner)} ({e.reason})"
         bound = f"[{m.address:#x}, +{m.nbytes})" if m is not None else "?"
-        raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound} (set_, .data =, "
-                           "__setstate__ or a reallocation since bind); bind it again")
+        raise BindingError(self.buffers[i].name, where, f"no longer the memory bound, {bound}: {probe.what} changed "
+                           "since bind (set_, .data =, __setstate__, a resize or a reallocation); bind it again")
 
     def buffer_runs(self, src: np.ndarray, dst: np.ndarray, check: Callable[[], None]) -> BufferRuns:
         """What a run needs of the buffers its ranges touch (``src``, ``dst``: the buffer index of each run of ranges
@@ -172,24 +203,21 @@ class BoundMemory:
                 self._buffer_runs[key] = entry  # one assignment: threads that race here store equal entries
         if entry.want and list(map(_VALUE, entry.fields)) + list(map(operator.call, entry.calls)) != entry.want:
             for i in entry.index:
-                probe, value = self._probes[i]  # type: ignore[misc]
-                if probe() != value:
-                    self._moved(i)
+                self._probe(i)
         return entry
 
     def _probes_for(self, src: np.ndarray, dst: np.ndarray) -> tuple[list[int], list[Any], list[Callable[[], int]], list[int]]:
         """(buffer indices, ctypes fields, probe calls, values bound: fields' then calls') for the owners of
-        buffers ``src`` and ``dst`` that have a probe."""
+        buffers ``src`` and ``dst`` that have probes."""
         todo = np.zeros(len(self.buffers), dtype=bool)
         todo[src] = True
         todo[dst] = True
         todo &= self.probed
         index = np.flatnonzero(todo).tolist()
-        memory = [self.memory[i] for i in index]
-        by_field = [(i, m) for i, m in zip(index, memory) if m is not None and m.probe_field is not None]
-        by_call = [(i, m) for i, m in zip(index, memory) if m is not None and m.probe_field is None]
-        want = [self._probes[i][1] for i, _ in by_field + by_call]  # type: ignore[index]
-        return index, [m.probe_field for _, m in by_field], [m.probe for _, m in by_call], want  # type: ignore[misc]
+        probes = [pv for i in index for pv in self._probes[i]]
+        by_field = [(p, v) for p, v in probes if p.field is not None]
+        by_call = [(p, v) for p, v in probes if p.field is None]
+        return index, [p.field for p, _ in by_field], [p.read for p, _ in by_call], [v for _, v in by_field + by_call]
 
     def private(self, n: int) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
         """(a uint64 array of ``n`` elements to write, a call returning it frozen once written): memory for

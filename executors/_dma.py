@@ -159,7 +159,8 @@ def driver_result(result: Any, call: str, error_name: Any) -> Any:
 @dataclass(eq=False, kw_only=True)
 class DmaTransfer(Transfer):
     """A plan issued on a copy stream. ``marks[i]`` completes with call i (the last is ``end``); ``keep``
-    holds the bound memory until the copies finish; the events are destroyed with the transfer."""
+    holds the bound memory until the copies are seen finished (``done`` or ``wait``), then lets it go (a closed
+    binding's memory is then held by nothing here); the events are destroyed with the transfer."""
 
     runtime: Runtime = field(repr=False)
     start: int = field(repr=False)
@@ -169,12 +170,16 @@ class DmaTransfer(Transfer):
 
     def done(self) -> bool:
         """Whether the transfer's end event has completed; ExecutorError if the driver reports an error."""
-        return _query(self.runtime, self.end)
+        finished = _query(self.runtime, self.end)
+        if finished:
+            self.keep = ()
+        return finished
 
     def wait(self) -> DmaTransfer:
         """Block until every call is done and set ``elapsed_s`` from the start/end events; returns self. Raises ExecutorError."""
         rt = self.runtime
         check(rt, rt.event_synchronize(self.end), "event synchronize")
+        self.keep = ()
         code, ms = rt.event_elapsed_ms(self.start, self.end)
         check(rt, code, "event elapsed time")
         self.elapsed_s = ms / 1e3

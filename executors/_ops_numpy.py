@@ -131,6 +131,7 @@ class NumpyExecutor(Executor):
 
     def paths(self, plan: TransferPlan) -> dict[HostPath, tuple[int, int]]:
         """(ranges, bytes) that each path would move for ``plan`` in this process now (``explain`` prints it)."""
+        plan.check_shape()
         sizes = plan.nbytes.astype(np.uint64)
         out = {p: (0, 0) for p in HostPath}
         pieces = self._pieces(sizes, plan.column_runs("src_buf"), plan.column_runs("dst_buf"), plan.call_offsets,

@@ -7,6 +7,10 @@ writes) of one plan overlap; the calls themselves release the GIL. A file buffer
 (``file_trust.FileBinding``: opened without following a link, created private to its owner, foreign files refused,
 O_DIRECT on request), host memory to a numpy array or CPU tensor.
 
+Each run does its I/O through descriptors of its own (``FileBinding.duplicate``: checked to be the file bound, and
+closed once the run's pieces have finished): a descriptor closed behind the binding, whose number another file then
+took, is refused before any I/O, and one closed during the run cannot send the run's bytes to another file.
+
 What a result promises: ``wait()`` returns once every byte of every range has been read or written, and raises
 ExecutorError naming the call (``pread``/``pwrite``), the plan's call and range and the errno for a failed call;
 a read that comes up short (the file ends first) is a failure, never a success with fewer bytes. A failed run may
@@ -180,23 +184,37 @@ class PosixFileExecutor(Executor):
             after: After = None) -> PosixTransfer:
         """Read or write every range once every ``after`` transfer has finished; returns at once. Raises
         BindingError, PlanError or RunArgumentError before any I/O for a malformed plan, a range outside its bound
-        buffer, or a range that is not between a file and host memory; ``wait()`` raises ExecutorError."""
+        buffer, a range that is not between a file and host memory, or a file whose descriptor was closed (or
+        now refers to another file); ``wait()`` raises ExecutorError."""
         t0 = time.perf_counter()
         if stream is not None:
             stream_handle(stream)
         waits = transfers_after(after)
         bound = self.memory_for(plan, memory)
         low = bound.offsets(plan)
-        pieces = self._pieces(plan, bound, low)
-        wait_on_host(waits)
-        out = PosixTransfer(nbytes=plan.total_bytes, ranges=plan.num_ranges, calls=plan.num_calls, started=t0)
-        per = -(-len(pieces) // self.threads) if pieces else 0
-        out.futures = [self._pool.submit(self._move, pieces[i:i + per]) for i in range(0, len(pieces), per or 1)]
+        fds = _RunFiles()  # holds one use for this call, and one per task submitted
+        try:
+            pieces = self._pieces(plan, bound, low, fds)
+            wait_on_host(waits)
+            out = PosixTransfer(nbytes=low.total_bytes, ranges=low.num_ranges, calls=low.num_calls, started=t0)
+            per = -(-len(pieces) // self.threads) if pieces else 0
+            for i in range(0, len(pieces), per or 1):
+                fds.use()
+                try:
+                    future = self._pool.submit(self._move, pieces[i:i + per])
+                except BaseException:
+                    fds.release()
+                    raise
+                out.futures.append(future)
+                future.add_done_callback(fds.release)
+        finally:
+            fds.release()
         return out
 
-    def _pieces(self, plan: TransferPlan, bound: BoundMemory, low: Lowered) -> list[_Piece]:
-        """Every range as pieces of at most ``piece_bytes`` (read or write by which side is the file); BindingError
-        for a range with files or host memory on both sides."""
+    def _pieces(self, plan: TransferPlan, bound: BoundMemory, low: Lowered, fds: _RunFiles) -> list[_Piece]:
+        """Every range as pieces of at most ``piece_bytes`` (read or write by which side is the file), through the
+        run's own descriptor of each file (``fds``); BindingError for a range with files or host memory on both
+        sides, or a file whose descriptor was closed or now refers to another file."""
         is_file = np.array([isinstance(m.owner, FileMemory) if m is not None else False for m in bound.memory])
         src_buf, dst_buf = low.buffer_column("src"), low.buffer_column("dst")
         reads = is_file[src_buf]
@@ -215,9 +233,7 @@ class PosixFileExecutor(Executor):
                                                                  calls.tolist())):
             (fb, fo), (mb, mo) = ((sb, so), (db, do)) if read else ((db, do), (sb, so))
             fm: FileMemory = bound.memory[fb].owner
-            fd = fm.binding.fd
-            if fd is None:
-                raise BindingError(plan.buffers[fb].name, repr(fm.binding), "the file was closed; bind it again")
+            fd = fds.of(fb, fm.binding, plan.buffers[fb].name)
             for at in range(0, n, self.piece_bytes):
                 size = min(self.piece_bytes, n - at)
                 out.append(_Piece(READ if read else WRITE, fd, fm.binding.offset + fo + at,
@@ -247,6 +263,42 @@ class PosixFileExecutor(Executor):
     def close(self) -> None:
         """Wait for the pieces in flight and stop the threads."""
         self._pool.shutdown(wait=True)
+
+
+class _RunFiles:
+    """One run's own descriptors of its files (``FileBinding.duplicate``, one per file buffer it touches), closed
+    when the last use is released: ``run`` holds one while it prepares and submits, each task submitted one until
+    it has finished."""
+
+    def __init__(self) -> None:
+        self.fds: dict[int, int] = {}
+        self._uses = 1
+        self._lock = threading.Lock()
+
+    def of(self, buffer: int, binding: FileBinding, name: str) -> int:
+        """The run's descriptor of file buffer ``buffer`` (made the first time); BindingError for a binding closed,
+        or whose descriptor now refers to another file."""
+        fd = self.fds.get(buffer)
+        if fd is None:
+            if binding.fd is None:
+                raise BindingError(name, repr(binding), "the file was closed; bind it again")
+            fd = self.fds[buffer] = binding.duplicate()
+        return fd
+
+    def use(self) -> None:
+        """One more use (a task about to be submitted)."""
+        with self._lock:
+            self._uses += 1
+
+    def release(self, _: Any = None) -> None:
+        """One use ended (a task finished: a future's done callback); the last closes every descriptor."""
+        with self._lock:
+            self._uses -= 1
+            last = self._uses == 0
+        if last:
+            fds, self.fds = list(self.fds.values()), {}
+            for fd in fds:
+                os.close(fd)
 
 
 def _read(p: _Piece) -> int:

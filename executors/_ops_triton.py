@@ -88,7 +88,8 @@ def _torch_target(torch: Any) -> Target:
 @dataclass(eq=False, kw_only=True)
 class TritonTransfer(Transfer):
     """Kernels launched on the executor's stream: torch events ``start``/``end``, ``marks[i]`` done with call i;
-    ``keep`` holds the bound memory and the uploaded tile table until the kernels finish."""
+    ``keep`` holds the bound memory and the uploaded tile table until the kernels are seen finished (``done`` or
+    ``wait``)."""
 
     start: Any = field(repr=False)
     end: Any = field(repr=False)
@@ -99,12 +100,16 @@ class TritonTransfer(Transfer):
 
     def done(self) -> bool:
         """Whether the end event has completed; ExecutorError if the GPU reports an error."""
-        return bool(_guard("event query", lambda: self.end.query()))
+        finished = bool(_guard("event query", lambda: self.end.query()))
+        if finished:
+            self.keep = ()
+        return finished
 
     def wait(self) -> TritonTransfer:
         """Block until the kernels finish and set ``elapsed_s`` from the start/end events; returns self. Raises
         ExecutorError if the GPU reports an error."""
         _guard("event synchronize", self.end.synchronize)
+        self.keep = ()
         self.elapsed_s = self.start.elapsed_time(self.end) / 1e3
         return self
 

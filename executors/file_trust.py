@@ -207,15 +207,37 @@ class FileBinding:
     # ---- checks --------------------------------------------------------------------------------------------
     def file_size(self) -> int:
         """The file's size now; BindingError when the descriptor was closed or now refers to another file."""
+        fd, _ = self.opened()
+        return self._checked(fd, fd).st_size
+
+    def duplicate(self) -> int:
+        """A new descriptor of the file opened (``os.dup``), for I/O that must reach this file and no other: checked
+        to be the file opened (st_dev, st_ino) after it is made, so it stays this file whatever later happens to
+        ``fd``. BindingError when the descriptor was closed or now refers to another file (closed behind the
+        binding and reused). The caller closes it."""
         fd, buf = self.opened()
+        try:
+            dup = os.dup(fd)
+        except OSError as e:
+            raise BindingError(buf.name, f"fd {fd} of {str(self.path)!r}", f"descriptor unusable: {e.strerror}") from None
+        try:
+            self._checked(dup, fd)
+        except BaseException:
+            os.close(dup)
+            raise
+        return dup
+
+    def _checked(self, fd: int, shown: int) -> os.stat_result:
+        """The status of ``fd``, which must be the file opened; BindingError naming descriptor ``shown`` otherwise."""
+        _, buf = self.opened()
         try:
             st = os.fstat(fd)
         except OSError as e:
-            raise BindingError(buf.name, f"fd {fd} of {str(self.path)!r}", f"descriptor unusable: {e.strerror}") from None
+            raise BindingError(buf.name, f"fd {shown} of {str(self.path)!r}", f"descriptor unusable: {e.strerror}") from None
         if (st.st_dev, st.st_ino) != self._identity:
-            raise BindingError(buf.name, f"fd {fd} of {str(self.path)!r}", "the descriptor was closed and now refers "
+            raise BindingError(buf.name, f"fd {shown} of {str(self.path)!r}", "the descriptor was closed and now refers "
                                "to another file")
-        return st.st_size
+        return st
 
     def check_extent(self, end: int) -> None:
         """Raise BindingError unless the file holds buffer bytes up to ``end`` (a READ must not come up short)."""

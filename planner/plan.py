@@ -183,6 +183,15 @@ class TransferPlan:
                            self.region_page_bytes, self.attrs, self.passes_attrs, self.requested_copies,
                            self.aliases, self.region_writers, dict(self._store), self.call_offsets),)
 
+    def copy(self) -> TransferPlan:
+        """This plan over arrays only the copy holds: every column and ``call_offsets`` read once, into new frozen
+        memory (as a pickle or ``copy.copy`` makes it). A consumer that reads a plan more than once (a file tier
+        checks chunks, writes records and runs I/O from the same ranges) works on such a copy: no holder of the
+        plan (a ``torch.from_numpy`` alias of a column, a subclass) can change a value between its reads. Call it
+        as ``TransferPlan.copy(plan)``, so a subclass cannot stand in. The copy is not checked yet (``check``);
+        PlanError for fields of the wrong shape."""
+        return _restore(TransferPlan.__reduce__(self)[1][0])
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TransferPlan is immutable")
 
@@ -197,6 +206,8 @@ class TransferPlan:
         dense = self._dense.get(name)
         if dense is None:  # two threads may both expand: equal arrays, either kept
             dense = self._dense[name] = freeze(col.dense())
+        check_dtype(name, dense, COLUMNS[name])
+        check_length(name, len(dense), len(col))
         return dense
 
     def column_runs(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -252,8 +263,11 @@ class TransferPlan:
         check_sizes(*self.column_runs("nbytes"))
         sizes = np.array([b.nbytes for b in self.buffers] or [0], dtype=np.uint64)
         names = [b.name for b in self.buffers]
+        n, nbytes = self.num_ranges, np.repeat(*self.column_runs("nbytes"))  # the runs just bounded, expanded
         for side in ("src", "dst"):
-            check_inside(side, self.column(f"{side}_offset"), self.nbytes, self.column(f"{side}_buf"), sizes, names)
+            offsets = self.column(f"{side}_offset")
+            check_length(f"{side}_offset", len(offsets), n)
+            check_inside(side, offsets, nbytes, np.repeat(*self.column_runs(f"{side}_buf")), sizes, names)
         object.__setattr__(self, "_checked", True)
         return self
 
@@ -266,12 +280,17 @@ class TransferPlan:
     @property
     def num_ranges(self) -> int:
         """Number of ranges in the plan."""
-        return len(self._store["nbytes"])
+        return len(self._stored("nbytes"))
 
     @property
     def num_calls(self) -> int:
         """Number of driver calls in the plan."""
-        return len(self.call_offsets) - 1
+        return len(self._call_offsets()) - 1
+
+    def _call_offsets(self) -> np.ndarray:
+        """``call_offsets`` after the shape rule's dtype check (PlanError rather than numpy's errors wherever read)."""
+        check_dtype("call_offsets", self.call_offsets, np.dtype(np.int64))
+        return self.call_offsets
 
     @property
     def stored_nbytes(self) -> int:
@@ -284,7 +303,7 @@ class TransferPlan:
     @property
     def call_sizes(self) -> np.ndarray:
         """Ranges per call."""
-        return np.diff(self.call_offsets)
+        return np.diff(self._call_offsets())
 
     @property
     def total_bytes(self) -> int:
@@ -294,11 +313,13 @@ class TransferPlan:
 
     def calls(self) -> Iterator[slice]:
         """One slice of the range columns per call, in order."""
-        for i in range(self.num_calls):
-            yield slice(int(self.call_offsets[i]), int(self.call_offsets[i + 1]))
+        co = self._call_offsets().tolist()
+        for i in range(len(co) - 1):
+            yield slice(co[i], co[i + 1])
 
     def attr_runs(self, call: int) -> tuple[np.ndarray, np.ndarray]:
         """For call ``call``: (attribute ids, first descriptor of each within the call) -- attrs/attrsIdxs."""
+        self.check_shape()
         a = self.attr[self.call_offsets[call]:self.call_offsets[call + 1]]
         if len(a) == 0:
             return a[:0].astype(np.int64), np.zeros(0, dtype=np.int64)
@@ -332,10 +353,10 @@ class TransferPlan:
         h = hashlib.sha256(json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode())
         for name, dtype in COLUMNS.items():
             h.update(name.encode())
-            col = self._store[name]
+            col = self._stored(name)
             for piece in col.chunks() if isinstance(col, Runs) else (col,):
                 h.update(np.ascontiguousarray(piece, dtype=dtype).data)
-        h.update(np.ascontiguousarray(self.call_offsets, dtype="<i8").data)
+        h.update(np.ascontiguousarray(self._call_offsets(), dtype="<i8").data)
         digest = h.hexdigest()
         object.__setattr__(self, "_fingerprint", digest)
         return digest
@@ -351,28 +372,40 @@ class TransferPlan:
         return (f"TransferPlan({self.direction.value} {self.target.label}: {self.requested_copies} -> "
                 f"{n} range{'s' if n != 1 else ''}, {calls} call{'s' if calls != 1 else ''}, {format_bytes(self.total_bytes)})")
 
+    def _viewable(self) -> None:
+        """Before a view reads the columns: the plan's check (once per plan) and its shape (always: O(columns +
+        calls)), so a plan that fails either raises its PlanError rather than numpy's errors."""
+        self.check()
+        self.check_shape()
+
     # ---- views: the one documented lazy edge, plan -> render (render imports plan at module level) ----------
     def explain(self, **kw: Any) -> str:
-        """Deterministic fixed-width text: header and range table. See kvxfer.planner.render.explain."""
+        """Deterministic fixed-width text: header and range table. See kvxfer.planner.render.explain. The views
+        (``explain``, HTML, rich, ``stats``) check the plan first (``check``: PlanError for a plan that fails it)."""
         from .render import explain
+        self._viewable()
         return explain(self, **kw)
 
     def _repr_html_(self) -> str:
         from .render import to_html
+        self._viewable()
         return to_html(self)
 
     def __rich__(self) -> Any:
         from .render import to_rich
+        self._viewable()
         return to_rich(self)
 
     def stats(self) -> dict[str, Any]:
         """Numbers about the plan as JSON-ready values; see kvxfer.planner.render.stats."""
         from .render import stats
+        self._viewable()
         return stats(self)
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: the header, ``call_offsets``, every column as a list, and the fingerprint."""
+        self.check_shape()
         d = self._header()
         d["call_offsets"] = self.call_offsets.tolist()
         d["columns"] = {name: self.column(name).tolist() for name in COLUMNS}
@@ -419,6 +452,7 @@ class TransferPlan:
 
     def to_npz_bytes(self) -> bytes:
         """The plan as a compressed numpy archive: the JSON header (with fingerprint), ``call_offsets`` and every column."""
+        self.check_shape()
         buf = io.BytesIO()
         header = json.dumps(self._header() | {"fingerprint": self.fingerprint})
         np.savez_compressed(buf, header=np.frombuffer(header.encode(), dtype=np.uint8),

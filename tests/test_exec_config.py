@@ -165,8 +165,9 @@ def test_auto_binds_once_for_the_executor_it_chooses():
         ex.run(plan, bound).wait()
         assert_same(bufs, want)
     assert ex.last_choice[0] is ExecutorKind.NUMPY and ExecutorKind.NUMPY in bound.extra  # bound once for numpy
+    sub = bound.extra[ExecutorKind.NUMPY]
     bound.close()
-    assert bound.extra[ExecutorKind.NUMPY].closed
+    assert sub.closed and not bound.extra  # closed with it; the closed binding keeps nothing
 
 
 def test_config_files_of_unknown_type_are_refused_by_suffix(tmp_path):

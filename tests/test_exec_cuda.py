@@ -355,3 +355,23 @@ def test_close_keeps_a_copy_stream_torch_was_told_about(make, monkeypatch, torch
     assert len(destroyed) == (0 if torch_told else 1)
     with pytest.raises(ExecutorError, match="closed"):
         ex.run(plan, host_buffers(layout, seed=2))
+
+
+def test_an_attribute_id_equal_to_its_tables_size_written_after_the_check_is_refused_before_any_call(make):
+    """The attribute id of the last call's last range is set to the table's size after the plan's check: the run is
+    refused (PlanError naming the column and range) before the first batch call is issued, not when the last call
+    looks its attributes up with earlier calls already on the stream."""
+    layout, plan = _plan(V13, max_desc=3)
+    assert plan.check().checked and plan.num_calls >= 3 and len(plan.attrs) == 1
+    attr = np.array(plan.attr)
+    attr[-1] = len(plan.attrs)
+    plan._store["attr"] = attr  # as a holder writing the column through torch would change it
+    plan._dense.clear()
+    ex, st = make(V13)
+    bufs = host_buffers(layout, seed=3)
+    before = {k: v.copy() for k, v in bufs.items()}
+    with pytest.raises(PlanError, match=rf"^attr\[{plan.num_ranges - 1}\] = 1: out of range \(the plan has 1\)"):
+        ex.run(plan, bufs).wait()
+    assert st.counts == [], "batch calls were issued before the refusal"
+    assert all(np.array_equal(bufs[k], before[k]) for k in bufs)
+    ex.close()

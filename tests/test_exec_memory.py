@@ -2,7 +2,10 @@
 
 Bound memory holds the memory itself (a tensor's storage) and each run refuses a bound tensor that no longer
 points at it (``set_``, ``.data = ...``); on the CPU torch refuses to grow a bound storage at all, so a resized
-tensor's memory stays where it was and is the only memory written. A plan column that changes right after its first read (as a racing thread could change it)
+tensor's memory stays where it was and is the only memory written. Whatever chain of views leads from the object
+bound to what owns the memory (an array a view or ``torch.from_numpy`` shows, the buffer under ``np.frombuffer``
+or ``torch.frombuffer``, a ctypes buffer), that owner is held or probed, or the binding refused saying what to
+bind, and a closed binding holds nothing. A plan column that changes right after its first read (as a racing thread could change it)
 never makes an executor write past a binding: every byte outside the bound buffers is a guard that must stay.
 Run on the NumPy executor and on the CUDA batch executor over the C driver shim (host memory).
 """
@@ -506,4 +509,292 @@ def test_cuda_tensors_that_moved_are_refused_and_kept_alive():
         with pytest.raises(BindingError, match=r"^bindings\['gpu.kv0'\] = Tensor.* no longer the memory bound"):
             ex.run(plan, bound)
         bound = ex.bind(LAYOUT, mem)
+    ex.close()
+
+
+# ---- memory its owner frees: held, probed or refused, whatever chain of views leads to the owner -------------
+def _memory(**bound: object) -> dict[str, object]:
+    """Bindings for LAYOUT: ``bound`` for some buffers, zeroed tensors torch allocates for the others."""
+    return {b.name: bound.get(b.name.replace(".", "_"), torch.zeros(b.nbytes, dtype=torch.uint8)) for b in LAYOUT.buffers}
+
+
+def _dst(plan: TransferPlan) -> str:
+    return plan.buffers[int(plan.dst_buf[0])].name
+
+
+def _unrelated() -> list:
+    """Arrays allocated after an owner freed memory: they may be given that memory; nothing may write them."""
+    return [np.zeros(LAYOUT.buffers[0].nbytes, np.uint8) for _ in range(16)]
+
+
+def test_the_array_that_owns_a_bound_views_memory_cannot_resize_it_and_a_setstate_refuses_the_run(executor):
+    """A view is bound; the array owning its memory is what numpy frees: the binding keeps a weak reference to that
+    owner (numpy then refuses to resize it, refcheck=False too) and each run reads the owner's data pointer
+    (``__setstate__`` frees the memory whatever views it)."""
+    plan = _plan()
+    dst = _dst(plan)
+    owner = np.random.default_rng(1).integers(0, 256, 2 * LAYOUT.buffers[0].nbytes, dtype=np.uint8)
+    view = owner[:LAYOUT.buffers[0].nbytes][::1]  # a view of a view
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): view}))
+    with pytest.raises(ValueError, match="cannot resize"):
+        owner.resize(8 * owner.size, refcheck=False)
+    executor.run(plan, bound).wait()  # the memory bound is still the owner's
+    owner.__setstate__(np.zeros(owner.size, np.uint8).__reduce__()[2])
+    unrelated = _unrelated()
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = ndarray.* no longer the memory bound, .*: the data "
+                       "pointer of the array that owns the memory changed since bind .*bind it again$"):
+        executor.run(plan, bound).wait()
+    assert all(not u.any() for u in unrelated)
+    executor.close()
+
+
+def test_a_ctypes_buffer_resized_under_a_bound_array_refuses_the_run(executor):
+    """``ctypes.resize`` moves a ctypes buffer's memory whatever exports it has: each run reads its address."""
+    plan = _plan()
+    dst = _dst(plan)
+    buffer = (ctypes.c_uint8 * LAYOUT.buffers[0].nbytes)()
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): np.ctypeslib.as_array(buffer)}))
+    executor.run(plan, bound).wait()
+    ctypes.resize(buffer, 1 << 20)
+    unrelated = _unrelated()
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = ndarray.* no longer the memory bound, .*: the "
+                       "address of the ctypes buffer that owns the memory changed"):
+        executor.run(plan, bound).wait()
+    assert all(not u.any() for u in unrelated)
+    executor.close()
+
+
+GROWS = {  # a buffer under a bound array, and what would move or unmap its memory
+    "bytearray": (lambda n: bytearray(n), lambda b: b.extend(bytes(1 << 20))),
+    "array.array": (lambda n: __import__("array").array("B", bytes(n)), lambda b: b.extend(bytes(1 << 20))),
+    "mmap": (lambda n: __import__("mmap").mmap(-1, n), lambda b: b.close()),
+}
+
+
+@pytest.mark.parametrize("kind", list(GROWS))
+def test_a_buffer_under_a_bound_array_cannot_grow_or_close_while_bound_and_can_once_unbound(executor, kind):
+    """np.frombuffer's own memoryview can be released behind the array (``a.base.release()``), after which the
+    buffer may grow or close: the binding holds an export of its own, released at close."""
+    plan = _plan()
+    dst = _dst(plan)
+    make, move = GROWS[kind]
+    buf = make(LAYOUT.buffers[0].nbytes)
+    array = np.frombuffer(buf, np.uint8)
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): array}))
+    array.base.release()  # numpy's export goes; the binding's stays
+    with pytest.raises(BufferError):
+        move(buf)
+    executor.run(plan, bound).wait()
+    bound.close()
+    del array
+    gc.collect()
+    move(buf)  # the binding let go of it
+    executor.close()
+
+
+def test_a_memmap_bound_keeps_its_mapping_until_the_binding_is_closed(executor, tmp_path):
+    """np.memmap holds its mmap without an export: its ``_mmap.close()`` would unmap the bound memory."""
+    plan = _plan()
+    dst = _dst(plan)
+    (tmp_path / "kv").write_bytes(bytes(LAYOUT.buffers[0].nbytes))
+    mapped = np.memmap(tmp_path / "kv", np.uint8, "r+")
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): mapped}))
+    with pytest.raises(BufferError):
+        mapped._mmap.close()
+    executor.run(plan, bound).wait()
+    bound.close()
+    mapped._mmap.close()
+    executor.close()
+
+
+def test_the_array_under_a_tensor_from_numpy_cannot_resize_it_and_a_setstate_refuses_the_run(executor):
+    """torch.from_numpy keeps its array without saying which it is; the binding finds it behind the storage and
+    holds it as any array bound: no resize (a weak reference), and its data pointer read on each run."""
+    plan = _plan()
+    dst = _dst(plan)
+    owner = np.random.default_rng(2).integers(0, 256, 2 * LAYOUT.buffers[0].nbytes, dtype=np.uint8)
+    tensor = torch.from_numpy(owner[LAYOUT.buffers[0].nbytes:])  # over a view: the owner is the view's base
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): tensor}))
+    with pytest.raises(ValueError, match="cannot resize"):
+        owner.resize(8 * owner.size, refcheck=False)
+    executor.run(plan, bound).wait()
+    owner.__setstate__(np.zeros(owner.size, np.uint8).__reduce__()[2])
+    unrelated = _unrelated()
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = Tensor.* no longer the memory bound, .*: the data "
+                       "pointer of the array that owns the memory changed"):
+        executor.run(plan, bound).wait()
+    assert all(not u.any() for u in unrelated)
+    executor.close()
+
+
+@pytest.mark.parametrize("kind", list(GROWS))
+def test_the_buffer_under_a_tensor_from_buffer_cannot_grow_or_close_while_bound_and_can_once_unbound(executor, kind):
+    """torch.frombuffer keeps its buffer but no export of it (a bytearray could grow, an mmap close: the tensor
+    would point at freed or unmapped memory); the binding finds it behind the storage and holds an export."""
+    plan = _plan()
+    dst = _dst(plan)
+    make, move = GROWS[kind]
+    buf = make(LAYOUT.buffers[0].nbytes)
+    tensor = torch.frombuffer(buf, dtype=torch.uint8)
+    bound = executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): tensor}))
+    with pytest.raises(BufferError):
+        move(buf)
+    executor.run(plan, bound).wait()
+    bound.close()
+    del tensor
+    gc.collect()
+    move(buf)
+    executor.close()
+
+
+def test_a_tensor_over_memory_whose_owner_is_not_found_is_refused_saying_what_to_bind(executor):
+    """DLPack hands torch memory with a capsule, not an owner kvxfer can hold: refused at bind, naming what to bind
+    instead; the array itself binds."""
+    dst = _dst(_plan())
+    owner = np.zeros(LAYOUT.buffers[0].nbytes, np.uint8)
+    with pytest.raises(BindingError, match=rf"^bindings\['{dst}'\] = Tensor\(4096,\): a CPU tensor over memory torch did "
+                       r"not allocate, whose owner is not found \(torch.from_dlpack, .*\); bind the memory's owner instead"):
+        executor.bind(LAYOUT, _memory(**{dst.replace(".", "_"): torch.from_dlpack(owner)}))
+    executor.run(_plan(), _memory(**{dst.replace(".", "_"): owner}))
+    executor.close()
+
+
+@pytest.mark.parametrize("how", ["ctypes from_address", "np.ctypeslib.as_array of a pointer"])
+def test_an_array_over_memory_no_object_owns_is_refused_saying_bind_raw_memory(how):
+    buffer = (ctypes.c_uint8 * LAYOUT.buffers[0].nbytes)()
+    if how == "ctypes from_address":
+        array = np.ctypeslib.as_array((ctypes.c_uint8 * LAYOUT.buffers[0].nbytes).from_address(ctypes.addressof(buffer)))
+    else:
+        array = np.ctypeslib.as_array(ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), (LAYOUT.buffers[0].nbytes,))
+    dst = _dst(_plan())
+    with pytest.raises(BindingError, match=r"a ctypes object over memory it does not own.*; bind it as RawMemory\(address, "
+                       r"nbytes\) if you keep that memory alive while it is bound$"):
+        bind(LAYOUT, _memory(**{dst.replace(".", "_"): array}), check=lambda buf, mem: None)
+
+
+@pytest.mark.parametrize("bound_as", ["Tensor.numpy() of the region", "a tensor view of the region"])
+def test_views_of_a_shared_region_made_as_vllm_makes_them_run_and_are_let_go_at_close(executor, bound_as):
+    """vLLM's shared offload region is an mmap under torch.frombuffer(memoryview(mmap)); kvxfer binds
+    ``region.base_tensor.numpy()`` (or a view of it). Accepted (held: the storage keeps vLLM's export, so the
+    region cannot be unmapped while bound; probed: the mapping is still there), byte-exact, and once the binding
+    is closed it holds nothing: vLLM's cleanup closes the mmap without "exported pointers exist"."""
+    import mmap
+
+    plan = _plan()
+    host = next(b for b in LAYOUT.buffers if b.location.value == "host")
+    region = mmap.mmap(-1, 2 * host.nbytes)
+    base = torch.frombuffer(memoryview(region), dtype=torch.int8)
+    base.view(torch.uint8)[:] = torch.randint(0, 256, (2 * host.nbytes,), dtype=torch.uint8)
+    view = base[host.nbytes:].view(torch.uint8)
+    bindings = _tensors(seed=9)
+    bindings[host.name] = view.numpy() if bound_as.startswith("Tensor.numpy") else view
+    want = _want(plan, {k: (torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v) for k, v in bindings.items()})
+    bound = executor.bind(LAYOUT, bindings)
+    executor.run(plan, bound).wait()
+    assert all(np.array_equal(np.array(bindings[k]) if isinstance(bindings[k], np.ndarray) else _bytes(bindings[k]),
+                              want[k]) for k in bindings)
+    del view, base
+    bindings.pop(host.name)
+    gc.collect()
+    with pytest.raises(BufferError):
+        region.close()  # bound: the storage holds vLLM's export of the region
+    bound.close()
+    gc.collect()
+    region.close()  # closed binding: nothing of it is held
+    executor.close()
+
+
+def test_a_tensor_torch_allocated_stays_accepted_after_its_numpy_view_was_taken(executor):
+    """``Tensor.numpy()`` makes a storage non-resizable for good (as binding itself does): the storage is still
+    torch's own memory, held by keeping it, and a second binding of the same tensors is accepted."""
+    plan = _plan()
+    tensors = _tensors(seed=11)
+    want = _want(plan, tensors)
+    for t in tensors.values():
+        t.numpy()
+    first = executor.bind(LAYOUT, tensors)
+    second = executor.bind(LAYOUT, {k: v.numpy() for k, v in tensors.items()})
+    executor.run(plan, second).wait()
+    assert all(np.array_equal(_bytes(tensors[k]), want[k]) for k in tensors)
+    first.close()
+    second.close()
+    executor.close()
+
+
+CHILD = """
+import mmap, warnings
+import numpy as np, torch
+from kvxfer.executors import BindingError, NumpyExecutor
+from kvxfer.planner import plan_transfer, presets
+warnings.simplefilter("ignore")
+layout = presets.kv_layout(2, 64, 64, shared_host=False)
+plan = plan_transfer(layout, presets.mapping("fragmented", 16, 64, "h2d", seed=3))
+dst = plan.buffers[int(plan.dst_buf[0])].name
+src = plan.buffers[int(plan.src_buf[0])].name
+n = layout.buffers[0].nbytes
+memory = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers}
+ex = NumpyExecutor()
+try:
+%s
+except BindingError as e:
+    print("REFUSED", e)
+"""
+
+
+def _in_child(body: str) -> str:
+    """Run ``body`` (indented into CHILD) in a fresh process: what would fault must never take the tests down with
+    it. Returns its output; a child that died (a segfault: the memory was written) fails the test."""
+    import subprocess
+    import sys
+    import textwrap
+
+    out = subprocess.run([sys.executable, "-c", CHILD % textwrap.indent(textwrap.dedent(body), "    ")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"the child process died (code {out.returncode}): {out.stderr[-2000:]}"
+    return out.stdout
+
+
+READ_ONLY = {  # a CPU tensor over read-only memory (torch has no read-only tensors: it warns, and would write)
+    "torch.frombuffer of a read-only mmap": "torch.frombuffer(ro, dtype=torch.uint8)",
+    "torch.from_numpy of a read-only mmap's array": "torch.from_numpy(np.frombuffer(ro, np.uint8))",
+    "torch.from_numpy of a read-only array": "torch.from_numpy(np.frombuffer(bytes(n), np.uint8))",
+}
+
+
+@pytest.mark.parametrize("how", list(READ_ONLY))
+def test_a_tensor_over_read_only_memory_is_refused_as_a_destination_and_reads_as_a_source(how):
+    """Bound as a destination, refused (BindingError) before anything is written: the write would fault on a
+    read-only mapping (run in a child process, so a regression fails this test instead of ending the run); as a
+    source it reads."""
+    make = READ_ONLY[how]
+    out = _in_child(f"""
+        ro = mmap.mmap(-1, n, prot=mmap.PROT_READ)
+        ex.run(plan, dict(memory, **{{src: {make}}}))
+        print("READ")
+        ex.run(plan, dict(memory, **{{dst: {make}}}))
+        print("WROTE")
+    """)
+    assert "READ" in out and "WROTE" not in out, out
+    assert f"REFUSED bindings['{_dst(_plan())}'] = Tensor(4096,): read-only, but the plan writes to it" in out, out
+
+
+def test_a_buffer_stays_pinned_while_a_transfer_over_it_is_in_flight_though_its_binding_was_closed(shim_path):
+    """A DMA transfer keeps what it copies until it is seen finished: for a buffer the binding holds by an export,
+    an export of its own, so closing the binding first does not let the buffer grow under the copies."""
+    from .shims.runtime import ShimCudaRuntime
+
+    ex = CudaBatchExecutor(ShimCudaRuntime(shim_path, V13))
+    plan = _plan()
+    buf = bytearray(LAYOUT.buffers[0].nbytes)
+    array = np.frombuffer(buf, np.uint8)
+    bound = ex.bind(LAYOUT, _memory(**{_dst(plan).replace(".", "_"): array}))
+    array.base.release()  # numpy's own export goes: the binding's, then the transfer's, pin the buffer
+    transfer = ex.run(plan, bound)
+    bound.close()
+    with pytest.raises(BufferError):
+        buf.extend(bytes(1 << 20))
+    transfer.wait()
+    del array
+    gc.collect()
+    buf.extend(bytes(1 << 20))
     ex.close()

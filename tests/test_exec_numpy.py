@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvxfer.executors import ConfigError, ExecutorConfig, ExecutorError, NumpyExecutor
-from kvxfer.executors._ops_numpy import GATHER_BYTES, SMALL_RANGE_BYTES, WINDOW_STEP, HostPath
+from kvxfer.executors._ops_numpy import GATHER_BYTES, HELD_PIECE_BYTES, SMALL_RANGE_BYTES, WINDOW_STEP, HostPath
 from kvxfer.executors.config import build_executor
 from kvxfer.planner import COLUMNS, Buffer, Layout, Location, Placement, Region, TransferPlan, plan_transfer
 
@@ -82,6 +82,27 @@ def test_every_path_equals_one_slice_assignment_per_range(seed, name):
     ex.run(plan, bufs)
     for k in bufs:
         assert np.array_equal(bufs[k], want[k]), k
+
+
+def test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_bytes():
+    """A memmove range above HELD_PIECE_BYTES goes in pieces of it (the GIL is kept for each): every piece reads
+    its own part of the source, at odd offsets and a size that is no multiple of the piece, in two buffer pairs."""
+    n = 2 * HELD_PIECE_BYTES + 12345
+    size = 3 * HELD_PIECE_BYTES + (1 << 16)
+    buffers = (Buffer(name="h", nbytes=size, location=Location.HOST), Buffer(name="d0", nbytes=size),
+               Buffer(name="d1", nbytes=size))
+    cols = {"src_buf": [0, 1], "src_offset": [7, 5], "dst_buf": [1, 2], "dst_offset": [HELD_PIECE_BYTES - 3, 1],
+            "nbytes": [n, HELD_PIECE_BYTES + 1], "region": [0, 0], "attr": [0, 0]}
+    plan = TransferPlan(direction=TEMPLATE.direction, target=TEMPLATE.target, options=TEMPLATE.options, buffers=buffers,
+                        regions=TEMPLATE.regions, attrs=TEMPLATE.attrs, requested_copies=2, call_offsets=[0, 2],
+                        columns={c: np.array(cols[c], dtype=COLUMNS[c]) for c in COLUMNS})
+    ex = NumpyExecutor()
+    assert ex.paths(plan)[HostPath.MEMMOVE] == (2, n + HELD_PIECE_BYTES + 1)
+    rng = np.random.default_rng(7)
+    bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in buffers}  # no two pieces alike
+    want = reference(plan, bufs)
+    ex.run(plan, bufs)
+    assert all(np.array_equal(bufs[k], want[k]) for k in bufs)
 
 
 def test_a_window_group_longer_than_one_step_and_torch_tensors_made_once_per_bind():

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from kvxfer.executors import BindingError, ExecutorError, FileBinding, PosixFileExecutor, get_executor
+from kvxfer.executors import BindingError, CompletedTransfer, ExecutorError, FileBinding, PosixFileExecutor, get_executor
 from kvxfer.offload import FileTier, tier_layout
 from kvxfer.planner import BlockMapping, plan_transfer, presets
 from kvxfer.testing import apply_copies, expected_copies
@@ -76,11 +76,91 @@ def test_a_short_file_is_a_failed_read_naming_the_call(executor, tmp_path):
 def test_a_failed_write_names_the_call_and_the_errno(executor, tmp_path):
     layout, mem, files = _setup(tmp_path, seed=3)
     bound = executor.bind(layout, {"mem": mem, **files})
-    os.close(files["file1"].fd)  # the descriptor goes away behind the binding
-    files["file1"].fd = os.open(os.devnull, os.O_RDONLY)  # and its number now reads /dev/null: writes fail
+    ro = os.open(files["file1"].path, os.O_RDONLY)  # the same file, opened for reading only
+    os.dup2(ro, files["file1"].fd)  # replaces the binding's descriptor behind it: writes fail (EBADF)
+    os.close(ro)
     with pytest.raises(ExecutorError) as e:
         executor.run(plan_transfer(layout, BlockMapping(direction="d2h", src_ids=[0], dst_ids=[0])), bound).wait()
     assert e.value.call == "pwrite" and "errno 9" in str(e.value)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_descriptor_closed_behind_the_binding_and_reused_is_refused_and_the_other_file_untouched(executor, tmp_path,
+                                                                                                   direction):
+    """The binding's descriptor is closed behind it and its number goes to another file: a run (a write or a read)
+    is refused before any I/O, naming the buffer, and the other file keeps its bytes (never written, never read
+    into memory as if it were the spill file)."""
+    layout, mem, files = _setup(tmp_path, seed=6)
+    bound = executor.bind(layout, {"mem": mem, **files})
+    fd = files["file1"].fd
+    other = tmp_path / "unrelated.bin"
+    other.write_bytes(bytes(range(256)) * 64)
+    os.close(fd)
+    reused = _reuse(fd, other)
+    before = mem.copy()
+    mapping = BlockMapping(direction=direction, src_ids=[0, 1, 2], dst_ids=[4, 5, 6])
+    try:
+        with pytest.raises(BindingError, match=r"^bindings\['file1'\] = fd \d+ of .*file1\.kv'?: the descriptor was closed "
+                           "and now refers to another file$"):
+            executor.run(plan_transfer(layout, mapping), bound)
+    finally:
+        os.close(reused)
+    assert other.read_bytes() == bytes(range(256)) * 64
+    assert np.array_equal(mem, before)
+
+
+class Meanwhile(CompletedTransfer):
+    """A transfer a run waits for (``after``) that runs ``act`` while the run waits: what another thread could do
+    between the run's checks and its I/O."""
+
+    def __init__(self, act):
+        super().__init__(nbytes=0, ranges=0, calls=1)
+        self.act = act
+
+    def wait(self) -> Meanwhile:
+        self.act()
+        return self
+
+
+def test_a_run_writes_through_its_own_descriptor_whatever_happens_to_the_bindings_meanwhile(tmp_path):
+    """A run's I/O goes through descriptors of its own, checked before it waits for ``after``: the binding's
+    descriptor closed and its number reused while the run waits changes nothing it writes, and the run's
+    descriptors are closed once it has finished."""
+    layout, mem, files = _setup(tmp_path, seed=7)
+    other = tmp_path / "unrelated.bin"
+    other.write_bytes(b"\x5a" * 4096)
+    reused: list[int] = []
+
+    def close_and_reuse() -> None:
+        fd = files["file0"].fd
+        os.close(fd)
+        reused.append(_reuse(fd, other))
+
+    with PosixFileExecutor(threads=2, piece_bytes=PAGE) as ex:
+        bound = ex.bind(layout, {"mem": mem, **files})
+        mapping = BlockMapping(direction="d2h", src_ids=list(range(16)), dst_ids=list(range(16)))
+        want = {b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers[1:]} | {"mem": mem.copy()}
+        apply_copies(expected_copies(layout, mapping), want)
+        open_before = len(os.listdir("/proc/self/fd"))
+        try:
+            ex.run(plan_transfer(layout, mapping), bound, after=Meanwhile(close_and_reuse)).wait()
+        finally:
+            for fd in reused:
+                os.close(fd)
+        assert other.read_bytes() == b"\x5a" * 4096, "the run wrote into the file that took the descriptor's number"
+        for name in ("file0", "file1"):
+            on_disk = np.fromfile(files[name].path, np.uint8)
+            assert np.array_equal(on_disk[:len(want[name])], want[name]), name
+        assert len(os.listdir("/proc/self/fd")) == open_before - 1  # file0's closed; the run's own are closed too
+
+
+def _reuse(fd: int, path) -> int:
+    """Open ``path`` under the number ``fd`` (closed just before), as the next open of a process would."""
+    other = os.open(path, os.O_RDWR)
+    if other != fd:
+        os.dup2(other, fd)
+        os.close(other)
+    return fd
 
 
 def test_a_plan_without_a_file_side_is_refused_before_any_io(executor):

@@ -5,6 +5,8 @@
 - A file truncated and extended again under a restore (it then reads as zeros) is refused.
 - A record forged with an epoch near 2^64 never becomes the next spill's epoch, and spill() never raises.
 - A lock timeout that is not a finite number of seconds is refused, naming the key.
+- A plan column written by its holder between the tier's checks and its I/O changes nothing the tier does: the
+  tier reads each column once, into a copy it alone holds.
 
 Each runs on kvxfer's POSIX executor, and on NIXL's POSIX backend where nixl-cu13 is installed.
 """
@@ -196,3 +198,58 @@ def test_a_lock_timeout_that_is_not_a_finite_number_of_seconds_is_refused_naming
     assert isinstance(e.value, ValueError) and e.value.field == "lock_timeout_s"
     assert str(e.value).startswith(f"lock_timeout_s = {value!r}: must be a finite number of seconds")
     assert not (tmp_path / "file0.kv").exists()  # refused before any file is made
+
+
+class WritesThePlan:
+    """An executor that writes the caller's ``plan`` (column ``name``, range ``index``, through a torch alias, which
+    writes what numpy will not) just before it runs a plan: a holder of the plan writing it between the tier's
+    checks and its I/O."""
+
+    def __init__(self, inner, plan, name: str, index: int, value: int):
+        self.inner, self.plan, self.name, self.index, self.value = inner, plan, name, index, value
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, plan, memory, stream=None, after=None):
+        import warnings
+
+        torch = pytest.importorskip("torch")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the column is read-only to numpy
+            torch.from_numpy(self.plan.column(self.name))[self.index] = self.value
+        return self.inner.run(plan, memory)
+
+
+@pytest.mark.parametrize("op", ["restore", "spill"])
+def test_a_column_written_between_the_tiers_checks_and_its_io_changes_nothing_it_does(executor, tmp_path, op):
+    """Slots 0-3 of each region hold pattern A, slots 4-7 pattern B (verify=False: no CRC to catch a mix-up). Range 0
+    of the job is moved to slots 4-7 after the tier checked it: a restore must still bring A (the chunks whose
+    records were checked), a spill must still write slots 0-3 (the chunks whose records it writes), and slots 4-7
+    must keep B."""
+    pytest.importorskip("torch")
+    slots_b = [4, 5, 6, 7]
+    mem = _pattern(0xA1)
+    mem.reshape(REGIONS, BLOCKS, PAGE)[:, slots_b] = 0xB2
+    with _tier(executor, tmp_path, mem) as tier:
+        tier.spill(plan_transfer(_layout(), BlockMapping(direction="d2h", src_ids=SLOTS + slots_b,
+                                                         dst_ids=SLOTS + slots_b))).raise_for_error()
+    if op == "restore":
+        plan, side = _restore_plan(), "src_offset"
+        mem[:] = 0
+    else:
+        plan, side = _spill_plan(), "dst_offset"
+        mem.reshape(REGIONS, BLOCKS, PAGE)[:, SLOTS] = 0xC3
+    assert plan.num_ranges == REGIONS and int(plan.column(side)[0]) == 0  # one range per region, region 0 first
+    with _tier(WritesThePlan(executor, plan, side, 0, 4 * PAGE), tmp_path, mem) as tier:
+        getattr(tier, op)(plan).raise_for_error()
+    if op == "restore":
+        assert (mem.reshape(REGIONS, BLOCKS, PAGE)[:, TO] == 0xA1).all(), "restored bytes of chunks it did not check"
+        return
+    back = np.zeros_like(mem)
+    with _tier(executor, tmp_path, back) as tier:
+        tier.restore(plan_transfer(_layout(), BlockMapping(direction="h2d", src_ids=SLOTS + slots_b,
+                                                           dst_ids=SLOTS + slots_b))).raise_for_error()
+    got = back.reshape(REGIONS, BLOCKS, PAGE)
+    assert (got[:, SLOTS] == 0xC3).all(), "the spill's bytes are not where its records say"
+    assert (got[:, slots_b] == 0xB2).all(), "the spill overwrote chunks it holds no record for"

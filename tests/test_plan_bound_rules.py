@@ -215,3 +215,48 @@ def test_run_length_columns_tampered_with_wrong_dtypes_raise_the_plans_own_error
     bad = Runs(np.array([0.5]), np.array([2]))
     refused_by_lowering(written_after_check(make(), "attr", bad), mode,
                         r"^attr\.values = 'float64 array of 1 dimensions': expected a one-dimensional uint16 column$")
+
+
+# ---- every reader of a tampered plan raises the plan's own error ------------------------------------------------
+TAMPERED_FIELDS = {  # a private field replaced after construction: (field, the value stored)
+    "a column shorter than the others": ("src_offset", lambda: np.array([0], np.uint64)),
+    "a run-length column covering fewer ranges": ("region", lambda: Runs(np.array([0], np.int32), np.array([1]))),
+    "run lengths of floats": ("attr", lambda: Runs.of(np.array([0, 0], np.uint16), np.array([1.0, 1.0]))),
+    "run lengths in two dimensions": ("dst_buf", lambda: Runs.of(np.array([3, 2], np.int32), np.array([[1, 1]]))),
+    "nbytes as a scalar": ("nbytes", lambda: np.uint64(64)),
+    "call offsets of floats": ("call_offsets", lambda: np.array([0.0, 2.0])),
+    "call offsets in two dimensions": ("call_offsets", lambda: np.array([[0, 2]])),
+    "call offsets as a scalar": ("call_offsets", lambda: np.int64(2)),
+    "call offsets as a list": ("call_offsets", lambda: [0, 2]),
+}
+READERS = {
+    "check": lambda p: p.check(), "num_ranges": lambda p: p.num_ranges, "num_calls": lambda p: p.num_calls,
+    "repr": repr, "fingerprint": lambda p: p.fingerprint, "explain": lambda p: p.explain(),
+    "stats": lambda p: p.stats(), "to_dict": lambda p: p.to_dict(), "calls": lambda p: list(p.calls()),
+    "call_sizes": lambda p: p.call_sizes, "attr_runs": lambda p: p.attr_runs(0), "html": lambda p: p._repr_html_(),
+    "numpy paths": lambda p: NumpyExecutor().paths(p),
+    "numpy run": lambda p: NumpyExecutor().run(p, {b.name: np.zeros(b.nbytes, np.uint8) for b in BUFFERS}),
+}
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "after its check"])
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("tamper", list(TAMPERED_FIELDS))
+def test_every_reader_of_a_plan_with_a_private_field_of_the_wrong_shape_raises_the_plans_own_error(tamper, reader,
+                                                                                                   checked):
+    """Whatever reads the plan (its check, its sizes, its fingerprint, its views, an executor), a private field
+    replaced with a value of the wrong type or length raises PlanError naming it, never numpy's IndexError,
+    TypeError or ValueError; a reader the field does not concern returns as usual."""
+    plan = make()
+    if checked:
+        plan.check()
+    field, value = TAMPERED_FIELDS[tamper]
+    if field == "call_offsets":
+        object.__setattr__(plan, "call_offsets", value())
+    else:
+        plan._store[field] = value()
+        plan._dense.clear()
+    try:
+        READERS[reader](plan)
+    except PlanError as e:
+        assert e.field.split(".")[0] in (field, *COLUMNS), e

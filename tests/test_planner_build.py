@@ -143,6 +143,25 @@ def test_page_first_layout_merges_across_layers():
     assert set(two.region[two.call_offsets[1]:two.call_offsets[2]].tolist()) <= {0, 1}
 
 
+@pytest.mark.parametrize("per_call, cap", [(1, 3), (2, 5), (3, 4), (2, 7), (4, 16)])
+@pytest.mark.parametrize("pattern", ["fragmented", "runs8"])
+def test_calls_are_cut_at_each_call_group_and_every_cap_ranges_from_its_start(pattern, per_call, cap):
+    """The documented cut rule, computed here from the plan's regions: a call ends where the call group (region //
+    regions_per_call) changes and after every ``cap`` ranges counted from that group's first range, never from
+    the plan's start."""
+    from kvxfer.planner import presets
+
+    layout = presets.kv_layout(8, 32, 64)
+    plan = plan_transfer(layout, presets.mapping(pattern, 13, 32, seed=per_call),
+                         options=PlanOptions(regions_per_call=per_call, max_descriptors=cap))
+    group = plan.region // per_call
+    starts = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
+    ends = np.append(starts[1:], plan.num_ranges)
+    want = [int(c) for a, b in zip(starts.tolist(), ends.tolist()) for c in range(a, b, cap)] + [plan.num_ranges]
+    assert any((b - a) % cap for a, b in zip(starts, ends)), "no group whose size is off the cap: the rule is untested"
+    assert plan.call_offsets.tolist() == want
+
+
 def test_layer_wise_calls_follow_region_order():
     from kvxfer.planner import presets
     layout = presets.kv_layout(8, 32, 64)

@@ -202,13 +202,14 @@ def test_run_length_columns_are_checked_too():
         TransferPlan(**_fields(plan), columns=cols, call_offsets=plan.call_offsets)
 
 
-@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy", "TransferPlan.copy"])
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_a_plan_pickles_and_copies_with_its_fingerprint(name, how):
     plan = PLANS[name]()
     fingerprint = plan.fingerprint
     plan.column("region")  # expanded and cached: a copy need not carry the cache
-    again = {"pickle": lambda p: pickle.loads(pickle.dumps(p)), "copy": copy.copy, "deepcopy": copy.deepcopy}[how](plan)
+    again = {"pickle": lambda p: pickle.loads(pickle.dumps(p)), "copy": copy.copy, "deepcopy": copy.deepcopy,
+             "TransferPlan.copy": TransferPlan.copy}[how](plan)
     assert isinstance(again, TransferPlan) and again is not plan
     assert again.fingerprint == fingerprint and again == plan and repr(again) == repr(plan)
     for c in COLUMNS:
@@ -218,3 +219,23 @@ def test_a_plan_pickles_and_copies_with_its_fingerprint(name, how):
     assert again.check() is again
     with pytest.raises(AttributeError):
         again.direction = plan.direction  # type: ignore[misc]
+
+
+def test_a_plans_own_copy_shares_no_column_and_no_subclass_stands_in():
+    """``TransferPlan.copy`` (a consumer's one read of a plan): every array of the copy is its own, so writing the
+    original's columns through torch changes nothing in it, and a subclass's ``column`` cannot lie to it."""
+    plan = PLANS["small columns"]()
+
+    class Lying(TransferPlan):
+        def column(self, name: str) -> np.ndarray:
+            return np.zeros(1, np.uint64)
+
+    liar = object.__new__(Lying)
+    for slot in TransferPlan.__slots__:
+        object.__setattr__(liar, slot, getattr(plan, slot))
+    own = TransferPlan.copy(liar)
+    assert type(own) is TransferPlan and own.fingerprint == plan.fingerprint
+    for c in COLUMNS:
+        assert not np.shares_memory(own.column(c), plan.column(c))
+    assert not np.shares_memory(own.call_offsets, plan.call_offsets)
+    assert not own.checked and own.check() is own  # checked afresh, never on the original's verdict

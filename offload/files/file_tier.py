@@ -14,6 +14,9 @@ What a result promises:
   change time and holes: a file truncated and extended again reads as zeros), and every chunk's record and
   checksum after, so a short, torn, stale, corrupted or foreign spill is refused and never reported done.
 
+Each job reads its plan once, into a copy only the tier holds (``TransferPlan.copy``): the chunks it checks, the
+records it writes and the I/O it runs come from the same values, whatever a holder of the plan writes meanwhile.
+
 Integrity: each file is cut into chunks of ``chunk_bytes`` (file-side ranges must be whole chunks). Beside the
 file, ``<path>.kvxsum`` holds a header and one 16-byte record per chunk: the epoch of the spill that wrote it,
 the CRC-32 of its bytes, and a check word over chunk, epoch, CRC and the file's identity. The identity is 16
@@ -443,9 +446,12 @@ class FileTier:
         return self._guarded("restore", plan, self._restore)
 
     def _guarded(self, op: str, plan: TransferPlan, body: Callable[[TransferPlan], tuple[int, int | None]]) -> TierResult:
+        """Run ``body`` on the tier's own copy of ``plan`` (each column read once: the chunks checked, the records
+        written and the I/O run all come from the same values, whatever a holder of ``plan`` writes meanwhile)."""
         t0 = time.perf_counter()
         with self._lock:
             try:
+                plan = TransferPlan.copy(plan)
                 chunks, epoch = body(plan)
             except (TierError, BindingError, PlanError) as e:
                 return TierResult(op, False, 0, time.perf_counter() - t0, error=e)
