@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -296,6 +296,8 @@ class ChunkStore:
         self._logged: set[bytes] = set()
         self._logged_paths: set[str] = set()
         self._jobs: dict[int, _Job] = {}
+        # called on the owner thread with the keys that left the store and why ("evicted", "integrity")
+        self.on_removed: Callable[[Sequence[bytes], str], None] | None = None
         self._open()
         self._thread = threading.Thread(target=self._serve, name="kvxfer-chunk-store", daemon=True)
         self._thread.start()
@@ -456,6 +458,8 @@ class ChunkStore:
         self._nfree = int(self._nfree + len(victims) - len(free))
         with self._counters:
             self.stats.evictions += len(victims)
+        if victims and self.on_removed is not None:
+            self.on_removed(victims, "evicted")
         return free.astype(np.int64)
 
     def poll(self) -> list[StoreResult]:
@@ -481,11 +485,13 @@ class ChunkStore:
             return
         self._pins[job.slots] -= 1
         slot_of = dict(zip(job.keys, job.slots.tolist()))
-        for k in bad:
-            if self.index.get(k) == slot_of[k]:
-                del self.index[k]
-                self._free[slot_of[k]] = True
-                self._nfree += 1
+        dropped = [k for k in bad if self.index.get(k) == slot_of[k]]
+        for k in dropped:
+            del self.index[k]
+            self._free[slot_of[k]] = True
+            self._nfree += 1
+        if dropped and self.on_removed is not None:
+            self.on_removed(dropped, "integrity")
         new = [k for k in bad if k not in self._logged]
         if new:  # one line per job, each chunk in one line only
             self._logged.update(new)

@@ -50,3 +50,17 @@ __all__ = ["VLLM_VERSION", "CPUOffloadingSpec", "JobResult", "Locality", "Lookup
            "RequestOffloadingContext", "SecondaryTierManager", "SharedOffloadRegion", "TieringOffloadingSpec",
            "TransferResult", "canonical_format_id", "get_current_vllm_config_or_none", "get_inner_dp_world_group",
            "get_world_group"]
+
+# the storage tier's events and metrics (``tiers``, ``events``, ``metrics``)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found, unused-ignore]
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+)
+
+__all__ += ["OffloadingConnectorStats", "OffloadingCounterMetadata", "OffloadingEvent", "OffloadingGaugeMetadata",
+            "OffloadingHistogramMetadata"]

@@ -21,7 +21,7 @@ __all__ = ["FORMAT", "TIER_KEYS", "check_tiering_extra", "open_store", "tier_con
            "worker_layout"]
 
 FORMAT = "kvxfer-file-tier-1"  # the byte format of a stored chunk: a whole primary-tier row
-TIER_KEYS = (*StoreConfig.model_fields, "locality")
+TIER_KEYS = (*StoreConfig.model_fields, "locality", "enable_kv_events")
 _log = logging.getLogger("kvxfer.offload.vllm.tiers")
 
 

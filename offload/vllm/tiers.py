@@ -17,8 +17,9 @@ included (where vLLM's own worker refuses the platform)::
 integrity records per chunk, durability before a store is reported done, bounded capacity with LRU eviction, files private to
 their owner, a namespace per identity (``tier_identity``), warm restarts, and loads that check every chunk. Its
 keys (``StoreConfig``): ``root_dir``, ``capacity_bytes`` (required), ``durability``, ``verify``, ``o_direct``,
-``io_threads``, ``lock_timeout_s``, ``stats_path``; vLLM's ``locality`` too. Anything else is refused at start-up
-with one line naming the key.
+``io_threads``, ``lock_timeout_s``, ``stats_path``; vLLM's ``locality`` and ``enable_kv_events`` (KV-cache events
+of stored and removed chunks, ``events``) too. Anything else is refused at start-up with one line naming the key.
+Its counters reach the engine's metrics (``metrics``: ``vllm:kvxfer_tier_*``) as well as the JSON file.
 
 This module imports vLLM (``api``); ``kvxfer.offload.vllm`` loads it on first access of its classes. What needs
 no vLLM (cells, checks, the file tier's settings and identity) is ``tiering``'s.
@@ -40,6 +41,11 @@ from .api import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingConnectorStats,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingWorker,
     RequestOffloadingContext,
     SecondaryTierManager,
@@ -50,6 +56,8 @@ from .api import (
 from .api import JobResult as TierJobResult
 from .caches import read_caches
 from .checks import caches_device, check_executor_device, stats_path
+from .events import TierEvents, events_wanted
+from .metrics import TierMeter, metric_definitions
 from .tiering import (
     FORMAT,
     TIER_KEYS,
@@ -125,8 +133,15 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         locality = config.pop("locality", None)
         self.locality = Locality(locality) if locality is not None else None
+        wanted = events_wanted(offloading_spec, config.pop("enable_kv_events", False), tier_type)
         self.store = open_store(offloading_spec, primary_kv_view, tier_type, self.block_size_bytes, config,
                                 self.storage_executor, VLLM_VERSION)
+        self.meter, self._refused = TierMeter(tier_type), 0
+        self.events: TierEvents | None = None
+        if wanted:  # what the store holds from an earlier run is announced once, as stored
+            self.events = TierEvents(OffloadingEvent, self.medium, self.locality, tier_type)
+            self.events.stored(list(self.store.index))
+        self.store.on_removed = self._removed
 
     def storage_executor(self, settings: StoreConfig) -> Any:
         """The executor the store runs its files on; None (here): kvxfer's POSIX executor on ``io_threads``
@@ -146,10 +161,48 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
         self.store.submit_load(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
 
     def get_finished_jobs(self) -> list[Any]:
-        """vLLM's results of the jobs finished since the last call (a failed load names the keys that did load)."""
+        """vLLM's results of the jobs finished since the last call (a failed load names the keys that did load);
+        stores that succeeded are reported as stored (``take_events``), every job is counted (``get_stats``)."""
+        self._refused = 0
+        results = self.store.poll()  # a chunk a load refused leaves the index here (``_removed``)
+        lost = 0
+        for r in results:
+            self.meter.job(r.op, success=r.success, chunks=len(r.done_keys), nbytes=r.nbytes, seconds=r.seconds)
+            if r.op == "load":
+                lost += len(r.keys) - len(r.done_keys)
+            elif r.success and self.events is not None:
+                done = set(r.done_keys)
+                self.events.stored([k for k in r.keys if k in done])
+        self.meter.misses("unavailable", max(lost - self._refused, 0))
         return [TierJobResult(job_id=r.job_id, success=r.success, transfer_time=r.seconds, transfer_bytes=r.nbytes,
                               successful_keys=None if r.success else (tuple(r.done_keys) or None))
-                for r in self.store.poll()]
+                for r in results]
+
+    def _removed(self, keys: Sequence[bytes], cause: str) -> None:
+        """The store's report of ``keys`` leaving it (evicted, or refused by a load): events and misses."""
+        if cause == "integrity":
+            self._refused += len(keys)
+            self.meter.misses("integrity", len(keys))
+        if self.events is not None:
+            self.events.removed(keys)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``OffloadingEvent``s since the last call (none unless ``enable_kv_events`` and the engine's KV
+        cache events are on): stored keys once durable, removed keys once evicted or refused."""
+        return self.events.take() if self.events is not None else []
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The metrics ``get_stats`` reports (``kvxfer.offload.vllm.metrics.METRICS``), as vLLM declares them."""
+        return metric_definitions(OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingHistogramMetadata)
+
+    def get_stats(self) -> Any:
+        """The store's counters since the last call, as vLLM's stats (summed into the engine's metrics)."""
+        stats = OffloadingConnectorStats()
+        add = {"counter": stats.increase_counter, "gauge": stats.set_gauge, "histogram": stats.observe_histogram}
+        for name, kind, labels, value in self.meter.take(vars(self.store.stats), len(self.store.index), self.store.slots):
+            add[kind](name, value, labels)
+        return stats
 
     def has_pending_work(self) -> bool:
         """Whether jobs are queued or running (vLLM keeps stepping until none is)."""
