@@ -12,7 +12,8 @@ import numpy as np
 
 from kvxfer.planner import Buffer, Layout, Location
 
-from ..files.chunk_store import ChunkStore, StoreConfig, StoreConfigError
+from ..files.chunk_store import ChunkStore, StoreConfig, StoreConfigError, namespace
+from ..files.identity import choose_identity, model_fingerprint
 from ..tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
 from .caches import CacheMap
 from .checks import UnsupportedFeatureError, check_extra
@@ -35,30 +36,37 @@ def tier_config(config: Mapping[str, Any], tier_type: str = "KvxferFileTier") ->
         raise StoreConfigError(f"secondary_tiers[{tier_type}].{e.field}", e.value, e.reason) from None
 
 
-def tier_identity(spec: Any, row_bytes: int, vllm_version: str) -> dict[str, Any]:
+def tier_identity(spec: Any, row_bytes: int, vllm_version: str, *, legacy: bool = False) -> dict[str, Any]:
     """What a stored chunk's bytes mean, read from a vLLM offloading spec (its ``config``, ``blocks_per_chunk``)
-    on the scheduler side: model, KV dtype, tokens per hash, blocks per chunk, row bytes, the KV-cache layout and
-    groups, the canonical format or the parallel layout, vLLM's major.minor. Chunks stored under one identity are
-    never read under another. The parallel sizes are left out only when the bytes are portable: vLLM's canonical
-    layout with every layer parallelism-agnostic (then TP=2 and TP=1 share the namespace); anything else keeps
-    TP, PP, PCP, DCP and world size, so another layout misses."""
+    on the scheduler side: the model's content (``model_fingerprint``: config and weights, so a moved folder keeps
+    its chunks and another model never reads them; a hub id as it is), KV dtype, tokens per hash, blocks per chunk,
+    row bytes, the KV-cache layout and groups, the canonical format or the parallel layout, vLLM's major.minor.
+    Chunks stored under one identity are never read under another. The parallel sizes are left out only when
+    every rank's bytes are the same whatever the layout: vLLM's canonical layout with every layer
+    parallelism-agnostic ("portable"), or the replicated single-copy layout (MLA: "replicated"); anything else
+    keeps TP, PP, PCP, DCP and world size, so another layout misses. ``legacy``: the identity earlier releases
+    wrote (the model's path, the replicated layout keyed on its sizes), to find their stores."""
     c = spec.config
     p = c.parallel
+    replicated = bool(getattr(spec, "replicated_layout", c.replicated_layout))
     portable = bool(c.canonical_layout and p.is_parallelism_agnostic)
     canonical = None
     if c.canonical_layout:
         from .api import canonical_format_id  # vLLM's: only a canonical layout has a format id
 
         canonical = canonical_format_id(c.kv_cache_layout)
+    parallel: Any = {"tp": p.tp_size, "pp": p.pp_size, "pcp": p.pcp_size, "dcp": p.dcp_size, "world": p.world_size}
+    if portable:
+        parallel = "portable"
+    elif replicated and not legacy:
+        parallel = "replicated"
     return {
-        "format": FORMAT, "vllm": ".".join(vllm_version.split(".")[:2]), "model": c.model.name,
+        "format": FORMAT, "vllm": ".".join(vllm_version.split(".")[:2]),
+        "model": c.model.name if legacy else model_fingerprint(c.model.name),
         "dtype": str(c.model.dtype), "tokens_per_hash": int(c.cache.tokens_per_hash),
         "blocks_per_chunk": int(spec.blocks_per_chunk), "row_bytes": int(row_bytes),
-        "kv_cache_layout": c.kv_cache_layout, "canonical_format": canonical,
-        "replicated_layout": bool(getattr(spec, "replicated_layout", c.replicated_layout)),
-        "groups": [[int(g.tokens_per_block), list(g.layer_names)] for g in c.groups],
-        "parallel": "portable" if portable else {"tp": p.tp_size, "pp": p.pp_size, "pcp": p.pcp_size,
-                                                 "dcp": p.dcp_size, "world": p.world_size},
+        "kv_cache_layout": c.kv_cache_layout, "canonical_format": canonical, "replicated_layout": replicated,
+        "groups": [[int(g.tokens_per_block), list(g.layer_names)] for g in c.groups], "parallel": parallel,
     }
 
 
@@ -128,7 +136,8 @@ def open_store(spec: Any, primary_kv_view: memoryview, tier_type: str, row_bytes
     rows = np.asarray(primary_kv_view)
     if not rows.flags.c_contiguous or rows.ctypes.data != np.frombuffer(primary_kv_view, np.uint8).ctypes.data:
         raise UnsupportedFeatureError("a primary tier that is not one contiguous buffer", repr(rows.shape))
-    identity = tier_identity(spec, row_bytes, vllm_version)
+    identity = choose_identity(settings.root_dir, tier_identity(spec, row_bytes, vllm_version),
+                               tier_identity(spec, row_bytes, vllm_version, legacy=True), namespace)
     try:
         store = ChunkStore(settings, rows.view(np.uint8), row_bytes, identity, executor=executor_for(settings))
     except StoreConfigError as e:  # one line naming the key as the tier's config spells it
