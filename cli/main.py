@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Any
 
-COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench")
+COMMAND_MODULES = ("cmd_demo", "cmd_plan", "cmd_diff", "cmd_golden", "cmd_schema", "cmd_run", "cmd_bench", "cmd_store")
 MAX_ERRORS = 10  # problems listed one per line before the rest are counted
 MAX_LINE = 300  # characters of one message line; a message never dumps a whole object
 

@@ -54,7 +54,7 @@ from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, Ti
 _log = logging.getLogger(__name__)
 
 __all__ = ["ENTRY", "INDEX_HEADER_BYTES", "MAX_KEY_BYTES", "ChunkStore", "StoreConfig", "StoreConfigError", "StoreError",
-           "StoreResult", "StoreStats", "namespace"]
+           "StoreResult", "StoreStats", "entry_check", "namespace"]
 
 INDEX_MAGIC = b"KVXIDX01"
 INDEX_HEADER = struct.Struct("<8sQQ")  # magic, slots, row bytes
@@ -646,3 +646,6 @@ class ChunkStore:
             if "stats" not in self._logged_paths:
                 self._logged_paths.add("stats")
                 _log.warning("kvxfer file tier: cannot write the counters to %s: %s", path, e)
+
+
+entry_check = _entry_check  # public for ``admin`` (kvxfer store show), which counts entries the way the store does

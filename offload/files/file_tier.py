@@ -650,3 +650,5 @@ class FileTier:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+record_check = _record_check  # public for ``admin`` (kvxfer store show), which trusts records the way a tier does
