@@ -52,7 +52,7 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                 "engine": {**MAIN["engine"], **(engine or {})}, "requests": [q[k] for k in reqs.split()],
                 "tier_stats": str(tmp / f"{name}.json") if secondary and "root_dir" in secondary else None, **kw}
 
-    for root in ("tp", "crash", "fs"):
+    for root in ("tp", "crash", "fs", "events"):
         (tmp / root).mkdir(exist_ok=True)
     canonical = {"canonical_layout": True}
     return [
@@ -66,6 +66,9 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                                     crash_at_store=3, crash_marker=str(tmp / "crashed")), crash_marker=str(tmp / "crashed")),
         case("restart", "A2 C2", tier("crash", "restart")),
         case("fs", "A B C A2", {"type": "fs", "root_dir": str(tmp / "fs")}),
+        case("events", "A B", tier("events", "events", type="RecordingFileTier", module_path="tests.vllm.tier_doubles",
+                                   enable_kv_events=True, locality="LOCAL", events_path=str(tmp / "events.jsonl")),
+             {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}}),
     ]
 
 
@@ -156,3 +159,20 @@ def test_vllms_fs_tier_runs_over_kvxfers_primary_worker_on_the_cpu_build(runs):
     assert r["tokens"] == _tokens(runs, 0, 1, 2, 3)
     assert r["stats"][0]["host_tier"] == "vllm-tiering" and r["stats"][0]["blocks_loaded"] == PREFIX_BLOCKS
     assert r["metrics"]["vllm:kv_offload_tiering_chunk_hits"] == PREFIX_BLOCKS
+
+
+def test_a_two_request_run_reports_its_stored_chunks_as_events_and_its_counters_as_engine_metrics(runs):
+    r = _ok(runs["events"])
+    assert r["tokens"] == _tokens(runs, 0, 1)
+    tier = r["tier"]
+    events = [json.loads(ln) for ln in (Path(tier["folder"]).parents[1] / "events.jsonl").read_text().splitlines()]
+    assert events and all(e["medium"] == "STORAGE" and e["ownership"] == "RecordingFileTier" and e["locality"] == "LOCAL"
+                          for e in events)
+    stored = [k for e in events if not e["removed"] for k in e["keys"]]
+    assert len(stored) == len(set(stored)) == tier["chunks_stored"] == PREFIX_BLOCKS + 13
+    assert not any(e["removed"] for e in events)
+    m = r["metrics"]
+    assert m["vllm:kvxfer_tier_bytes"] == tier["bytes_stored"] == (PREFIX_BLOCKS + 13) * ROW
+    assert m["vllm:kvxfer_tier_chunks"] == PREFIX_BLOCKS + 13 and m["vllm:kvxfer_tier_lookups"] == tier["lookups"]
+    assert m["vllm:kvxfer_tier_io_ms"] > 0 and m["vllm:kvxfer_tier_job_ms"] > 0  # milliseconds: never rounded to 0
+    assert m["vllm:kvxfer_tier_capacity_chunks"] == 64
