@@ -251,3 +251,11 @@ def test_the_metrics_reach_vllms_prometheus_metrics_under_the_declared_names(tmp
     finally:
         tier.shutdown()
     assert os.path.isdir(tmp_path)
+
+
+def test_the_metrics_page_lists_every_metric_the_tier_declares():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "metrics.md").read_text()
+    missing = [m.name for m in METRICS if f"| `{m.name}` | {m.kind} |" not in page]
+    assert not missing, f"docs/reference/metrics.md lacks {missing}"
