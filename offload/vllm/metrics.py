@@ -43,9 +43,9 @@ METRICS = tuple(Metric(PREFIX + n, k, d, lab) for n, k, d, lab in (
     ("lookups", "counter", "Chunk lookups the kvxfer storage tier answered (never blocking: from its index).", ()),
     ("hits", "counter", "Chunk lookups the kvxfer storage tier answered with a hit.", ()),
     ("misses", "counter", "Chunks the kvxfer storage tier could not serve, by cause: absent (a lookup found no "
-     "chunk), integrity (a load refused the chunk: torn, stale or corrupted; dropped), unavailable (a load asked "
-     "for a chunk no longer stored).", ("cause",)),
-    ("bytes", "counter", "Bytes moved by the kvxfer storage tier's jobs that succeeded, by direction.", ("direction",)),
+     "chunk), integrity (a load refused the chunk: torn, stale or corrupted; dropped), unavailable (a load did "
+     "not get it otherwise: no longer stored, or the read failed).", ("cause",)),
+    ("bytes", "counter", "Bytes the kvxfer storage tier's jobs moved, by direction.", ("direction",)),
     ("chunks", "counter", "Chunks moved by the kvxfer storage tier's jobs, by direction.", ("direction",)),
     ("io_ms", "counter", "Milliseconds the kvxfer storage tier's jobs took on its thread, summed, by direction.",
      ("direction",)),
