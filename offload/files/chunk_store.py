@@ -578,8 +578,8 @@ class ChunkStore:
                 raise StoreJobError("keys", k, f"job {job_id}: the key of keys[{seen[k]}] again", index=i)
         raw = np.asarray(rows).reshape(-1)
         if raw.dtype.kind not in "iu":  # floats (1.7, nan), objects (2**70), bools: refused, never rounded
-            i = next((j for j, v in enumerate(raw.tolist()) if isinstance(v, bool) or not isinstance(v, int)
-                      or not 0 <= v < self.num_rows), 0)
+            i = next((j for j, v in enumerate(raw.tolist()) if isinstance(v, bool) or not isinstance(v, (int, float))
+                      or not float(v).is_integer() or not 0 <= v < self.num_rows), 0)
             raise StoreJobError("rows", raw.tolist()[i] if len(raw) else rows,
                                 f"job {job_id}: rows are integers from 0 to {self.num_rows - 1}", index=i)
         bad = np.flatnonzero((raw < 0) | (raw >= self.num_rows)) if len(raw) else np.zeros(0, np.int64)
