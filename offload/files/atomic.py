@@ -14,7 +14,25 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["create_file", "replace_file", "set_aside"]
+__all__ = ["create_file", "path_refusal", "replace_file", "set_aside"]
+
+
+def path_refusal(path: str) -> str | None:
+    """Why ``path`` cannot name a file this process writes, or None: a NUL byte or a character the file system
+    cannot encode (a lone surrogate), a name or path longer than the system takes, an existing directory."""
+    try:
+        raw = os.fsencode(path)
+    except UnicodeError:
+        return "holds a character the file system cannot encode (a lone surrogate)"
+    if b"\0" in raw:
+        return "holds a NUL byte"
+    if not raw:
+        return "is empty"
+    if len(raw) >= 4096 or any(len(part) > 255 for part in raw.split(b"/")):
+        return "is longer than the system takes (4095 bytes, 255 per name)"
+    if os.path.isdir(raw):
+        return "is a directory; name a file in it"
+    return None
 
 
 def _temporary(path: Path, data: bytes, sync: bool) -> str:

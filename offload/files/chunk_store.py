@@ -50,7 +50,7 @@ from kvxfer.executors import BindingError, FileBinding, file_trust  # the trust 
 from kvxfer.planner import BlockMapping, Buffer, Layout, Location, Placement, PlanError, Region, plan_transfer
 from kvxfer.planner import Spec as _PlannerSpec
 
-from .atomic import create_file, replace_file, set_aside
+from .atomic import create_file, path_refusal, replace_file, set_aside
 from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, TierError, check_timeout
 
 _log = logging.getLogger(__name__)
@@ -175,24 +175,6 @@ class _Job:
     slots: np.ndarray
     asked: tuple[bytes, ...]
     submitted: float = field(default_factory=time.time)
-
-
-def path_refusal(path: str) -> str | None:
-    """Why ``path`` cannot name a file this process writes, or None: a NUL byte or a character the file system
-    cannot encode (a lone surrogate), a name or path longer than the system takes, an existing directory."""
-    try:
-        raw = os.fsencode(path)
-    except UnicodeError:
-        return "holds a character the file system cannot encode (a lone surrogate)"
-    if b"\0" in raw:
-        return "holds a NUL byte"
-    if not raw:
-        return "is empty"
-    if len(raw) >= 4096 or any(len(part) > 255 for part in raw.split(b"/")):
-        return "is longer than the system takes (4095 bytes, 255 per name)"
-    if os.path.isdir(raw):
-        return "is a directory; name a file in it"
-    return None
 
 
 def namespace(identity: Mapping[str, Any]) -> str:

@@ -35,6 +35,8 @@ CATCHES = {  # patch -> the test (a pytest node id, or a file and a -k expressio
         ["tests/test_exec_numpy.py", "-k", "test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_bytes"],
     "35-calls-cut-from-the-plan-start.patch":
         ["tests/test_planner_build.py", "-k", "test_calls_are_cut_at_each_call_group_and_every_cap_ranges_from_its_start"],
+    "36-slots-found-on-reopening-left-free.patch":
+        ["tests/test_chunk_store_damage.py", "-k", "test_slots_found_on_reopening_are_never_given_to_a_later_store"],
 }
 
 
