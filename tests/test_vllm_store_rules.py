@@ -63,3 +63,42 @@ def test_a_job_the_store_refuses_fails_as_a_job_and_the_scheduler_thread_goes_on
     assert done == {1: False, 2: False, 3: True} and tier.lookup(keys[0], ctx) is LookupResult.HIT
     assert not tier.has_pending_work()
     tier.shutdown()
+
+
+# ---- the failure ledger and the worker's failure record, without vLLM ------------------------------------------
+def _step(ledger, store_jobs=None, load_jobs=None):
+    from types import SimpleNamespace as NS
+
+    for job_id, (spec, keys) in {**(store_jobs or {}), **(load_jobs or {})}.items():
+        ledger.handed[id(spec)] = (spec, frozenset(keys))
+    ledger.name_jobs(NS(store_jobs={j: NS(dst_spec=s) for j, (s, _) in (store_jobs or {}).items()},
+                        load_jobs={j: NS(src_spec=s) for j, (s, _) in (load_jobs or {}).items()}))
+
+
+def test_the_keys_of_a_failed_load_miss_until_stored_anew_and_a_failed_stores_keys_are_dropped():
+    from kvxfer.offload.vllm.ledger import FailureLedger
+
+    ledger, load_spec, store_spec = FailureLedger(), object(), object()
+    _step(ledger, store_jobs={1: (store_spec, [b"s1"])}, load_jobs={2: (load_spec, [b"a", b"b"])})
+    ledger.fail([2, 1])
+    assert ledger.hides(b"a") and ledger.hides(b"b") and not ledger.hides(b"c")
+    assert ledger.store_failed(frozenset([b"s1"])) and not ledger.store_failed(frozenset([b"s1"]))
+    ledger.missing.difference_update([b"a"])  # what FailedTransfers.prepare_store does for a new store of it
+    assert not ledger.hides(b"a") and ledger.hides(b"b")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_failed_load_is_reported_as_load_error_blocks_with_one_group_and_as_a_failed_receive_with_more(groups):
+    from kvxfer.offload.vllm.ledger import WorkerFailures
+
+    w = WorkerFailures(groups)
+    w.started(7, "req-a", np.array([3, 4], np.int32))
+    w.started(8, "req-b", [5])
+    w.on_result(7, False)
+    w.on_result(8, True)
+    w.on_result(9, False)  # a store
+    assert w.failed_jobs == {7, 9} and not w.loads
+    if groups == 1:
+        assert (w.load_errors, w.failed_recving) == ({3, 4}, set())
+    else:
+        assert (w.load_errors, w.failed_recving) == (set(), {"req-a"})
