@@ -69,7 +69,7 @@ def test_a_job_the_store_refuses_fails_as_a_job_and_the_scheduler_thread_goes_on
 def _step(ledger, store_jobs=None, load_jobs=None):
     from types import SimpleNamespace as NS
 
-    for job_id, (spec, keys) in {**(store_jobs or {}), **(load_jobs or {})}.items():
+    for spec, keys in {**(store_jobs or {}), **(load_jobs or {})}.values():
         ledger.handed[id(spec)] = (spec, frozenset(keys))
     ledger.name_jobs(NS(store_jobs={j: NS(dst_spec=s) for j, (s, _) in (store_jobs or {}).items()},
                         load_jobs={j: NS(src_spec=s) for j, (s, _) in (load_jobs or {}).items()}))
