@@ -66,7 +66,7 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                                     crash_at_store=3, crash_marker=str(tmp / "crashed")), crash_marker=str(tmp / "crashed")),
         case("restart", "A2 C2", tier("crash", "restart")),
         case("truncated", "A2 C2", tier("tp", "truncated"), damage={"stats": str(tmp / "warm.json"), "truncate_slots": 20}),
-        case("records", "A2", tier("crash", "records"), damage={"stats": str(tmp / "restart.json"), "records": "random"}),
+        case("records", "A2", tier("tp", "records"), damage={"stats": str(tmp / "truncated.json"), "records": "random"}),
         case("fs", "A B C A2", {"type": "fs", "root_dir": str(tmp / "fs")}),
     ]
 
@@ -124,7 +124,7 @@ def test_a_new_engine_on_the_same_directory_serves_prefixes_from_disk_and_a_chan
     hits = r["metrics"]["vllm:external_prefix_cache_hits"]
     assert PREFIX_BLOCKS * 32 <= hits < (PREFIX_BLOCKS + 13) * 32 and hits % 32 == 0
     assert worker["blocks_loaded"] * 32 == hits
-    assert r["log"].count("stored chunk(s) refused and dropped") == 1
+    assert r["log"].count("stored chunk(s) refused and dropped") >= 1  # here once; the "truncated" case logs its own
 
 
 def test_an_engine_killed_while_storing_restarts_with_equal_tokens_and_the_torn_chunks_as_misses(runs, tmp_path_factory):
@@ -165,7 +165,7 @@ def test_a_truncated_data_file_before_a_restart_costs_only_the_chunks_past_its_e
     assert r["tokens"] == _tokens(runs, 3, 4)  # every request finishes with the tokens of no offloading
     tier = r["tier"]
     assert tier["chunks_loaded"] >= PREFIX_BLOCKS and tier["integrity_misses"] >= 1 and tier["failed_jobs"] <= 2
-    assert r["log"].count("stored chunk(s) refused and dropped") >= 1
+    assert r["log"].count("stored chunk(s) refused and dropped") >= 2  # the "warm" case's line and this one's
 
 
 def test_random_bytes_in_the_records_before_a_restart_start_the_store_over_and_say_so(runs):
