@@ -15,6 +15,9 @@ class ConfigError(PlanError):
     """Bad executor configuration; names the field and value (a PlanError so validation reports it as is)."""
 
 
+MAX_DESCRIPTORS_LIMIT = 2**32 - 1  # no call takes more descriptors: a larger cap is a typo, never a limit
+
+
 def _config_error(err: ValidationError, model: Any = None) -> ConfigError:
     """pydantic's first error as a ConfigError whose field is the dotted path to the bad value."""
     first = err.errors(include_url=False)[0]
@@ -74,7 +77,7 @@ class CudaOptions(Options):
     """cuda-batch: device ordinal; ``max_descriptors`` per call (None = no limit)."""
 
     device: int = Field(default=0, ge=0)
-    max_descriptors: int | None = Field(default=None, ge=0)
+    max_descriptors: int | None = Field(default=None, ge=0, le=MAX_DESCRIPTORS_LIMIT)
 
 
 class HipOptions(Options):
@@ -83,7 +86,7 @@ class HipOptions(Options):
 
     device: int = Field(default=0, ge=0)
     library: str | None = None
-    max_descriptors: int | None = Field(default=None, ge=0)
+    max_descriptors: int | None = Field(default=None, ge=0, le=MAX_DESCRIPTORS_LIMIT)
 
 
 class TritonOptions(Options):
@@ -116,10 +119,10 @@ class NixlOptions(Options):
     """nixl: agent ``name`` (default kvxfer-<random>), backends, threads. ``poll_timeout_s`` bounds wait() and
     wait_notifs(); after a failure or timeout, the other calls get at most ``drain_timeout_s`` more to stop."""
 
-    name: str | None = Field(default=None, min_length=1)
+    name: str | None = Field(default=None, min_length=1, pattern=r"^[^\x00]*$")  # a C string for NIXL: no NUL
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = Field(default=0, ge=0)
     progress_thread: bool = True  # a pure initiator may turn it off: wait() polls, and the thread spins
     telemetry: bool = False
-    poll_timeout_s: float = Field(default=60.0, gt=0)
-    drain_timeout_s: float = Field(default=1.0, ge=0)
+    poll_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)  # inf would wait forever
+    drain_timeout_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)

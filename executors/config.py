@@ -39,7 +39,7 @@ class ExecutorConfig(Options):
     runtime found instead of refusing a target mismatch. One section of typed options per backend."""
 
     kind: ExecutorKind = ExecutorKind.AUTO
-    max_descriptors: int | None = Field(default=None, ge=0)
+    max_descriptors: int | None = Field(default=None, ge=0, le=2**32 - 1)  # more is a typo, never a limit
     replan: bool = False
     cuda: CudaOptions = CudaOptions()
     hip: HipOptions = HipOptions()

@@ -167,3 +167,14 @@ def test_the_counters_file_catches_up_with_the_newest_update(tmp_path: Path) -> 
     stats.close({"steps": 50})
     assert '"steps": 50' in (tmp_path / "s.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+
+
+def test_a_store_that_failed_records_no_checksum_so_a_load_of_its_chunk_is_refused() -> None:
+    tensors = _layers(1)
+    core = _verified(tensors, executor=FailingRuns({("d2h", 1)}))
+    core.report_failures()
+    core.submit_store(1, V.GPU([3], [1], [0]), V.CPU([2]))
+    assert _step(core, 1) == [(1, False)]
+    core.submit_load(2, V.CPU([2]), V.GPU([9], [1], [0]))  # the host chunk holds no stored bytes
+    assert _step(core, 2) == [(2, False)] and core.stats.loads_refused == 1
+    core.shutdown()

@@ -27,6 +27,7 @@ never reused meanwhile. A store that finds no free slot stores fewer keys (count
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import logging
@@ -45,16 +46,17 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field, field_validator
 
-from kvxfer.executors import FileBinding, file_trust  # the trust helpers: open without links, foreign files, locks
+from kvxfer.executors import BindingError, FileBinding, file_trust  # the trust helpers: open without links, locks
 from kvxfer.planner import BlockMapping, Buffer, Layout, Location, Placement, PlanError, Region, plan_transfer
 from kvxfer.planner import Spec as _PlannerSpec
 
+from .atomic import create_file, path_refusal, replace_file, set_aside
 from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, TierError, check_timeout
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["ENTRY", "INDEX_HEADER_BYTES", "MAX_KEY_BYTES", "ChunkStore", "StoreConfig", "StoreConfigError", "StoreError",
-           "StoreResult", "StoreStats", "entry_check", "namespace"]
+           "StoreJobError", "StoreResult", "StoreStats", "entry_check", "namespace"]
 
 INDEX_MAGIC = b"KVXIDX01"
 INDEX_HEADER = struct.Struct("<8sQQ")  # magic, slots, row bytes
@@ -68,6 +70,10 @@ _LABEL = re.compile(r"[^A-Za-z0-9_.-]+")
 
 class StoreConfigError(PlanError):
     """A ChunkStore setting is refused: names the key (``field``) and its value."""
+
+
+class StoreJobError(PlanError):
+    """A job is refused at submission (its rows, keys or id): names the field, the index and the value."""
 
 
 class StoreError(RuntimeError):
@@ -95,6 +101,14 @@ class StoreConfig(_PlannerSpec):
     io_threads: int | None = Field(default=None, ge=1, le=64)
     lock_timeout_s: float = 5.0
     stats_path: str | None = None
+
+    @field_validator("stats_path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        why = None if v is None else path_refusal(v)
+        if why is not None:
+            raise StoreConfigError("stats_path", v, why)
+        return v
 
     @field_validator("lock_timeout_s")
     @classmethod
@@ -196,30 +210,85 @@ def _private_dir(path: Path) -> None:
 
 
 class _Index:
-    """The slot table ``<data>.index``: opened without links, refused when foreign, locked; entries per slot."""
+    """The slot table ``<data>.index``: opened without links, locked; entries per slot. What cannot be this
+    store's index (a link, a folder, a FIFO, a foreign file, bytes that are not an index) is set aside and a new
+    index started (``found``, ``aside``: what was found and where it went); one of another capacity or row size
+    starts over in place (``regeometry``). ``fresh``: the slots start over (no entry of the files counts)."""
 
     def __init__(self, path: Path, slots: int, row_bytes: int, lock_timeout_s: float):
         self.path, self.slots = path, slots
+        self.found: list[str] = []
+        self.aside: list[Path] = []
+        self.regeometry = False
+        head = INDEX_HEADER.pack(INDEX_MAGIC, slots, row_bytes)
+        for _ in range(3):  # a damaged index set aside, or replaced under the lock wait: opened again
+            why, old = self._open(lock_timeout_s)
+            if why is None:
+                break
+            self._set_aside(why)
+        else:
+            raise StoreError(f"{path}: the index keeps changing under this store ({why}): refused")
+        try:
+            self.fresh = old != head
+            if self.fresh and old.strip(b"\0"):  # slots of another capacity or row size: they start over
+                _, was_slots, was_row = INDEX_HEADER.unpack(old)
+                self.regeometry = True
+                self.found.append(f"an index of {was_slots} slots of {was_row} bytes, now {slots} slots of {row_bytes}")
+            if self.fresh:
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, head.ljust(INDEX_HEADER_BYTES, b"\0"), 0)
+            os.ftruncate(self.fd, INDEX_HEADER_BYTES + slots * ENTRY.itemsize)
+        except OSError as e:
+            os.close(self.fd)
+            raise StoreError(f"{path}: cannot write the index ({e.strerror}): refused") from None
+
+    def _open(self, lock_timeout_s: float) -> tuple[str | None, bytes]:
+        """Open and lock the index: (None, its header bytes), or (why it is not this store's index, b"") with
+        nothing left open. StoreError when another store holds it past ``lock_timeout_s``."""
+        path = self.path
         try:
             self.fd, created = file_trust.open_file(path, os.O_RDWR, create=True)
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM):
+                return f"cannot be opened as the index ({e.strerror})", b""
             raise StoreError(f"{path}: cannot open the index ({e.strerror}): refused") from None
         try:
             why = None if created else file_trust.untrusted(os.fstat(self.fd))
             if why is not None:
-                raise StoreError(f"{path}: the index is {why}; refused")
+                os.close(self.fd)
+                return f"is {why}", b""
             if not file_trust.lock_file(self.fd, lock_timeout_s):
                 raise StoreError(f"{path}: held by another store for more than {lock_timeout_s} s (another engine on "
                                  "this directory and identity): one store uses the files at a time")
-            head = INDEX_HEADER.pack(INDEX_MAGIC, slots, row_bytes)
-            self.fresh = os.pread(self.fd, INDEX_HEADER.size, 0) != head
-            if self.fresh:  # new, or of another capacity or row size: the slots start over
-                os.ftruncate(self.fd, 0)
-                os.pwrite(self.fd, head.ljust(INDEX_HEADER_BYTES, b"\0"), 0)
-            os.ftruncate(self.fd, INDEX_HEADER_BYTES + slots * ENTRY.itemsize)
+            st = os.fstat(self.fd)
+            try:
+                at = os.lstat(path)
+                now: tuple[int, int] | None = (at.st_dev, at.st_ino)
+            except FileNotFoundError:
+                now = None
+            if (st.st_dev, st.st_ino) != now:  # set aside or replaced while this store waited
+                os.close(self.fd)
+                return "replaced while this store waited for it", b""
+            old = os.pread(self.fd, INDEX_HEADER.size, 0)
+            if old.strip(b"\0") and (len(old) < INDEX_HEADER.size or old[:8] != INDEX_MAGIC):
+                os.close(self.fd)
+                return f"not a kvxfer index (it begins {old[:8]!r})", b""
+            return None, old
+        except OSError as e:
+            os.close(self.fd)
+            raise StoreError(f"{path}: cannot read the index ({e.strerror}): refused") from None
         except BaseException:
             os.close(self.fd)
             raise
+
+    def _set_aside(self, why: str) -> None:
+        if why.startswith("replaced"):
+            return
+        try:
+            self.aside.append(set_aside(self.path))
+        except OSError as e:
+            raise StoreError(f"{self.path}: the index {why}, and it cannot be set aside ({e.strerror}): refused") from None
+        self.found.append(f"the index {why}")
 
     def read(self) -> np.ndarray:
         raw = os.pread(self.fd, self.slots * ENTRY.itemsize, INDEX_HEADER_BYTES)
@@ -272,6 +341,10 @@ class ChunkStore:
         if self.slots < 1:
             raise StoreConfigError("capacity_bytes", self.config.capacity_bytes,
                                    f"smaller than one chunk ({row_bytes} bytes): nothing could be stored")
+        if not isinstance(memory, np.ndarray) or not memory.flags.c_contiguous:
+            raise StoreConfigError("memory", f"{type(memory).__name__} of strides {getattr(memory, 'strides', None)}",
+                                   "must be one C-contiguous numpy array: the store reads and writes it in place, and "
+                                   "any other would be a private copy the caller never sees")
         self.memory = memory.reshape(-1).view(np.uint8)
         self.num_rows = self.memory.nbytes // self.row_bytes
         self.stats = StoreStats(slots=self.slots, row_bytes=self.row_bytes)
@@ -288,6 +361,7 @@ class ChunkStore:
         self._counters = threading.Lock()
         self._running = 0
         self._stop = False
+        self._died: BaseException | None = None  # why the store's thread stopped, if it ever does
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # durable keys, LRU first
         self._storing: dict[bytes, int] = {}
         self._free = np.ones(self.slots, dtype=bool)
@@ -315,21 +389,40 @@ class ChunkStore:
         except OSError as e:
             raise StoreConfigError("root_dir", self.config.root_dir, f"not writable: cannot create {folder.name} in it "
                                    f"({e.strerror})") from None
-        text = json.dumps(identity, sort_keys=True, indent=1)
-        fd, created = file_trust.open_file(folder / "identity.json", os.O_RDWR, create=True)
+        self._identity(folder / "identity.json", json.dumps(identity, sort_keys=True, indent=1))
+        return folder
+
+    @staticmethod
+    def _identity(path: Path, text: str) -> None:
+        """Write the identity at ``path`` whole (a failed first open leaves nothing), or check the one there;
+        StoreError for another identity or for something that is not a private regular file."""
+        refused = "refused (remove the folder to start over)"
         try:
-            if created:
-                os.write(fd, text.encode())
-                os.fsync(fd)
-            else:
-                why = file_trust.untrusted(os.fstat(fd))
-                found = os.pread(fd, 1 << 20, 0).decode(errors="replace")
-                if why is not None or found != text:
-                    raise StoreError(f"{folder / 'identity.json'}: {why or 'another identity under this digest'}; "
-                                     "refused (remove the folder to start over)")
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot be read ({e.strerror}); {refused}") from None
+        try:
+            if st is None or (stat.S_ISREG(st.st_mode) and st.st_size == 0 and file_trust.untrusted(st) is None):
+                # none yet, or an empty one an interrupted first open of an older release left
+                if st is None and create_file(path, text.encode()):
+                    return
+                if st is not None:
+                    replace_file(path, text.encode(), sync=True)
+                    return
+            fd, _ = file_trust.open_file(path, os.O_RDONLY | os.O_NONBLOCK, create=False)
+        except OSError as e:
+            raise StoreError(f"{path}: cannot be written or opened ({e.strerror}); {refused}") from None
+        try:
+            why = file_trust.untrusted(os.fstat(fd))
+            found = None if why is not None else os.pread(fd, 1 << 20, 0).decode(errors="replace")
+        except OSError as e:
+            raise StoreError(f"{path}: cannot be read ({e.strerror}); {refused}") from None
         finally:
             os.close(fd)
-        return folder
+        if why is not None or found != text:
+            raise StoreError(f"{path}: {why or 'another identity under this digest'}; {refused}")
 
     def _layout(self) -> Layout:
         align = 4096 if self.config.o_direct else 1
@@ -342,23 +435,54 @@ class ChunkStore:
 
     def _open(self) -> None:
         data = self.folder / "chunks.kvx"
+        sums = Path(f"{data}.kvxsum")
         self._index = _Index(Path(f"{data}.index"), self.slots, self.row_bytes, self.config.lock_timeout_s)
+        found, aside = self._index.found, self._index.aside
         try:
-            if self._index.fresh:
-                for stale in (data, Path(f"{data}.kvxsum")):
-                    if stale.is_file() and not stale.is_symlink():
-                        stale.unlink()  # slots of another capacity or row size: they start over with the index
+            if self._index.fresh:  # the slots start over: what the old index vouched for goes (the files behind it)
+                for old in (data, sums):
+                    if not os.path.lexists(old):
+                        continue
+                    if self._index.regeometry and old.is_file() and not old.is_symlink():
+                        old.unlink()  # slots of another capacity or row size: the store was reconfigured
+                    else:
+                        aside.append(self._set_aside(old, "with no index naming its chunks"))
             self.layout = self._layout()
-            binding = FileBinding(data, create=True, o_direct=self.config.o_direct)
-            self.tier = FileTier(self.executor, self.layout, {DATA: binding}, {ROWS: self.memory},
-                                 durability=self.config.durability, chunk_bytes=self.row_bytes, verify=self.config.verify,
-                                 lock_timeout_s=self.config.lock_timeout_s)
+            self.tier = self._tier(data, sums, found, aside)
         except BaseException:
             self._index.close()
             if self._own is not None:
                 self._own.close()
             raise
+        if found:
+            _log.warning("kvxfer file tier %s: found %s; %s; the store starts over beside it (its chunks are misses, "
+                         "recomputed)", self.folder, "; ".join(found),
+                         f"set aside as {', '.join(p.name for p in aside)}" if aside else "nothing set aside")
         self._load_index()
+
+    def _set_aside(self, path: Path, why: str) -> Path:
+        try:
+            return set_aside(path)
+        except OSError as e:
+            raise StoreError(f"{path}: {why}, and it cannot be set aside ({e.strerror}): refused") from None
+
+    def _tier(self, data: Path, sums: Path, found: list[str], aside: list[Path]) -> FileTier:
+        """The FileTier over the data file and its records; a file that cannot be trusted (a link, a copy under
+        another inode, records that are not this file's) is set aside once and the files start over. This store
+        holds the index's lock, which guards these files; another FileTier holding them is refused, not damage."""
+        for attempt in (0, 1):
+            binding = FileBinding(data, create=True, o_direct=self.config.o_direct)
+            try:
+                return FileTier(self.executor, self.layout, {DATA: binding}, {ROWS: self.memory},
+                                durability=self.config.durability, chunk_bytes=self.row_bytes,
+                                verify=self.config.verify, lock_timeout_s=self.config.lock_timeout_s)
+            except BindingError as e:
+                binding.close()
+                if attempt or "locked by another" in str(e.reason) or str(e.value) not in (str(data), str(sums)):
+                    raise
+                found.append(f"{e.value}: {e.reason}")
+                aside.extend(self._set_aside(p, str(e.reason)) for p in (data, sums) if os.path.lexists(p))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _load_index(self) -> None:
         """Count the entries that hold: CRC intact, epoch equal to the slot's trusted record, newest per key."""
@@ -401,9 +525,9 @@ class ChunkStore:
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[int] | np.ndarray) -> None:
         """Store row ``rows[i]`` of the memory under ``keys[i]`` (keys already stored or being stored are left
-        as they are); the rows must not change until the job is reported. Never blocks."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        self._check(job_id, keys, rows)
+        as they are); the rows must not change until the job is reported. Never blocks. StoreJobError (nothing
+        queued) for a job id in use, a key given twice, rows that are not row numbers of the memory."""
+        rows = self._check(job_id, keys, rows)
         # in row order: rows adjacent in memory get adjacent slots, so the store is one I/O per run of rows
         # (vLLM hands a job's keys in no particular order)
         new = [i for i in np.argsort(rows, kind="stable").tolist()
@@ -419,20 +543,36 @@ class ChunkStore:
 
     def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[int] | np.ndarray) -> None:
         """Load the chunk stored under ``keys[i]`` into row ``rows[i]``; keys not stored fail the job (reported
-        among its failed keys). Never blocks."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        self._check(job_id, keys, rows)
+        among its failed keys). Never blocks. StoreJobError as ``submit_store``."""
+        rows = self._check(job_id, keys, rows)
         have = [i for i, k in enumerate(keys) if k in self.index]
         slots = np.array([self.index[keys[i]] for i in have], dtype=np.int64)
         self._pins[slots] += 1
         job = _Job(job_id, LOAD, tuple(keys[i] for i in have), rows[have], slots, tuple(keys))
         self._enqueue(job, first=True)
 
-    def _check(self, job_id: int, keys: Sequence[bytes], rows: np.ndarray) -> None:
-        if len(keys) != len(rows):
-            raise StoreConfigError("rows", len(rows), f"job {job_id}: {len(keys)} keys need as many rows")
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.num_rows):
-            raise StoreConfigError("rows", rows.tolist()[:8], f"job {job_id}: rows go from 0 to {self.num_rows - 1}")
+    def _check(self, job_id: int, keys: Sequence[bytes], rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The job's rows as int64, after refusing (StoreJobError naming the field, index and value) a job id in
+        use, a key given twice, rows that are not integers or not rows of the memory, as many rows as keys."""
+        if job_id in self._jobs:
+            raise StoreJobError("job_id", job_id, "already in use by a job not yet reported by poll()")
+        seen: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            if seen.setdefault(k, i) != i:
+                raise StoreJobError("keys", k, f"job {job_id}: the key of keys[{seen[k]}] again", index=i)
+        raw = np.asarray(rows).reshape(-1)
+        if raw.dtype.kind not in "iu":  # floats (1.7, nan), objects (2**70), bools: refused, never rounded
+            i = next((j for j, v in enumerate(raw.tolist()) if isinstance(v, bool) or not isinstance(v, (int, float))
+                      or not float(v).is_integer() or not 0 <= v < self.num_rows), 0)
+            raise StoreJobError("rows", raw.tolist()[i] if len(raw) else rows,
+                                f"job {job_id}: rows are integers from 0 to {self.num_rows - 1}", index=i)
+        bad = np.flatnonzero((raw < 0) | (raw >= self.num_rows)) if len(raw) else np.zeros(0, np.int64)
+        if len(bad):
+            i = int(bad[0])
+            raise StoreJobError("rows", int(raw[i]), f"job {job_id}: rows go from 0 to {self.num_rows - 1}", index=i)
+        if len(keys) != len(raw):
+            raise StoreJobError("rows", len(raw), f"job {job_id}: {len(keys)} keys need as many rows")
+        return raw.astype(np.int64)
 
     def _allocate(self, n: int) -> np.ndarray:
         """``n`` free slots (fewer if too many are pinned), evicting least recently used keys; a run of adjacent
@@ -473,7 +613,9 @@ class ChunkStore:
         return [r for r, _ in done]
 
     def _apply(self, r: StoreResult, bad: tuple[bytes, ...], now: float) -> None:
-        job = self._jobs.pop(r.job_id)
+        job = self._jobs.pop(r.job_id, None)
+        if job is None:  # refused when it was submitted: nothing was taken for it
+            return
         if job.op == STORE:
             for k in job.keys:
                 s = self._storing.pop(k)
@@ -511,7 +653,7 @@ class ChunkStore:
     def drain(self) -> None:
         """Block until every submitted job has finished (its result waits for ``poll``)."""
         with self._cond:
-            while self._queue or self._running:
+            while (self._queue or self._running) and self._died is None:
                 self._cond.wait()
 
     def close(self) -> None:
@@ -528,7 +670,7 @@ class ChunkStore:
             if self._own is not None:
                 self._own.close()
             self._write_stats()
-            self.memory = self.memory[:0]  # the rows are the caller's again (vLLM unmaps them)
+            self.memory = np.zeros(0, np.uint8)  # no view of the caller's rows is kept (vLLM unmaps them)
 
     # ---- the store's thread ------------------------------------------------------------------------------------
     def _enqueue(self, job: _Job, first: bool = False) -> None:
@@ -536,27 +678,49 @@ class ChunkStore:
             if self._stop:
                 raise StoreError("the store is closed")
             self._jobs[job.job_id] = job
-            (self._queue.appendleft if first else self._queue.append)(job)
+            if self._died is not None:  # no thread runs it: it fails as a job, reported by poll()
+                self._results.append(self._failed(job, self._died))
+            else:
+                (self._queue.appendleft if first else self._queue.append)(job)
             self._cond.notify_all()
 
+    @staticmethod
+    def _failed(job: _Job, why: BaseException) -> tuple[StoreResult, tuple[bytes, ...]]:
+        error = why if isinstance(why, Exception) else StoreError(f"the store's thread stopped: {why!r}")
+        return StoreResult(job.job_id, job.op, False, job.asked, (), error=error), ()
+
     def _serve(self) -> None:
-        while True:
+        """Run the jobs until closed. A side task (the counters) never stops it; should anything stop it anyway,
+        the job it ran and every queued one fail as jobs, later ones fail at submission, ``drain`` returns."""
+        job: _Job | None = None
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._stop:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    job = self._queue.popleft()
+                    self._running += 1
+                try:
+                    out = self._store(job) if job.op == STORE else self._load(job)
+                except Exception as e:  # a job never disappears: its failure is its result
+                    out = self._failed(job, e)
+                with self._cond:
+                    self._results.append(out)
+                    self._running -= 1
+                    job = None
+                    self._cond.notify_all()
+                self._write_stats()
+        except BaseException as e:
+            _log.error("kvxfer file tier %s: the store's thread stopped (%r); its jobs fail from now on", self.folder, e)
             with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                self._running += 1
-            try:
-                out = self._store(job) if job.op == STORE else self._load(job)
-            except Exception as e:  # a job never disappears: its failure is its result
-                out = (StoreResult(job.job_id, job.op, False, job.asked, (), error=e), ())
-            with self._cond:
-                self._results.append(out)
-                self._running -= 1
+                self._died = e
+                for j in [*([job] if job is not None else []), *self._queue]:
+                    self._results.append(self._failed(j, e))
+                self._queue.clear()
+                self._running = 0
                 self._cond.notify_all()
-            self._write_stats()
 
     def _calls(self) -> int:
         return int(getattr(self.executor, "calls", 0))
@@ -594,24 +758,42 @@ class ChunkStore:
                            seconds, r.error), ()
 
     def _load(self, job: _Job) -> tuple[StoreResult, tuple[bytes, ...]]:
-        """Restore the job's slots into its rows; a chunk FileTier refuses is dropped and the rest read again."""
+        """Restore the job's slots into its rows. A chunk FileTier refuses is dropped and the rest read again; a
+        read that fails otherwise (a hole, a short file, EIO) is retried chunk by chunk, and each chunk that cannot
+        be read alone is dropped too: a chunk that cannot be read and checked is a miss from then on."""
         started, t0, calls = time.time(), time.perf_counter(), self._calls()
         left = dict(zip(job.slots.tolist(), zip(job.keys, job.rows.tolist())))
         bad: list[bytes] = []
         error: Exception | None = None
         nbytes = 0
+
+        def restore(slots: list[int]) -> Any:
+            rows = [left[s][1] for s in slots]
+            return self.tier.restore(plan_transfer(self.layout, BlockMapping(
+                direction="h2d", src_ids=np.array(slots, np.int64), dst_ids=np.array(rows, np.int64))))
+
         while left:
-            slots = np.fromiter(left, dtype=np.int64, count=len(left))
-            rows = np.array([row for _, row in left.values()], dtype=np.int64)
-            r = self.tier.restore(plan_transfer(self.layout, BlockMapping(direction="h2d", src_ids=slots, dst_ids=rows)))
+            r = restore(list(left))
             if r.success:
-                nbytes = r.nbytes
+                nbytes += r.nbytes
                 break
             error = r.error
-            if not isinstance(r.error, IntegrityError) or r.error.chunk not in left:
-                break  # an I/O failure: every chunk left fails
-            bad.append(left.pop(r.error.chunk)[0])
-        done = tuple(k for k, _ in left.values()) if error is None or nbytes else ()
+            if isinstance(r.error, IntegrityError) and r.error.chunk in left:
+                bad.append(left.pop(r.error.chunk)[0])
+                continue
+            if len(left) == 1:  # read alone already
+                bad.append(left.popitem()[1][0])
+                break
+            for s in list(left):  # which chunks cannot be read: each alone
+                one = restore([s])
+                if one.success:
+                    nbytes += one.nbytes
+                else:
+                    error = one.error
+                    bad.append(left.pop(s)[0])
+            break
+        dropped = set(bad)
+        done = tuple(k for k in job.keys if k not in dropped)
         seconds = time.perf_counter() - t0
         ok = len(done) == len(job.asked)
         with self._counters:
@@ -627,22 +809,23 @@ class ChunkStore:
                 "started": started, "done": time.time()}]
         if ok:
             error = None
-        elif error is None:
-            error = StoreError(f"keys not stored: {len(job.asked) - len(job.keys)} of {len(job.asked)}")
+        elif not bad:
+            missing = [k for k in job.asked if k not in job.keys]
+            error = StoreError(f"{len(missing)} of the {len(job.asked)} keys asked are not stored (the first: "
+                               f"{missing[0] if missing else b''!r})")
         return StoreResult(job.job_id, LOAD, ok, job.asked, done, nbytes, seconds, error), tuple(bad)
 
     def _write_stats(self) -> None:
-        """Replace the counters file whole (a reader never sees half of one); a failure is logged once."""
+        """Replace the counters file whole (a reader never sees half of one; no link is followed); a failure of
+        any kind is logged once and never stops the store's thread."""
         path = self.config.stats_path
         if path is None:
             return
-        with self._counters:
-            text = json.dumps({**vars(self.stats), "folder": str(self.folder)}, indent=1)
-        tmp = Path(f"{path}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except OSError as e:
+            with self._counters:
+                text = json.dumps({**vars(self.stats), "folder": str(self.folder)}, indent=1)
+            replace_file(path, text.encode())
+        except Exception as e:
             if "stats" not in self._logged_paths:
                 self._logged_paths.add("stats")
                 _log.warning("kvxfer file tier: cannot write the counters to %s: %s", path, e)

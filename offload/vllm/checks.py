@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..files.atomic import path_refusal
+
 __all__ = ["KVXFER_KEYS", "VLLM_KEYS", "ExtraConfigError", "UnsupportedFeatureError", "available_memory",
            "caches_device", "check_blocks_per_chunk", "check_executor_device", "check_extra", "check_host_memory",
            "check_stats_path", "stats_path"]
@@ -75,17 +77,43 @@ def check_extra(extra: Mapping[str, Any], known: Iterable[str] = (), world_size:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             warnings.append(f"kv_connector_extra_config[{key!r}]: neither vLLM's offloading nor kvxfer reads this key, "
                             f"so it is ignored{hint}")
+    for key, value in extra.items():
+        if _deeper_than(value, _MAX_DEPTH):
+            raise ExtraConfigError(key, "...", f"nested more than {_MAX_DEPTH} levels deep: not a configuration")
     for key in ("kvxfer_shared_region", "kvxfer_verify"):
         if extra.get(key) is not None and not isinstance(extra[key], bool):
             raise ExtraConfigError(key, extra[key], "must be true or false")
     cpu = extra.get("cpu_bytes_to_use")
-    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not math.isfinite(cpu) or cpu < 1):
+    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, (int, float))
+                            or (isinstance(cpu, float) and not math.isfinite(cpu)) or cpu < 1):
         raise ExtraConfigError("cpu_bytes_to_use", cpu, "must be a positive number of bytes")
+    if cpu is not None and cpu >= 2**63:
+        raise ExtraConfigError("cpu_bytes_to_use", cpu, "more bytes than any machine holds (at most 2**63 - 1)")
     for key in ("blocks_per_chunk", "block_size"):
         _positive_int(extra, key)
     _check_executor(extra.get("kvxfer_executor"))
     check_stats_path(extra.get("kvxfer_stats_path"), world_size)
     return warnings
+
+
+_MAX_DEPTH = 32  # a configuration value nested deeper is refused before anything recurses into it
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value``'s dicts, lists and tuples nest more than ``limit`` levels (walked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, Mapping):
+            items: Iterable[Any] = v.values()
+        elif isinstance(v, (list, tuple)):
+            items = v
+        else:
+            continue
+        if depth >= limit:
+            return True
+        stack.extend((x, depth + 1) for x in items)
+    return False
 
 
 def _check_executor(value: Any) -> None:
@@ -117,6 +145,16 @@ def check_stats_path(value: Any, world_size: int = 1) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
         raise ExtraConfigError("kvxfer_stats_path", value, "must be a file path (a string)")
+    why = path_refusal(os.fspath(value)) if isinstance(os.fspath(value), str) else None
+    if why is not None:
+        raise ExtraConfigError("kvxfer_stats_path", value, why)
+    try:
+        _check_stats_folder(value, world_size)
+    except OSError as e:
+        raise ExtraConfigError("kvxfer_stats_path", value, f"cannot be used: {e.strerror}") from None
+
+
+def _check_stats_folder(value: Any, world_size: int) -> None:
     folder = Path(value).parent
     real = os.path.realpath(folder)
     if any(real == d or real.startswith(d + os.sep) for d in _PSEUDO_FS):

@@ -37,9 +37,10 @@ from .api import (
     OffloadingWorkerMetadata,
     TransferResult,
 )
+from .ledger import FailureLedger, WorkerFailures
 
 __all__ = ["FailedTransfers", "FailureLedger", "FailureReports", "KvxferConnectorWorker", "KvxferOffloadingConnector",
-           "KvxferWorkerMetadata"]
+           "KvxferWorkerMetadata", "WorkerFailures"]
 
 _log = logging.getLogger("kvxfer.offload.vllm")
 
@@ -100,12 +101,7 @@ class KvxferConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
 
     def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any):
         super().__init__(spec, vllm_config, kv_cache_config)
-        # vLLM maps failed block ids back to requests only with one KV-cache group
-        self.by_request = len(kv_cache_config.kv_cache_groups) > 1
-        self.loads: dict[int, tuple[str, list[int]]] = {}  # load job -> (request, device blocks), until finished
-        self.load_errors: set[int] = set()
-        self.failed_recving: set[str] = set()
-        self.failed_jobs: set[int] = set()
+        self.failures = WorkerFailures(len(kv_cache_config.kv_cache_groups))
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """vLLM's registration, then the spec's worker told to report failures (kvxfer's) and wrapped."""
@@ -118,85 +114,21 @@ class KvxferConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
     def start_kv_transfers(self, metadata: Any) -> None:
         """Remember each load job's request and device blocks, then vLLM's ``start_kv_transfers``."""
         for job_id, entry in metadata.load_jobs.items():
-            self.loads[job_id] = (entry.req_id, [int(b) for b in entry.dst_spec.block_ids])
+            self.failures.started(job_id, entry.req_id, entry.dst_spec.block_ids)
         super().start_kv_transfers(metadata)
 
     def on_result(self, job_id: int, success: bool) -> None:
-        """Record a finished job: a failed load's blocks (or its request, with several groups) and every failed job."""
-        load = self.loads.pop(job_id, None)
-        if success:
-            return
-        self.failed_jobs.add(job_id)
-        if load is None:
-            return
-        if self.by_request:
-            self.failed_recving.add(load[0])
-        else:
-            self.load_errors.update(load[1])
+        """Record a finished job (``WorkerFailures.on_result``)."""
+        self.failures.on_result(job_id, success)
 
     def build_connector_worker_meta(self) -> Any:
         """vLLM's worker metadata as a KvxferWorkerMetadata carrying the jobs that failed since the last report."""
         out = super().build_connector_worker_meta()
         if out is None:  # nothing completed: failed jobs (always completed too) wait for the next report
             return None
-        failed, self.failed_jobs = self.failed_jobs, set()
+        failed, self.failures.failed_jobs = self.failures.failed_jobs, set()
         return KvxferWorkerMetadata(completed_jobs=out.completed_jobs, transfer_stats=out.transfer_stats,
                                     failed_jobs=failed)
-
-
-class FailureLedger:
-    """The scheduler side's record of which jobs failed (``FailedTransfers`` keeps one; no vLLM needed): the keys of
-    each job of the step (from the specs the manager handed out, matched when the step's metadata names the jobs),
-    stores that failed (completed unsuccessfully when vLLM completes them) and keys of failed loads (misses until a
-    store of them is prepared anew). Scheduler thread only."""
-
-    def __init__(self) -> None:
-        self.handed: dict[int, tuple[Any, frozenset[Any]]] = {}  # id(spec) -> (spec, keys), this step's
-        self.jobs: dict[int, tuple[bool, frozenset[Any]]] = {}  # job -> (is a store, keys), until completed
-        self.failed_stores: set[frozenset[Any]] = set()
-        self.missing: set[Any] = set()  # keys of failed loads
-
-    def name_jobs(self, meta: Any) -> None:
-        """Learn the keys of this step's jobs (vLLM's OffloadingConnectorMetadata ``store_jobs``/``load_jobs``)."""
-        for jobs, store in ((meta.store_jobs, True), (meta.load_jobs, False)):
-            for job_id, job in jobs.items():
-                handed = self.handed.get(id(job.dst_spec if store else job.src_spec))
-                if handed is not None:
-                    self.jobs[job_id] = (store, handed[1])
-        self.handed.clear()
-
-    def fail(self, job_ids: Iterable[int]) -> None:
-        """These jobs failed on some rank: a store completes unsuccessfully, a load's keys miss from now on."""
-        for job_id in job_ids:
-            entry = self.jobs.get(job_id)
-            if entry is None:  # not a job of this step's specs (a reset cache discarded it)
-                continue
-            store, keys = entry
-            if store:
-                self.failed_stores.add(keys)
-            else:
-                self.missing |= keys
-                _log.warning("kvxfer: a load of %d chunk(s) failed; they are no longer offered as hits", len(keys))
-
-    def store_failed(self, keys: frozenset[Any]) -> bool:
-        """Whether the store of ``keys`` failed (then it is forgotten); the job of ``keys`` is forgotten either way."""
-        failed = keys in self.failed_stores
-        if failed:
-            self.failed_stores.discard(keys)
-            _log.warning("kvxfer: a store of %d chunk(s) failed; they are dropped from the host tier's index", len(keys))
-        self.forget(keys)
-        return failed
-
-    def forget(self, keys: frozenset[Any]) -> None:
-        """Drop the jobs that moved ``keys``: their outcome has been handed to the manager."""
-        self.jobs = {j: v for j, v in self.jobs.items() if v[1] != keys}
-
-    def clear(self) -> None:
-        """Forget every job, failed store and missing key (the connector was reset)."""
-        self.handed.clear()
-        self.jobs.clear()
-        self.failed_stores.clear()
-        self.missing.clear()
 
 
 class _Passed:
@@ -255,7 +187,7 @@ class FailedTransfers(_Passed, OffloadingManager):  # type: ignore[misc]
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         """A miss for the key of a failed load, else the manager's answer."""
-        return LookupResult.MISS if key in self.ledger.missing else self.inner.lookup(key, req_context)
+        return LookupResult.MISS if self.ledger.hides(key) else self.inner.lookup(key, req_context)
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
         """The manager's store spec, remembered with its keys (which a failed load no longer hides)."""
@@ -329,7 +261,7 @@ class KvxferOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         out = super().get_transfer_results(finished_req_ids)
         w = self.connector_worker
         if w is not None:
-            failed, w.failed_recving = w.failed_recving, set()
+            failed, w.failures.failed_recving = w.failures.failed_recving, set()
             out.failed_recving |= failed
         return out
 
@@ -338,5 +270,5 @@ class KvxferOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         w = self.connector_worker
         if w is None:
             return set()
-        errors, w.load_errors = w.load_errors, set()
+        errors, w.failures.load_errors = w.failures.load_errors, set()
         return set(errors)

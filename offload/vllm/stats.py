@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files.atomic import replace_file
 from ..jobs import JobResult
 
 __all__ = ["StatsFile", "WorkerStats"]
@@ -141,15 +141,9 @@ class StatsFile:
                 self._cond.notify_all()
 
     def _write(self, counters: dict[str, Any]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(counters, indent=1))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+        try:  # a new temporary file (no link followed, none reused), renamed over the path
+            replace_file(self.path, json.dumps(counters, indent=1).encode())
+        except Exception as e:  # any failure: the writer thread goes on
             if not self._warned:  # once: a full disk would otherwise log every step
                 self._warned = True
                 _log.warning("kvxfer: writing the counters to %s failed (%s); the engine goes on, and later writes are "

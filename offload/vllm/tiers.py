@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..build import assemble_worker
-from ..files.chunk_store import StoreConfig
+from ..files.chunk_store import StoreConfig, StoreError
 from .api import (
     VLLM_VERSION,
     Locality,
@@ -134,6 +134,8 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
         locality = config.pop("locality", None)
         self.locality = Locality(locality) if locality is not None else None
         wanted = events_wanted(offloading_spec, config.pop("enable_kv_events", False), tier_type)
+        self._rejected: list[Any] = []  # jobs the store refused at submission, reported failed
+        self._refusals_logged = 0
         self.store = open_store(offloading_spec, primary_kv_view, tier_type, self.block_size_bytes, config,
                                 self.storage_executor, VLLM_VERSION)
         self.meter, self._refused = TierMeter(tier_type), 0
@@ -153,12 +155,25 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
         return LookupResult.HIT if self.store.lookup(key) else LookupResult.MISS
 
     def submit_store(self, job_metadata: Any) -> None:
-        """Queue a store of the job's primary-tier chunks under its keys (the store's thread writes them)."""
-        self.store.submit_store(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+        """Queue a store of the job's primary-tier chunks under its keys (the store's thread writes them); a job
+        the store refuses (a chunk id out of range, a key twice, an id in use) fails as a job, never raises."""
+        self._submit(self.store.submit_store, job_metadata)
 
     def submit_load(self, job_metadata: Any) -> None:
-        """Queue a load of the job's keys into its primary-tier chunks (ahead of queued stores)."""
-        self.store.submit_load(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+        """Queue a load of the job's keys into its primary-tier chunks (ahead of queued stores); a refused job
+        fails as a job."""
+        self._submit(self.store.submit_load, job_metadata)
+
+    def _submit(self, submit: Any, job: Any) -> None:
+        try:
+            submit(job.job_id, list(job.keys), job.chunk_ids)
+        except (ValueError, StoreError) as e:  # on the scheduler's thread: the job fails, the engine goes on
+            if not self._refusals_logged:
+                _log.warning("kvxfer file tier: job %s refused (%s); it is reported failed (further refusals are "
+                             "only reported)", job.job_id, e)
+            self._refusals_logged += 1
+            self._rejected.append(TierJobResult(job_id=job.job_id, success=False, transfer_time=0.0, transfer_bytes=0,
+                                               successful_keys=None))
 
     def get_finished_jobs(self) -> list[Any]:
         """vLLM's results of the jobs finished since the last call (a failed load names the keys that did load);
@@ -174,7 +189,8 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
                 done = set(r.done_keys)
                 self.events.stored([k for k in r.keys if k in done])
         self.meter.misses("unavailable", max(lost - self._refused, 0))
-        return [TierJobResult(job_id=r.job_id, success=r.success, transfer_time=r.seconds, transfer_bytes=r.nbytes,
+        rejected, self._rejected = self._rejected, []
+        return rejected + [TierJobResult(job_id=r.job_id, success=r.success, transfer_time=r.seconds, transfer_bytes=r.nbytes,
                               successful_keys=None if r.success else (tuple(r.done_keys) or None))
                 for r in results]
 
@@ -205,8 +221,8 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
         return stats
 
     def has_pending_work(self) -> bool:
-        """Whether jobs are queued or running (vLLM keeps stepping until none is)."""
-        return self.store.pending
+        """Whether jobs are queued, running or finished and not yet reported (vLLM keeps stepping until none is)."""
+        return bool(self._rejected) or self.store.pending
 
     def touch(self, keys: Sequence[bytes], req_context: Any) -> None:
         """Mark ``keys`` recently used (eviction is LRU)."""

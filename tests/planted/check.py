@@ -35,6 +35,14 @@ CATCHES = {  # patch -> the test (a pytest node id, or a file and a -k expressio
         ["tests/test_exec_numpy.py", "-k", "test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_bytes"],
     "35-calls-cut-from-the-plan-start.patch":
         ["tests/test_planner_build.py", "-k", "test_calls_are_cut_at_each_call_group_and_every_cap_ranges_from_its_start"],
+    "36-slots-found-on-reopening-left-free.patch":
+        ["tests/test_chunk_store_damage.py", "-k", "test_slots_found_on_reopening_are_never_given_to_a_later_store"],
+    "36-checksum-recorded-for-a-failed-store.patch":
+        ["tests/test_vllm_worker.py", "-k", "test_a_store_that_failed_records_no_checksum_so_a_load_of_its_chunk_is_refused"],
+    "36-failed-load-keys-still-hits.patch":
+        ["tests/test_vllm_store_rules.py", "-k", "test_the_keys_of_a_failed_load_miss_until_stored_anew"],
+    "36-one-group-failed-load-reported-as-failed-receive.patch":
+        ["tests/test_vllm_store_rules.py", "-k", "test_a_failed_load_is_reported_as_load_error_blocks_with_one_group"],
 }
 
 

@@ -6,6 +6,9 @@ this process, with what happens between engines.
 - ``env``: environment variables for this case's engine (set before it starts, restored after it);
 - ``corrupt``: ``{"stats": PATH, "slot": N}``: before the engine starts, flip one byte of slot N of the data
   file of the file tier whose counters an earlier case wrote to PATH (a chunk's bytes changed on disk);
+- ``damage``: ``{"stats": PATH, "truncate_slots": N}`` cuts the data file of that file tier to N slots,
+  ``{"stats": PATH, "records": "random"}`` overwrites its integrity records with random bytes, before the engine
+  starts;
 - ``tier_stats``: a file tier's counters file, read after the engine and returned under ``tier``;
 - ``crash_marker``: the engine is to kill itself (a test double writes this file, then SIGKILLs the engine
   process): the case runs in a process of its own (vLLM's client would wait forever for a dead engine), which
@@ -47,6 +50,16 @@ def _corrupt(spec: dict[str, Any]) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+def _damage(spec: dict[str, Any]) -> None:
+    stats = json.loads(Path(spec["stats"]).read_text())
+    data = Path(stats["folder"]) / "chunks.kvx"
+    if "truncate_slots" in spec:
+        os.truncate(data, int(spec["truncate_slots"]) * int(stats["row_bytes"]))
+    if spec.get("records") == "random":
+        sums = Path(f"{data}.kvxsum")
+        sums.write_bytes(os.urandom(sums.stat().st_size))
+
+
 def _killed(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """Run ``case`` in a process of its own until its engine has killed itself (the marker file), then kill it."""
     marker = Path(case["crash_marker"])
@@ -74,6 +87,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     try:
         if case.get("corrupt"):
             _corrupt(case["corrupt"])
+        if case.get("damage"):
+            _damage(case["damage"])
         try:
             result = _killed(case) if case.get("crash_marker") else engine.run(case)
         except Exception:
