@@ -182,6 +182,7 @@ class SharedChunkStore:
         self._lease = self.folder / "writers" / f"{self.writer}.lease"
         self._lease.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self._seq = 0
+        self._stats_logged = False
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, str, tuple[bytes, ...], np.ndarray]] = collections.deque()
         self._results: list[StoreResult] = []
@@ -300,6 +301,22 @@ class SharedChunkStore:
                 self._results.append(r)
                 self._running -= 1
                 self._cond.notify_all()
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        """Replace the counters file (``stats_path``) whole; a failure is logged once."""
+        path = self.config.stats_path
+        if path is None:
+            return
+        text = json.dumps({**vars(self.stats), "folder": str(self.folder), "writer": self.writer}, indent=1)
+        tmp = Path(f"{path}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            if not self._stats_logged:
+                self._stats_logged = True
+                _log.warning("kvxfer shared store: cannot write the counters to %s: %s", path, e)
 
     def _store(self, job_id: int, keys: tuple[bytes, ...], rows: np.ndarray) -> StoreResult:
         done: list[bytes] = []

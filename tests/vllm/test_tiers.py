@@ -1,7 +1,7 @@
 """kvxfer under vLLM's tiering in a real engine (vLLM's CPU build): host memory and files, restarts, a crash, a
 change of tensor-parallel size, another identity, and vLLM's own ``fs`` tier over kvxfer's primary worker.
 
-Nine engines run one after the other in one process (``tests/vllm/tier_engine.py``; about 4 minutes on an idle
+Eleven engines run one after the other in one process (``tests/vllm/tier_engine.py``; about 4 minutes on an idle
 2-core machine, two of them at TP=2) over the small Llama of ``test_engine.py``. The host tier holds 16 chunks,
 so after A, B and C it no longer holds A's prefix, and A2 (A's prefix with another suffix) finds it on disk
 only. Every token is compared with an engine without offloading. Run with ``make test-vllm``.
@@ -52,7 +52,7 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                 "engine": {**MAIN["engine"], **(engine or {})}, "requests": [q[k] for k in reqs.split()],
                 "tier_stats": str(tmp / f"{name}.json") if secondary and "root_dir" in secondary else None, **kw}
 
-    for root in ("tp", "crash", "fs"):
+    for root in ("tp", "crash", "fs", "shared"):
         (tmp / root).mkdir(exist_ok=True)
     canonical = {"canonical_layout": True}
     return [
@@ -66,6 +66,8 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                                     crash_at_store=3, crash_marker=str(tmp / "crashed")), crash_marker=str(tmp / "crashed")),
         case("restart", "A2 C2", tier("crash", "restart")),
         case("fs", "A B C A2", {"type": "fs", "root_dir": str(tmp / "fs")}),
+        case("shared-1", "A B C", tier("shared", "shared-1", shared=True)),
+        case("shared-2", "A2", tier("shared", "shared-2", shared=True)),
     ]
 
 
@@ -156,3 +158,12 @@ def test_vllms_fs_tier_runs_over_kvxfers_primary_worker_on_the_cpu_build(runs):
     assert r["tokens"] == _tokens(runs, 0, 1, 2, 3)
     assert r["stats"][0]["host_tier"] == "vllm-tiering" and r["stats"][0]["blocks_loaded"] == PREFIX_BLOCKS
     assert r["metrics"]["vllm:kv_offload_tiering_chunk_hits"] == PREFIX_BLOCKS
+
+
+def test_a_second_engine_on_a_shared_root_serves_the_prefix_the_first_stored(runs):
+    one, two = _ok(runs["shared-1"]), _ok(runs["shared-2"])
+    assert one["tokens"] == _tokens(runs, 0, 1, 2) and two["tokens"] == _tokens(runs, 3)
+    assert one["tier"]["writer"] != two["tier"]["writer"] and one["tier"]["folder"] == two["tier"]["folder"]
+    assert one["tier"]["chunks_stored"] == 8 + 13 + 13 and two["tier"]["found"] == 8 + 13 + 13
+    assert (two["tier"]["chunks_loaded"], two["tier"]["integrity_misses"]) == (PREFIX_BLOCKS, 0)
+    assert two["metrics"]["vllm:external_prefix_cache_hits"] == PREFIX_BLOCKS * 32
