@@ -52,7 +52,6 @@ def throughput(writers: int, chunks: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as root:
         q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
         ps = [mp.Process(target=_writer, args=(root, w, chunks, q)) for w in range(writers)]
-        t0 = time.perf_counter()
         for p in ps:
             p.start()
         times = [q.get() for _ in ps]

@@ -161,3 +161,17 @@ def test_several_processes_store_load_and_evict_with_a_kill(tmp_path: Path) -> N
         assert not [p for p in files if p.name.startswith(".tmp.")]
     finally:
         after.close()
+
+
+def test_a_dead_writers_temporary_file_and_lease_are_reaped_and_a_live_writer_recreates_its_lease(tmp_path: Path) -> None:
+    a = _store(tmp_path, _rows(2))
+    dead = a.writer.rsplit("-", 2)[0] + "-999999999-deadbeef"  # a pid of this host that does not exist
+    (a.folder / f".tmp.{dead}.1").write_bytes(b"half a chunk")
+    (a.folder / "writers" / f"{dead}.lease").write_text("{}")
+    old = time.time() - 7200
+    os.utime(a.folder / "writers" / f"{dead}.lease", (old, old))
+    a._lease.unlink()  # taken for dead by someone (a stall): it comes back at the next listing
+    a._scan()
+    assert not (a.folder / f".tmp.{dead}.1").exists() and not (a.folder / "writers" / f"{dead}.lease").exists()
+    assert a._lease.exists()
+    a.close()

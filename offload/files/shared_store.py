@@ -448,7 +448,10 @@ class SharedChunkStore:
         """Refresh the lease, list the folder (keys, bytes), reap dead writers' temporaries, and evict down to
         the capacity: own files first, then files of dead writers, oldest first."""
         now = time.time()
-        os.utime(self._lease)
+        try:
+            os.utime(self._lease)
+        except FileNotFoundError:  # taken for dead and reaped (a stall longer than dead_after_s): alive again
+            self._lease.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         leases: dict[str, float] = {}
         for entry in os.scandir(self.folder / "writers"):
             if entry.name.endswith(".lease"):
@@ -479,6 +482,10 @@ class SharedChunkStore:
             total += st.st_size
             if w != self.writer and self._dead(w, leases, now):
                 dead_files.append((st.st_mtime, entry.name))
+        holders = {w for names in known.values() for w in (n.split(".")[1] for n in names)}
+        for w in leases:  # a dead writer with no chunk left: its lease goes too
+            if w not in holders and w != self.writer and now - leases[w] > self.dead_after_s:
+                self._unlink_quiet(f"writers/{w}.lease")
         with self._known_lock:
             for key, name in self._own.items():  # written since the listing began: still known
                 known.setdefault(key, set()).add(name)
