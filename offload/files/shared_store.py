@@ -61,7 +61,7 @@ from .file_tier import Durability
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_HEADER", "HEADER_BYTES", "SharedChunkStore", "chunk_file", "read_chunk", "writer_id"]
+__all__ = ["CHUNK_HEADER", "HEADER_BYTES", "SharedChunkStore", "chunk_file", "encode_chunk", "read_chunk", "writer_id"]
 
 MAGIC = b"KVXSHR01"
 # magic, key length, pad, row bytes, epoch, writer (32 bytes), namespace digest (16), data CRC, header CRC
