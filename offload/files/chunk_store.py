@@ -89,7 +89,8 @@ class StoreConfig(_PlannerSpec):
     ``io_threads``: threads one job's reads or writes run on (None: 4 with O_DIRECT, where the device takes
     requests in parallel, else 1: copies through the page cache into one file do not scale, they contend on the
     file); ``lock_timeout_s``: how long to wait for another
-    store to release the files; ``stats_path``: where the counters are written as JSON after each job."""
+    store to release the files; ``stats_path``: where the counters are written as JSON after each job;
+    ``shared``: several engines share ``root_dir`` (no lock; see ``shared_store``)."""
 
     _error: ClassVar = StoreConfigError
 
@@ -101,6 +102,7 @@ class StoreConfig(_PlannerSpec):
     io_threads: int | None = Field(default=None, ge=1, le=64)
     lock_timeout_s: float = 5.0
     stats_path: str | None = None
+    shared: bool = False  # several engines on one root_dir: a SharedChunkStore (offload/files/shared_store.py)
 
     @field_validator("stats_path")
     @classmethod

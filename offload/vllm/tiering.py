@@ -14,6 +14,7 @@ from kvxfer.planner import Buffer, Layout, Location
 
 from ..files.chunk_store import ChunkStore, StoreConfig, StoreConfigError, namespace
 from ..files.identity import choose_identity, model_fingerprint
+from ..files.shared_store import SharedChunkStore
 from ..tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
 from .caches import CacheMap
 from .checks import UnsupportedFeatureError, check_extra
@@ -129,7 +130,7 @@ def check_tiering_extra(config: Any) -> None:
 
 
 def open_store(spec: Any, primary_kv_view: memoryview, tier_type: str, row_bytes: int, config: Mapping[str, Any],
-                executor_for: Callable[[StoreConfig], Any], vllm_version: str) -> ChunkStore:
+                executor_for: Callable[[StoreConfig], Any], vllm_version: str) -> ChunkStore | SharedChunkStore:
     """The file tier's ChunkStore over vLLM's primary tier view (one contiguous buffer of ``row_bytes`` rows), with
     its ``secondary_tiers`` settings; a bad setting raises StoreConfigError naming the key as the config spells it."""
     settings = tier_config(config, tier_type)
@@ -139,7 +140,9 @@ def open_store(spec: Any, primary_kv_view: memoryview, tier_type: str, row_bytes
     identity = choose_identity(settings.root_dir, tier_identity(spec, row_bytes, vllm_version),
                                tier_identity(spec, row_bytes, vllm_version, legacy=True), namespace)
     try:
-        store = ChunkStore(settings, rows.view(np.uint8), row_bytes, identity, executor=executor_for(settings))
+        kind = SharedChunkStore if settings.shared else ChunkStore  # several engines on one root_dir, or one
+        store: ChunkStore | SharedChunkStore = kind(settings, rows.view(np.uint8), row_bytes, identity,
+                                                    executor=executor_for(settings))
     except StoreConfigError as e:  # one line naming the key as the tier's config spells it
         raise StoreConfigError(f"secondary_tiers[{tier_type}].{e.field}", e.value, e.reason) from None
     _log.info("kvxfer file tier: %s, %d slots of %d bytes (%d found)", store.folder, store.slots, row_bytes,

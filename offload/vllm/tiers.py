@@ -17,7 +17,8 @@ included (where vLLM's own worker refuses the platform)::
 integrity records per chunk, durability before a store is reported done, bounded capacity with LRU eviction, files private to
 their owner, a namespace per identity (``tier_identity``), warm restarts, and loads that check every chunk. Its
 keys (``StoreConfig``): ``root_dir``, ``capacity_bytes`` (required), ``durability``, ``verify``, ``o_direct``,
-``io_threads``, ``lock_timeout_s``, ``stats_path``; vLLM's ``locality`` and ``enable_kv_events`` (KV-cache events
+``io_threads``, ``lock_timeout_s``, ``stats_path``, ``shared`` (several engines on one ``root_dir``: a
+``SharedChunkStore``, docs/vllm/sharing.md); vLLM's ``locality`` and ``enable_kv_events`` (KV-cache events
 of stored and removed chunks, ``events``) too. Anything else is refused at start-up with one line naming the key.
 Its counters reach the engine's metrics (``metrics``: ``vllm:kvxfer_tier_*``) as well as the JSON file.
 

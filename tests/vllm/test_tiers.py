@@ -52,7 +52,7 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                 "engine": {**MAIN["engine"], **(engine or {})}, "requests": [q[k] for k in reqs.split()],
                 "tier_stats": str(tmp / f"{name}.json") if secondary and "root_dir" in secondary else None, **kw}
 
-    for root in ("tp", "crash", "fs", "events"):
+    for root in ("tp", "crash", "fs", "events", "shared"):
         (tmp / root).mkdir(exist_ok=True)
     canonical = {"canonical_layout": True}
     return [
@@ -71,6 +71,8 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
         case("events", "A B", tier("events", "events", type="RecordingFileTier", module_path="tests.vllm.tier_doubles",
                                    enable_kv_events=True, locality="LOCAL", events_path=str(tmp / "events.jsonl")),
              {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}}),
+        case("shared-1", "A B C", tier("shared", "shared-1", shared=True)),
+        case("shared-2", "A2", tier("shared", "shared-2", shared=True)),
     ]
 
 
@@ -193,3 +195,13 @@ def test_random_bytes_in_the_records_before_a_restart_start_the_store_over_and_s
     assert r["tokens"] == _tokens(runs, 3)
     assert r["tier"]["found"] == 0 and r["tier"]["chunks_loaded"] == 0
     assert r["log"].count("set aside as") == 1 and "not kvxfer integrity records" in r["log"]
+
+
+def test_a_second_engine_on_a_shared_root_serves_the_prefix_the_first_stored(runs):
+    one, two = _ok(runs["shared-1"]), _ok(runs["shared-2"])
+    assert one["tokens"] == _tokens(runs, 0, 1, 2) and two["tokens"] == _tokens(runs, 3)
+    assert one["tier"]["writer"] != two["tier"]["writer"] and one["tier"]["folder"] == two["tier"]["folder"]
+    # A's and B's chunks (C's were still in the host tier when the first engine stopped), found by the second
+    assert one["tier"]["chunks_stored"] == 8 + 13 and two["tier"]["found"] == 8 + 13
+    assert (two["tier"]["chunks_loaded"], two["tier"]["integrity_misses"]) == (PREFIX_BLOCKS, 0)
+    assert two["metrics"]["vllm:external_prefix_cache_hits"] == PREFIX_BLOCKS * 32

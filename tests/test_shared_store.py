@@ -1,0 +1,177 @@
+"""The shared store (offload/files/shared_store.py): several writers on one root_dir, no lock, every chunk
+validated, eviction only of a writer's own files or of dead writers' files; and a multi-process stress run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer.offload.files import ChunkStore
+from kvxfer.offload.files.shared_store import HEADER_BYTES, SharedChunkStore, encode_chunk
+
+ROW = 4096
+IDENTITY = {"model": "shared-test", "v": 1}
+STRESS = Path(__file__).with_name("shared_stress.py")
+
+
+def _store(root: Path, memory: np.ndarray, chunks: int = 16, **kw: float) -> SharedChunkStore:
+    return SharedChunkStore({"root_dir": str(root), "capacity_bytes": chunks * (ROW + HEADER_BYTES),
+                             "durability": "none"}, memory, ROW, IDENTITY, **kw)
+
+
+def _run(store: SharedChunkStore, op: str, job: int, keys: list[bytes], rows: list[int]) -> object:
+    (store.submit_store if op == "store" else store.submit_load)(job, keys, rows)
+    store.drain()
+    (r,) = store.poll()
+    return r
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, n * ROW, dtype=np.uint8)
+
+
+def test_a_second_store_opens_and_loads_the_first_ones_chunks(tmp_path: Path) -> None:
+    mem_a, mem_b = _rows(4), np.zeros(4 * ROW, np.uint8)
+    a = _store(tmp_path, mem_a)
+    b = _store(tmp_path, mem_b)  # no lock: opens at once beside a
+    try:
+        assert _run(a, "store", 1, [b"k0", b"k1"], [0, 1]).success
+        c = _store(tmp_path, np.zeros(4 * ROW, np.uint8))
+        assert c.lookup(b"k0") and c.lookup(b"k1")
+        c.close()
+        b._scan()
+        assert b.lookup(b"k1")
+        r = _run(b, "load", 2, [b"k1", b"k0"], [0, 1])
+        assert r.success and r.done_keys == (b"k1", b"k0")
+        assert np.array_equal(mem_b[:ROW], mem_a[ROW:2 * ROW]) and np.array_equal(mem_b[ROW:2 * ROW], mem_a[:ROW])
+        assert _run(b, "store", 3, [b"k0"], [2]).done_keys == (b"k0",)  # held by a: not written again
+        assert not b.owns(b"k0") and a.owns(b"k0")
+    finally:
+        a.close()
+        b.close()
+
+
+def _one_file(tmp_path: Path) -> tuple[SharedChunkStore, SharedChunkStore, np.ndarray, Path]:
+    a = _store(tmp_path, _rows(2))
+    assert _run(a, "store", 1, [b"k"], [0]).success
+    mem = np.full(2 * ROW, 0xEE, np.uint8)
+    b = _store(tmp_path, mem)
+    (path,) = [p for p in b.folder.iterdir() if p.suffix == ".kvc"]
+    return a, b, mem, path
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut", "other-key", "mode", "link", "other-identity"])
+def test_a_damaged_foreign_or_planted_chunk_is_a_miss_never_bytes(tmp_path: Path, damage: str) -> None:
+    a, b, mem, path = _one_file(tmp_path)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[HEADER_BYTES + 100] ^= 1
+        path.write_bytes(raw)
+    elif damage == "cut":
+        path.write_bytes(raw[:-1])
+    elif damage == "other-key":
+        path.write_bytes(encode_chunk(b"x", raw[HEADER_BYTES:], a.writer, a.digest, 1))
+    elif damage == "other-identity":
+        path.write_bytes(encode_chunk(b"k", raw[HEADER_BYTES:], a.writer, bytes(16), 1))
+    elif damage == "mode":
+        os.chmod(path, 0o666)
+    else:
+        planted = tmp_path / "planted"
+        planted.write_bytes(raw)
+        path.unlink()
+        path.symlink_to(planted)
+    r = _run(b, "load", 2, [b"k"], [1])
+    assert not r.success and r.done_keys == ()
+    assert (mem == 0xEE).all()  # nothing was copied into memory
+    a.close()
+    b.close()
+
+
+def test_eviction_removes_own_files_and_dead_writers_files_never_a_live_writers(tmp_path: Path) -> None:
+    a = _store(tmp_path, _rows(8), chunks=4)
+    assert _run(a, "store", 1, [b"a0", b"a1", b"a2", b"a3"], [0, 1, 2, 3]).done_keys == (b"a0", b"a1", b"a2", b"a3")
+    b = _store(tmp_path, _rows(8), chunks=4, dead_after_s=3600.0)
+    r = _run(b, "store", 2, [b"b0"], [4])  # full of a live writer's files: b skips, a keeps its chunks
+    assert r.success and r.done_keys == () and b.stats.skipped == 1
+    assert all(a.owns(k) for k in (b"a0", b"a1", b"a2", b"a3"))
+    assert _run(a, "store", 3, [b"a4"], [4]).done_keys == (b"a4",)  # a evicts its own oldest
+    assert not a.owns(b"a0") and a.owns(b"a4")
+    a.close()
+    old = time.time() - 7200
+    os.utime(a._lease, (old, old))  # a's lease is old: a is dead
+    b._scan()
+    assert _run(b, "store", 4, [b"b0"], [4]).done_keys == (b"b0",)
+    names = {p.name.split(".")[0] for p in b.folder.iterdir() if p.suffix == ".kvc"}
+    assert len(names) <= 4 and b"b0".hex() in names
+    b.close()
+
+
+def test_a_single_engine_store_opens_as_before_beside_a_shared_one(tmp_path: Path) -> None:
+    mem = _rows(2)
+    s = _store(tmp_path, mem)
+    cs = ChunkStore({"root_dir": str(tmp_path), "capacity_bytes": 4 * ROW, "durability": "none"}, mem, ROW, IDENTITY)
+    try:
+        assert cs.folder == s.folder.parent and (cs.folder / "chunks.kvx.index").is_file()
+        cs.submit_store(1, [b"k"], [0])
+        cs.drain()
+        assert cs.poll()[0].success and not s.lookup(b"k")  # the two formats never read each other's files
+    finally:
+        cs.close()
+        s.close()
+
+
+def _writer(root: Path, seed: int, jobs: int, capacity: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(STRESS), str(root), str(seed), str(jobs), str(capacity)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_several_processes_store_load_and_evict_with_a_kill(tmp_path: Path) -> None:
+    """Five writers on one store of 48 chunks (one SIGKILLed mid-run, a sixth started after): 0 wrong bytes, 0
+    lost acknowledged stores, every job answered; afterwards the store is back within its capacity."""
+    capacity = 48 * (ROW + HEADER_BYTES)
+    procs = [_writer(tmp_path, seed, 500, capacity) for seed in range(5)]
+    victim = procs[0]
+    assert victim.stdout is not None
+    for _ in range(40):  # killed in the middle of its stores
+        victim.stdout.readline()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    late = _writer(tmp_path, 99, 300, capacity)
+    totals: dict[str, int] = {}
+    for p in [*procs[1:], late]:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0
+        counts = json.loads(out.strip().splitlines()[-1])
+        assert counts["jobs"] == counts["results"] >= 300
+        for k, v in counts.items():
+            totals[k] = totals.get(k, 0) + v
+    assert totals["wrong_bytes"] == 0 and totals["lost"] == 0 and totals["hangs"] == 0
+    assert totals["acked"] > 0 and totals["loaded"] > 0  # it stored and loaded across writers
+    after = _store(tmp_path, np.zeros(ROW, np.uint8), chunks=48, dead_after_s=3600.0)  # dead by pid: reaped
+    try:
+        files = [p for p in after.folder.iterdir() if p.is_file()]
+        assert sum(p.stat().st_size for p in files) <= capacity
+        assert not [p for p in files if p.name.startswith(".tmp.")]
+    finally:
+        after.close()
+
+
+def test_a_dead_writers_temporary_file_and_lease_are_reaped_and_a_live_writer_recreates_its_lease(tmp_path: Path) -> None:
+    a = _store(tmp_path, _rows(2))
+    dead = a.writer.rsplit("-", 2)[0] + "-999999999-deadbeef"  # a pid of this host that does not exist
+    (a.folder / f".tmp.{dead}.1").write_bytes(b"half a chunk")
+    (a.folder / "writers" / f"{dead}.lease").write_text("{}")
+    old = time.time() - 7200
+    os.utime(a.folder / "writers" / f"{dead}.lease", (old, old))
+    a._lease.unlink()  # taken for dead by someone (a stall): it comes back at the next listing
+    a._scan()
+    assert not (a.folder / f".tmp.{dead}.1").exists() and not (a.folder / "writers" / f"{dead}.lease").exists()
+    assert a._lease.exists()
+    a.close()
