@@ -16,6 +16,7 @@ from ..files.chunk_store import ChunkStore, StoreConfig, StoreConfigError
 from ..tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
 from .caches import CacheMap
 from .checks import UnsupportedFeatureError, check_extra
+from .version import traits
 
 __all__ = ["FORMAT", "TIER_KEYS", "check_tiering_extra", "open_store", "tier_config", "tier_identity", "tiering_geometry",
            "worker_layout"]
@@ -38,7 +39,8 @@ def tier_config(config: Mapping[str, Any], tier_type: str = "KvxferFileTier") ->
 def tier_identity(spec: Any, row_bytes: int, vllm_version: str) -> dict[str, Any]:
     """What a stored chunk's bytes mean, read from a vLLM offloading spec (its ``config``, ``blocks_per_chunk``)
     on the scheduler side: model, KV dtype, tokens per hash, blocks per chunk, row bytes, the KV-cache layout and
-    groups, the canonical format or the parallel layout, vLLM's major.minor. Chunks stored under one identity are
+    groups, the canonical format or the parallel layout, what vLLM's keys mean (``VllmTraits.key_family``: one
+    family for 0.32 to 0.34, so a store outlives an upgrade among them). Chunks stored under one identity are
     never read under another. The parallel sizes are left out only when the bytes are portable: vLLM's canonical
     layout with every layer parallelism-agnostic (then TP=2 and TP=1 share the namespace); anything else keeps
     TP, PP, PCP, DCP and world size, so another layout misses."""
@@ -51,7 +53,7 @@ def tier_identity(spec: Any, row_bytes: int, vllm_version: str) -> dict[str, Any
 
         canonical = canonical_format_id(c.kv_cache_layout)
     return {
-        "format": FORMAT, "vllm": ".".join(vllm_version.split(".")[:2]), "model": c.model.name,
+        "format": FORMAT, "vllm_keys": traits(vllm_version).key_family, "model": c.model.name,
         "dtype": str(c.model.dtype), "tokens_per_hash": int(c.cache.tokens_per_hash),
         "blocks_per_chunk": int(spec.blocks_per_chunk), "row_bytes": int(row_bytes),
         "kv_cache_layout": c.kv_cache_layout, "canonical_format": canonical,
