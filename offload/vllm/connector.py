@@ -28,7 +28,6 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hooks
 from .api import (
     KVCacheAccess,
     LookupResult,
@@ -39,6 +38,9 @@ from .api import (
     OffloadingWorkerMetadata,
     TransferResult,
 )
+from .hooks import kv_cache_access as _access
+from .hooks import may_load_async as _may_load_async
+from .hooks import supports_sleep_mode as _sleep_mode
 
 __all__ = ["FailedTransfers", "FailureLedger", "FailureReports", "KvxferConnectorWorker", "KvxferOffloadingConnector",
            "KvxferWorkerMetadata"]
@@ -319,18 +321,18 @@ class KvxferOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """0.34: how kvxfer's workers reach the device KV cache (``hooks.kv_cache_access``), as vLLM's flags."""
         flags = KVCacheAccess.IN_PROCESS
-        for name in hooks.kv_cache_access(getattr(kv_transfer_config, "kv_connector_extra_config", None)):
+        for name in _access(getattr(kv_transfer_config, "kv_connector_extra_config", None)):
             flags |= getattr(KVCacheAccess, name)
         return flags
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """0.33 on: whether kvxfer follows sleep mode's remap (``hooks.supports_sleep_mode``)."""
-        return hooks.supports_sleep_mode(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+        return _sleep_mode(getattr(kv_transfer_config, "kv_connector_extra_config", None))
 
     def may_load_async(self, request: Any) -> bool:
         """0.34: whether this request may load while the batch is full (``hooks.may_load_async``)."""
-        return hooks.may_load_async(request, bool(super().may_load_async(request)))
+        return _may_load_async(request, bool(super().may_load_async(request)))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's connector metadata; the scheduler's manager learns the keys of its jobs."""
