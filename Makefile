@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz,docs
 DEMO_EXTRAS ?= cli
 
-.PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check venv-vllm test-vllm
+.PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check venv-vllm test-vllm test-vllm-versions
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -132,3 +132,19 @@ venv-vllm: $(VLLM_VENV)/.installed
 # test as it starts (an engine batch takes minutes on 2 cores), --durations lists the slowest at the end
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -v --durations=12 -p no:cacheprovider $(VLLM_TESTS)
+
+# vLLM 0.33 and 0.34 have no CPU build: each release's wheel (about 240-340 MB) is downloaded once into the
+# git-ignored $(VLLM_VERSIONS_DIR) and unpacked into its own folder, put first on PYTHONPATH over .venv-vllm; the
+# interface tests (tests/test_vllm_*.py, less the one that needs vLLM's platform) and the checks against each
+# release's own classes and CPU worker code (tests/vllm_versions) run per release. No engine runs (docs/vllm/versions.md).
+VLLM_VERSIONS ?= 0.33.0 0.34.0
+VLLM_VERSIONS_DIR ?= .vllm-versions
+VLLM_VERSION_TESTS ?= tests/vllm_versions $(wildcard tests/test_vllm_*.py) \
+	--deselect tests/test_vllm_startup.py::test_a_chunk_longer_than_the_models_max_len_is_refused_when_vllm_has_set_its_config
+$(VLLM_VERSIONS_DIR)/%/vllm/__init__.py:
+	$(VLLM_VENV)/bin/python -m pip download $(PIP_FLAGS) --no-deps "vllm==$*" -d $(VLLM_VERSIONS_DIR)/wheels
+	$(VLLM_VENV)/bin/python -m zipfile -e $(VLLM_VERSIONS_DIR)/wheels/vllm-$*-*.whl $(VLLM_VERSIONS_DIR)/$*
+test-vllm-versions: $(foreach v,$(VLLM_VERSIONS),$(VLLM_VERSIONS_DIR)/$(v)/vllm/__init__.py) | $(VLLM_VENV)/.installed
+	set -e; for v in $(VLLM_VERSIONS); do echo "== vLLM $$v (its Python modules over $(VLLM_VENV)) =="; \
+	  PYTHONPATH="$(abspath $(VLLM_VERSIONS_DIR))/$$v" $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	    $(VLLM_VERSION_TESTS); done

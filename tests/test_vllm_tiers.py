@@ -38,7 +38,8 @@ def test_the_identity_keeps_tp_apart_in_the_direct_layout_and_every_meaning_of_t
     assert tier_identity(_spec(agnostic=True), 32768, "0.32.0")["parallel"] != "portable"  # direct: never portable
     assert base not in {namespace(tier_identity(s, 32768, "0.32.0")) for s in others[:3]}
     assert namespace(tier_identity(_spec(), 65536, "0.32.0")) != base  # another row size
-    assert namespace(tier_identity(_spec(), 32768, "0.33.0")) != base  # another vLLM minor
+    # 0.32 to 0.34 hash blocks and lay out keys alike (tests/vllm_versions checks their sources): one namespace
+    assert namespace(tier_identity(_spec(), 32768, "0.34.0")) == base
     assert namespace(tier_identity(_spec(), 32768, "0.32.5")) == base
 
 

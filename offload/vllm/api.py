@@ -4,9 +4,12 @@ vLLM; without vLLM (or with a release this wing does not support) it raises Impo
 """
 from __future__ import annotations
 
-from .version import import_vllm
+from typing import Any
+
+from .version import import_vllm, traits
 
 VLLM_VERSION = str(import_vllm().__version__)  # before the first import from vLLM below
+TRAITS = traits(VLLM_VERSION)  # what this release's interface has: every version difference is read from here
 
 # ruff: noqa: E402 (vLLM's imports follow the version check)
 from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found, unused-ignore]
@@ -45,7 +48,15 @@ from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found, 
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["VLLM_VERSION", "CPUOffloadingSpec", "JobResult", "Locality", "LookupResult", "Medium", "OffloadingConnector",
+DevicePointers: Any = None  # 0.34 on: the flat pointer arrays its workers take (None before)
+KVCacheAccess: Any = None  # 0.34 on: the flags of the connector's kv_cache_access (None before)
+if TRAITS.device_pointers:
+    from vllm.v1.kv_offload.base import DevicePointers  # type: ignore[import-not-found, no-redef, unused-ignore]
+if TRAITS.kv_cache_access:
+    from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[import-not-found, no-redef, unused-ignore]
+
+__all__ = ["TRAITS", "VLLM_VERSION", "CPUOffloadingSpec", "DevicePointers", "JobResult", "KVCacheAccess", "Locality",
+           "LookupResult", "Medium", "OffloadingConnector",
            "OffloadingConnectorWorker", "OffloadingManager", "OffloadingWorker", "OffloadingWorkerMetadata",
            "RequestOffloadingContext", "SecondaryTierManager", "SharedOffloadRegion", "TieringOffloadingSpec",
            "TransferResult", "canonical_format_id", "get_current_vllm_config_or_none", "get_inner_dp_world_group",

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api import (
+    KVCacheAccess,
     LookupResult,
     OffloadingConnector,
     OffloadingConnectorWorker,
@@ -38,6 +39,9 @@ from .api import (
     TransferResult,
 )
 from .ledger import FailureLedger, WorkerFailures
+from .hooks import kv_cache_access as _access
+from .hooks import may_load_async as _may_load_async
+from .hooks import supports_sleep_mode as _sleep_mode
 
 __all__ = ["FailedTransfers", "FailureLedger", "FailureReports", "KvxferConnectorWorker", "KvxferOffloadingConnector",
            "KvxferWorkerMetadata", "WorkerFailures"]
@@ -73,8 +77,10 @@ class FailureReports(OffloadingWorker):  # type: ignore[misc]
         """The wrapped worker's ``submit_store``."""
         return bool(self.inner.submit_store(job_id, src_spec, dst_spec))
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """The wrapped worker's ``submit_load``."""
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        """The wrapped worker's ``submit_load`` (``expedited`` handed on where set: 0.34's flag)."""
+        if expedited:
+            return bool(self.inner.submit_load(job_id, src_spec, dst_spec, expedited=True))
         return bool(self.inner.submit_load(job_id, src_spec, dst_spec))
 
     def get_finished(self) -> list[Any]:
@@ -242,6 +248,23 @@ class KvxferOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             if policy != "recompute":
                 _log.info("kvxfer: kv_load_failure_policy is %r: a request whose load fails ends with an error "
                           "(\"recompute\" recomputes its blocks instead)", policy)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """0.34: how kvxfer's workers reach the device KV cache (``hooks.kv_cache_access``), as vLLM's flags."""
+        flags = KVCacheAccess.IN_PROCESS
+        for name in _access(getattr(kv_transfer_config, "kv_connector_extra_config", None)):
+            flags |= getattr(KVCacheAccess, name)
+        return flags
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """0.33 on: whether kvxfer follows sleep mode's remap (``hooks.supports_sleep_mode``)."""
+        return _sleep_mode(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+
+    def may_load_async(self, request: Any) -> bool:
+        """0.34: whether this request may load while the batch is full (``hooks.may_load_async``)."""
+        return _may_load_async(request, bool(super().may_load_async(request)))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's connector metadata; the scheduler's manager learns the keys of its jobs."""

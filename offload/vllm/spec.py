@@ -31,7 +31,7 @@ from .checks import (
     check_host_memory,
     stats_path,
 )
-from .worker import WorkerCore, build_worker
+from .worker import WorkerCore, build_worker, device_pointers
 
 __all__ = ["KvxferOffloadingSpec", "KvxferOffloadingWorker"]
 
@@ -176,6 +176,6 @@ def _make_worker(spec: Any, kv_caches: Any) -> KvxferOffloadingWorker:
         raise
     out = KvxferOffloadingWorker(worker, TransferResult, stream=torch.cuda.current_stream if kind == "cuda" else None,
                                  stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size),
-                                 checksums=checksums)
+                                 checksums=checksums, pointers=device_pointers(kv_caches))
     out.stats.host_tier = "shared" if shared else "private"
     return out

@@ -18,6 +18,7 @@ from ..files.shared_store import SharedChunkStore
 from ..tier import HOST_BUFFER, Cell, Geometry, HostLayout, host_region
 from .caches import CacheMap
 from .checks import UnsupportedFeatureError, check_extra
+from .version import traits
 
 __all__ = ["FORMAT", "TIER_KEYS", "check_tiering_extra", "open_store", "tier_config", "tier_identity", "tiering_geometry",
            "worker_layout"]
@@ -41,12 +42,13 @@ def tier_identity(spec: Any, row_bytes: int, vllm_version: str, *, legacy: bool 
     """What a stored chunk's bytes mean, read from a vLLM offloading spec (its ``config``, ``blocks_per_chunk``)
     on the scheduler side: the model's content (``model_fingerprint``: config and weights, so a moved folder keeps
     its chunks and another model never reads them; a hub id as it is), KV dtype, tokens per hash, blocks per chunk,
-    row bytes, the KV-cache layout and groups, the canonical format or the parallel layout, vLLM's major.minor.
+    row bytes, the KV-cache layout and groups, the canonical format or the parallel layout, what vLLM's keys mean
+    (``VllmTraits.key_family``: one family for 0.32 to 0.34, so a store outlives an upgrade among them).
     Chunks stored under one identity are never read under another. The parallel sizes are left out only when
     every rank's bytes are the same whatever the layout: vLLM's canonical layout with every layer
     parallelism-agnostic ("portable"), or the replicated single-copy layout (MLA: "replicated"); anything else
     keeps TP, PP, PCP, DCP and world size, so another layout misses. ``legacy``: the identity earlier releases
-    wrote (the model's path, the replicated layout keyed on its sizes), to find their stores."""
+    wrote (the model's path, vLLM's major.minor, the replicated layout keyed on its sizes), to find their stores."""
     c = spec.config
     p = c.parallel
     replicated = bool(getattr(spec, "replicated_layout", c.replicated_layout))
@@ -62,7 +64,8 @@ def tier_identity(spec: Any, row_bytes: int, vllm_version: str, *, legacy: bool 
     elif replicated and not legacy:
         parallel = "replicated"
     return {
-        "format": FORMAT, "vllm": ".".join(vllm_version.split(".")[:2]),
+        "format": FORMAT,
+        **({"vllm": ".".join(vllm_version.split(".")[:2])} if legacy else {"vllm_keys": traits(vllm_version).key_family}),
         "model": c.model.name if legacy else model_fingerprint(c.model.name),
         "dtype": str(c.model.dtype), "tokens_per_hash": int(c.cache.tokens_per_hash),
         "blocks_per_chunk": int(spec.blocks_per_chunk), "row_bytes": int(row_bytes),

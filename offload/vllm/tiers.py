@@ -69,7 +69,7 @@ from .tiering import (
     tiering_geometry,
     worker_layout,
 )
-from .worker import WorkerCore
+from .worker import WorkerCore, device_pointers
 
 __all__ = ["FORMAT", "TIER_KEYS", "KvxferFileTier", "KvxferTieringOffloadingSpec", "KvxferTieringWorker", "tier_config",
            "tier_identity", "tiering_geometry"]
@@ -86,11 +86,11 @@ class KvxferTieringWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
         self.region = region
         self.stats.load_submitted = []  # type: ignore[attr-defined]  # wall times, for the restore timeline
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
         """``WorkerCore.submit_load``, its wall time recorded."""
         times: list[float] = self.stats.load_submitted  # type: ignore[attr-defined]
         times[:] = [*times[-31:], time.time()]
-        return super().submit_load(job_id, src_spec, dst_spec)
+        return super().submit_load(job_id, src_spec, dst_spec, expedited)
 
     def shutdown(self) -> None:
         """``WorkerCore.shutdown``, then the region released (once nothing views its memory)."""
@@ -272,7 +272,8 @@ def _tiering_worker(spec: Any, kv_caches: Any) -> KvxferTieringWorker:
     _log.info("kvxfer tiering worker: rank %d/%d on vLLM's primary tier (%d chunks of %d block(s), %d regions)",
               p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs))
     out = KvxferTieringWorker(region, worker, TransferResult, stream=torch.cuda.current_stream if kind == "cuda" else None,
-                              stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size))
+                              stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size),
+                              pointers=device_pointers(kv_caches))
     out.stats.host_tier = "vllm-tiering"
     return out
 

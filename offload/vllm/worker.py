@@ -22,9 +22,10 @@ from ..jobs import LOAD, JobResult, OffloadError
 from ..tier import HOST_BUFFER, HostTier, host_region
 from ..worker import OffloadWorker
 from .caches import CacheMap
+from .pointers import PointerError, PointerMap
 from .stats import StatsFile, WorkerStats
 
-__all__ = ["JobFailedError", "WorkerCore", "build_worker"]
+__all__ = ["JobFailedError", "WorkerCore", "build_worker", "device_pointers"]
 
 _log = logging.getLogger("kvxfer.offload.vllm")
 _FAILURES_LOGGED = 10  # failed jobs logged one by one; past that only counted (WorkerStats)
@@ -46,7 +47,9 @@ class WorkerCore:
 
     ``worker``: the OffloadWorker. ``result``: TransferResult's constructor. ``stream``: None (host memory,
     nothing to order), or a callable returning the compute stream jobs order after (``torch.cuda.current_stream``),
-    called at each submission. ``stats_path``: the counters file (``StatsFile``), updated after each call of
+    called at each submission. ``pointers``: the PointerMap of the bound caches, which maps vLLM 0.34's
+    ``DevicePointers`` jobs back to block ids (a job given as pointers without one raises PointerError); 0.32's
+    and 0.33's specs carry block ids. ``stats_path``: the counters file (``StatsFile``), updated after each call of
     ``get_finished`` that finished jobs and at ``shutdown``. ``checksums``: check host chunks (``kvxfer_verify``):
     recorded when a store finishes, checked before a load is submitted; a load of a chunk that does not match is
     not submitted and is reported failed with a ChecksumError.
@@ -60,8 +63,10 @@ class WorkerCore:
     """
 
     def __init__(self, worker: OffloadWorker, result: Callable[..., Any], *, stream: Callable[[], Any] | None = None,
-                 stats_path: str | Path | None = None, checksums: HostChecksums | None = None):
+                 stats_path: str | Path | None = None, checksums: HostChecksums | None = None,
+                 pointers: PointerMap | None = None):
         self.worker, self._result, self._stream = worker, result, stream
+        self.pointers = pointers
         self.stats = WorkerStats()
         self._blocks: dict[int, tuple[int, ...]] = {}
         self._stats = StatsFile(stats_path) if stats_path is not None else None
@@ -84,9 +89,19 @@ class WorkerCore:
         sizes, starts = getattr(gpu_spec, "group_sizes", None), getattr(gpu_spec, "block_indices", None)
         return (None if sizes is None else tuple(sizes)), (None if starts is None else tuple(starts))
 
+    def _device(self, spec: Any) -> Any:
+        """The device side of a job as block ids: a GPULoadStoreSpec as it is, 0.34's DevicePointers mapped."""
+        if not hasattr(spec, "ptrs"):
+            return spec
+        if self.pointers is None:
+            raise PointerError("ptrs", 0, "DevicePointers", "this worker was made without a PointerMap")
+        return self.pointers.blocks(spec)
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """Device blocks ``src_spec`` (vLLM's GPULoadStoreSpec) -> host chunks ``dst_spec.block_ids``. True once
-        queued; raises kvxfer's SubmissionError naming the job and the field when the spec does not fit."""
+        """Device blocks ``src_spec`` (vLLM's GPULoadStoreSpec, or 0.34's DevicePointers) -> host chunks
+        ``dst_spec.block_ids``. True once queued; raises kvxfer's SubmissionError naming the job and the field when
+        the spec does not fit (PointerError when the pointers do not)."""
+        src_spec = self._device(src_spec)
         if self._checksums is None:
             return self._submit(self.worker.submit_store, job_id, src_spec, src_spec, dst_spec)
         chunks = self._ids(dst_spec)
@@ -95,12 +110,15 @@ class WorkerCore:
         self._stored[job_id] = chunks  # recorded when get_finished (this thread, later) reports the store
         return ok
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """Host chunks ``src_spec.block_ids`` -> device blocks ``dst_spec`` (GPULoadStoreSpec); see submit_store.
-        With checksums, chunks that do not match fail the job here, before any copy."""
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        """Host chunks ``src_spec.block_ids`` -> device blocks ``dst_spec`` (GPULoadStoreSpec or DevicePointers);
+        see submit_store. ``expedited`` (0.34: the step waits on it): the OffloadWorker runs it ahead of queued
+        work it does not conflict with. With checksums, chunks that do not match fail the job here, before any
+        copy."""
+        dst_spec = self._device(dst_spec)
         if self._checksums is not None and self._refuse_load(self._checksums, job_id, src_spec, dst_spec):
             return True
-        return self._submit(self.worker.submit_load, job_id, dst_spec, src_spec, dst_spec)
+        return self._submit(self.worker.submit_load, job_id, dst_spec, src_spec, dst_spec, expedited)
 
     def _refuse_load(self, checksums: HostChecksums, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """Check the load's host chunks; on a mismatch queue its failed result and return True."""
@@ -116,11 +134,13 @@ class WorkerCore:
         self._refused.append(JobResult(job_id, LOAD, False, 0, 0.0, 0, ChecksumError(bad), "load"))
         return True
 
-    def _submit(self, submit: Callable[..., bool], job_id: int, gpu_spec: Any, src_spec: Any, dst_spec: Any) -> bool:
+    def _submit(self, submit: Callable[..., bool], job_id: int, gpu_spec: Any, src_spec: Any, dst_spec: Any,
+                expedited: bool = False) -> bool:
         t0 = time.perf_counter()
         sizes, starts = self._groups(gpu_spec)
+        extra = {"expedited": True} if expedited else {}
         ok = submit(job_id, self._ids(src_spec), self._ids(dst_spec), sizes, starts,
-                    stream=self._stream() if self._stream else None)
+                    stream=self._stream() if self._stream else None, **extra)
         self._blocks[job_id] = sizes or (len(gpu_spec.block_ids),)
         self.stats.host_s += time.perf_counter() - t0
         return ok
@@ -204,6 +224,14 @@ def build_worker(caches: CacheMap, tier: HostTier, executor: ExecutorSpec, *, pi
         raise
     return assemble_worker(layout, caches.device, (geometry, memory, region), executor, tp=caches.tp, pin=pin,
                            strict_pin=False, on_unpinned=_warn_unpinned)
+
+
+def device_pointers(kv_caches: Any) -> PointerMap | None:
+    """The PointerMap of vLLM's ``kv_caches`` where the running release hands workers DevicePointers (0.34 on),
+    else None: the one place the wing's workers ask the version."""
+    from .api import TRAITS  # vLLM's release, checked when api was imported
+
+    return PointerMap.from_kv_caches(kv_caches) if TRAITS.device_pointers else None
 
 
 def _warn_unpinned(reason: str) -> None:
