@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.executors import BindingError, ExecutorConfig, ExecutorError, NumpyExecutor
-from kvxfer.executors import _host_copy
+from kvxfer.executors import BindingError, ExecutorConfig, ExecutorError, NumpyExecutor, _host_copy
 from kvxfer.executors._host_copy import HostCopier, even_shares
 from kvxfer.executors._ops_numpy import HostPath
 from kvxfer.planner import PlanError

@@ -36,7 +36,6 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from kvxfer.executors import FileBinding, file_trust  # the trust helpers: open 
 from kvxfer.planner import BlockMapping, Buffer, Layout, Location, Placement, PlanError, Region, plan_transfer
 from kvxfer.planner import Spec as _PlannerSpec
 
+from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, TierError, check_timeout
 
 _log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def _entry_check(slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
     out = np.zeros(len(entries), np.uint32)
     keys = entries["key"]
     for i, (s, epoch, n) in enumerate(zip(slots.tolist(), entries["epoch"].tolist(), entries["key_len"].tolist())):
-        out[i] = zlib.crc32(struct.pack("<QQH", s, epoch, n) + keys[i, :n].tobytes())
+        out[i] = crc32(struct.pack("<QQH", s, epoch, n) + keys[i, :n].tobytes())
     return out
 
 
