@@ -20,6 +20,7 @@ Threads: ``copy`` may be called from any number of threads at once; each call wa
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,13 +39,13 @@ Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 def kernel() -> Kernel:
     """The compiled copy loop ``(dst, src, nbytes)`` over uint64 arrays, compiled or loaded from numba's cache on
     first use; MissingDependencyError where numba is not installed."""
-    numba = import_optional("numba", "the batched host copier")
-    from llvmlite import ir
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
+    numba: Any = import_optional("numba", "the batched host copier")
+    ir: Any = importlib.import_module("llvmlite.ir")  # installed with numba
+    cgutils: Any = importlib.import_module("numba.core.cgutils")
+    types: Any = importlib.import_module("numba.core.types")
+    intrinsic: Any = importlib.import_module("numba.extending").intrinsic
 
-    @intrinsic  # type: ignore[misc]
-    def _memmove(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
+    def memmove_typer(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             d, s, m = args
             ptr = ir.IntType(8).as_pointer()
@@ -52,14 +53,16 @@ def kernel() -> Kernel:
             return context.get_dummy_value()
         return types.void(types.uint64, types.uint64, types.uint64), codegen
 
-    @numba.njit(nogil=True, cache=True)  # type: ignore[misc]
-    def copy_ranges(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:  # pragma: no cover - compiled
-        for i in range(nbytes.shape[0]):
-            _memmove(dst[i], src[i], nbytes[i])
+    memmove = intrinsic(memmove_typer)  # LLVM's memmove intrinsic: libc's memmove for sizes known at run time
 
+    def loop(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:  # pragma: no cover - compiled
+        for i in range(nbytes.shape[0]):
+            memmove(dst[i], src[i], nbytes[i])
+
+    copy_ranges: Kernel = numba.njit(nogil=True, cache=True)(loop)
     empty = np.zeros(0, np.uint64)
     copy_ranges(empty, empty, empty)  # compile (or load the cached machine code) now, not in a job
-    return copy_ranges  # type: ignore[no-any-return]
+    return copy_ranges
 
 
 def even_shares(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,
