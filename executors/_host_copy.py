@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.planner.optional import MissingDependencyError, import_optional
+from kvxfer.planner import MissingDependencyError, import_optional
 
 __all__ = ["HostCopier", "even_shares", "kernel"]
 

@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvxfer.planner import Layout
-from kvxfer.planner.optional import MissingDependencyError, import_optional
+from kvxfer.planner import Layout, MissingDependencyError, import_optional
 
 __all__ = ["ChecksumError", "HostChecksums", "crc32", "crc32_impl"]
 
