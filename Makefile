@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 PIP_FLAGS ?= --progress-bar on
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz,docs
+EXTRAS ?= dev,cli,torch,triton,cuda,nixl,viz,docs,fast
 DEMO_EXTRAS ?= cli
 
 .PHONY: demo test lint bench venv docs notebook clean wheels triton-aot gpu-check venv-vllm test-vllm test-vllm-versions

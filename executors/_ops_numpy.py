@@ -1,8 +1,17 @@
 """The reference executor: host memory, copied on the calling thread. The oracle for every other backend.
 
 Each run is checked whole first (``BoundMemory.offsets``: every range inside its buffer, each column read
-once), then copied call by call. Within a call, ranges come in segments with one source and one destination
-buffer, and each range takes one of three paths (``HostPath``; ``explain(plan)`` counts them):
+once), then copied. Where numba is installed (``kvxfer[fast]``) and ``copier`` is on (the default), every range
+of the run takes one path:
+
+* ``copier``: the batched host copier (``_host_copy``): the run's (destination, source, size) ranges, lowered to
+  addresses by ``BoundMemory.descriptors`` (bounded inside the bound memory, the owners probed), copied by one
+  compiled call that releases the GIL for the whole job, on ``copier_threads`` threads. The loop is compiled (or
+  loaded from numba's cache) when the executor first binds memory or runs, so no job pays for it but a one-off
+  run's first.
+
+Otherwise the run is copied call by call. Within a call, ranges come in segments with one source and one
+destination buffer, and each range takes one of three paths (``HostPath``; ``explain(plan)`` counts them):
 
 * ``window``: ranges below ``small_range_bytes``, grouped by size; each group moves by fancy-indexed gathers
   and scatters over n-byte windows of the two buffers, ``WINDOW_STEP`` ranges and at most ``GATHER_BYTES`` at
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -59,6 +69,7 @@ from ._base import (
     wait_on_host,
 )
 from ._binding import BoundMemory
+from ._host_copy import HostCopier
 from ._lowering import Lowered
 from ._memory import Memory, check_host_view
 from ._options import NumpyOptions
@@ -77,41 +88,69 @@ class HostPath(StrEnum):
     WINDOW = "window"
     MEMMOVE = "memmove"
     TORCH = "torch"
+    COPIER = "copier"
 
 
 class NumpyExecutor(Executor):
     """Copies host memory, complete on return. Bindings: buffer name -> contiguous numpy array or CPU tensor.
 
     ``small_range_bytes``: ranges below it move in window groups; ``bulk_range_bytes``: ranges at or above it
-    move through torch when torch is imported (None, the default: never). A failure while copying (numpy running out of
-    memory for a group's temporary, say) raises ExecutorError naming the call and the first descriptor of the
-    ranges being moved; calls before it were copied, ranges of that call may be. Threads: see the module
-    docstring.
+    move through torch when torch is imported (None, the default: never). ``copier``: every range through the
+    batched host copier where numba is installed (then the two thresholds do not apply), on ``copier_threads``
+    threads. A failure while copying (numpy running out of memory for a group's temporary, say) raises
+    ExecutorError naming the call and the first descriptor of the ranges being moved; calls before it were
+    copied, ranges of that call may be. Threads: see the module docstring.
     """
 
-    def __init__(self, small_range_bytes: int = SMALL_RANGE_BYTES, bulk_range_bytes: int | None = BULK_RANGE_BYTES):
-        opts = NumpyOptions(small_range_bytes=small_range_bytes, bulk_range_bytes=bulk_range_bytes)
+    def __init__(self, small_range_bytes: int = SMALL_RANGE_BYTES, bulk_range_bytes: int | None = BULK_RANGE_BYTES,
+                 copier: bool = True, copier_threads: int = 1):
+        opts = NumpyOptions(small_range_bytes=small_range_bytes, bulk_range_bytes=bulk_range_bytes, copier=copier,
+                            copier_threads=copier_threads)
         self.small_range_bytes, self.bulk_range_bytes = opts.small_range_bytes, opts.bulk_range_bytes
+        self.copier, self.copier_threads = opts.copier, opts.copier_threads
         self._memmove = _held_memmove()
+        self._loaded: list[HostCopier | None] = []  # [] until loaded; then [the copier, or None where numba is missing]
+        self._load_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_memmove", None)  # a ctypes function: made again where the executor is unpickled
+        for name in ("_memmove", "_loaded", "_load_lock"):  # made again where the executor is unpickled
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._memmove = _held_memmove()
+        self._loaded, self._load_lock = [], threading.Lock()
 
     @classmethod
     def from_options(cls, options: Any) -> NumpyExecutor:
         """An executor from ``NumpyOptions``."""
         opts = options if isinstance(options, NumpyOptions) else NumpyOptions.model_validate(options)
-        return cls(opts.small_range_bytes, opts.bulk_range_bytes)
+        return cls(opts.small_range_bytes, opts.bulk_range_bytes, opts.copier, opts.copier_threads)
 
     def __repr__(self) -> str:
         torch = "" if self.bulk_range_bytes is None or self._torch() is not None else " (torch not imported: memmove)"
-        return f"NumpyExecutor(small_range_bytes={self.small_range_bytes}, bulk_range_bytes={self.bulk_range_bytes}{torch})"
+        return (f"NumpyExecutor(small_range_bytes={self.small_range_bytes}, bulk_range_bytes={self.bulk_range_bytes}"
+                f"{torch}, copier={self.copier}, copier_threads={self.copier_threads})")
+
+    def host_copier(self) -> HostCopier | None:
+        """The batched host copier this executor runs every range through, loaded (numba imported, the loop
+        compiled or read from numba's cache) on the first call; None where ``copier`` is off or numba is not
+        installed. ``bind`` calls it, so a bound run never pays for the load."""
+        if not self.copier:
+            return None
+        if not self._loaded:
+            with self._load_lock:
+                if not self._loaded:
+                    self._loaded.append(HostCopier.load(self.copier_threads))
+        return self._loaded[0]
+
+    def close(self) -> None:
+        """Stop the copier's pool threads, if it started any (a later run starts them again)."""
+        copier = self._loaded[0] if self._loaded else None
+        if copier is not None:
+            copier.close()
 
     def check_memory(self, buf: Buffer, mem: Memory) -> None:
         """Refuse (BindingError) memory that is not host memory numpy can view."""
@@ -123,6 +162,7 @@ class NumpyExecutor(Executor):
         return True
 
     def _attach(self, bound: BoundMemory) -> None:
+        self.host_copier()  # loaded now, before the first job
         bound.extra["views"] = _views(bound)  # made once per bind
 
     def _torch(self) -> Any:
@@ -134,6 +174,9 @@ class NumpyExecutor(Executor):
         plan.check_shape()
         sizes = plan.nbytes.astype(np.uint64)
         out = {p: (0, 0) for p in HostPath}
+        if self.host_copier() is not None:
+            out[HostPath.COPIER] = (plan.num_ranges, int(sizes.sum()))
+            return out
         pieces = self._pieces(sizes, plan.column_runs("src_buf"), plan.column_runs("dst_buf"), plan.call_offsets,
                               self._torch())
         for _, _, _, path, index in pieces:
@@ -145,11 +188,17 @@ class NumpyExecutor(Executor):
         """One line: how many ranges and bytes of ``plan`` each path moves, and why (see the module docstring)."""
         counts = self.paths(plan)
         parts = [f"{p.value} {n} ranges / {format_bytes(b)}" for p, (n, b) in counts.items() if n]
+        copier = self.host_copier()
+        if copier is not None:
+            threads = f"{copier.threads} thread{'s' if copier.threads > 1 else ''}"
+            return f"numpy: {', '.join(parts) or 'nothing to copy'} (batched copier: numba, GIL released, {threads})"
         if self.bulk_range_bytes is None:
             torch = "torch off"
         else:
             torch = f"torch from {self.bulk_range_bytes} B" + ("" if self._torch() is not None else ", not imported")
-        return f"numpy: {', '.join(parts) or 'nothing to copy'} (window below {self.small_range_bytes} B, {torch})"
+        why = "copier off" if not self.copier else "copier: numba not installed"
+        return (f"numpy: {', '.join(parts) or 'nothing to copy'} (window below {self.small_range_bytes} B, {torch}, "
+                f"{why})")
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Bindings, stream: Stream = None,
             after: After = None) -> CompletedTransfer:
@@ -161,6 +210,15 @@ class NumpyExecutor(Executor):
             stream_handle(stream)  # a stream of the wrong kind is refused, as by every executor
         waits = transfers_after(after)
         bound = self.memory_for(plan, memory)
+        copier = self.host_copier()
+        if copier is not None:
+            low = bound.descriptors(plan)  # every check, before the first byte moves; addresses inside bound memory
+            wait_on_host(waits)
+            try:
+                copier.copy(*(np.ascontiguousarray(a, dtype=np.uint64) for a in (low.dst, low.src, low.nbytes)))
+            except Exception as e:  # a thread of the pool that could not start, say: never reported as done
+                raise ExecutorError("host copy", 0, 0, f"{type(e).__name__}: {e}; ranges may have been copied", 0) from e
+            return completed(plan, t0)
         low = bound.offsets(plan)  # every check, before the first byte moves
         wait_on_host(waits)
         views = bound.extra.get("views") or _views(bound)

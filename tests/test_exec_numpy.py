@@ -56,12 +56,15 @@ def reference(plan: TransferPlan, bufs: dict[str, np.ndarray]) -> dict[str, np.n
     return out
 
 
+FALLBACK = {HostPath.WINDOW, HostPath.MEMMOVE, HostPath.TORCH}  # the paths without the copier
 EXECUTORS = {  # name -> (executor, the paths it must take on every random plan)
-    "default": (lambda: NumpyExecutor(), {HostPath.WINDOW, HostPath.MEMMOVE}),
-    "torch": (lambda: NumpyExecutor(bulk_range_bytes=SMALL_RANGE_BYTES + 1), set(HostPath)),
-    "windows-only": (lambda: NumpyExecutor(small_range_bytes=1 << 20), {HostPath.WINDOW}),  # steps of one range
-    "memmove-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=None), {HostPath.MEMMOVE}),
-    "torch-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=1), {HostPath.TORCH}),
+    "default": (lambda: NumpyExecutor(copier=False), {HostPath.WINDOW, HostPath.MEMMOVE}),
+    "torch": (lambda: NumpyExecutor(bulk_range_bytes=SMALL_RANGE_BYTES + 1, copier=False), FALLBACK),
+    "windows-only": (lambda: NumpyExecutor(small_range_bytes=1 << 20, copier=False), {HostPath.WINDOW}),  # steps of one range
+    "memmove-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=None, copier=False), {HostPath.MEMMOVE}),
+    "torch-only": (lambda: NumpyExecutor(small_range_bytes=0, bulk_range_bytes=1, copier=False), {HostPath.TORCH}),
+    "copier": (lambda: NumpyExecutor(), {HostPath.COPIER}),  # where numba is installed (kvxfer[fast])
+    "copier-3-threads": (lambda: NumpyExecutor(copier_threads=3), {HostPath.COPIER}),  # ranges cut between threads
 }
 
 
@@ -69,6 +72,8 @@ EXECUTORS = {  # name -> (executor, the paths it must take on every random plan)
 @pytest.mark.parametrize("seed", range(8))
 def test_every_path_equals_one_slice_assignment_per_range(seed, name):
     pytest.importorskip("torch")  # the torch path runs only where torch is imported
+    if name.startswith("copier"):
+        pytest.importorskip("numba")  # the copier runs only where numba is installed
     plan = random_plan(seed)
     rng = np.random.default_rng(100 + seed)
     bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}  # random bytes: sentinels
@@ -96,7 +101,7 @@ def test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_by
     plan = TransferPlan(direction=TEMPLATE.direction, target=TEMPLATE.target, options=TEMPLATE.options, buffers=buffers,
                         regions=TEMPLATE.regions, attrs=TEMPLATE.attrs, requested_copies=2, call_offsets=[0, 2],
                         columns={c: np.array(cols[c], dtype=COLUMNS[c]) for c in COLUMNS})
-    ex = NumpyExecutor()
+    ex = NumpyExecutor(copier=False)
     assert ex.paths(plan)[HostPath.MEMMOVE] == (2, n + HELD_PIECE_BYTES + 1)
     rng = np.random.default_rng(7)
     bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in buffers}  # no two pieces alike
@@ -112,12 +117,12 @@ def test_a_window_group_longer_than_one_step_and_torch_tensors_made_once_per_bin
                     regions=(Region(name="r", page_bytes=64, device=Placement(buffer="d"), host=Placement(buffer="h")),))
     ids = np.arange(n)
     plan = plan_transfer(layout, {"direction": "h2d", "src_ids": ids * 2, "dst_ids": ids[::-1] * 2})
-    assert plan.num_ranges == n and NumpyExecutor().paths(plan)[HostPath.WINDOW][0] == n
+    assert plan.num_ranges == n and NumpyExecutor(copier=False).paths(plan)[HostPath.WINDOW][0] == n
     h = torch.arange(n * 128, dtype=torch.int32).to(torch.uint8)
     d = torch.zeros(n * 128, dtype=torch.uint8)
-    ex = NumpyExecutor(bulk_range_bytes=1)
+    ex = NumpyExecutor(bulk_range_bytes=1, copier=False)
     bound = ex.bind(layout, {"h": h, "d": d})
-    NumpyExecutor().run(plan, bound)
+    NumpyExecutor(copier=False).run(plan, bound)
     want = torch.zeros_like(d)
     for i in range(n):
         want[(n - 1 - i) * 128:(n - 1 - i) * 128 + 64] = h[i * 128:i * 128 + 64]
@@ -130,7 +135,8 @@ def test_a_window_group_longer_than_one_step_and_torch_tensors_made_once_per_bin
 
 def test_explain_and_repr_name_the_paths_and_options_are_checked():
     plan = random_plan(4)
-    ex = build_executor("numpy", ExecutorConfig.model_validate({"kind": "numpy", "numpy": {"bulk_range_bytes": 20000}}))
+    ex = build_executor("numpy", ExecutorConfig.model_validate({"kind": "numpy", "numpy": {"bulk_range_bytes": 20000,
+                                                                                           "copier": False}}))
     assert ex.bulk_range_bytes == 20000
     line = ex.explain(plan)
     for path, (n, _) in ex.paths(plan).items():
@@ -169,7 +175,7 @@ def test_a_failure_while_copying_names_the_call_and_leaves_later_calls_uncopied(
                 raise MemoryError("no memory for the temporary")
             super().move(path, sides, src, dst, low, index)
     with pytest.raises(ExecutorError, match=rf"^numpy copy failed at chunk {k}, descriptor \d+: MemoryError: no memory"):
-        RunsOutOfMemory().run(plan, bufs)
+        RunsOutOfMemory(copier=False).run(plan, bufs)
 
 
 def test_the_environment_sets_the_numpy_thresholds():

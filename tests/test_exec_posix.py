@@ -63,6 +63,31 @@ def test_a_merged_range_is_one_call_per_piece(tmp_path):
         assert (ex.calls, ex.bytes_moved) == (REGIONS * 2, plan.total_bytes)  # 8 pages in pieces of 4
 
 
+def test_ranges_end_to_end_in_a_file_but_apart_in_memory_go_in_vectored_calls(tmp_path):
+    """Pages scattered in memory, written to (and read back from) consecutive file pages: one pwritev/preadv per
+    run of them (at most piece_bytes a call), byte for byte as the oracle, untouched bytes included."""
+    layout, mem, files = _setup(tmp_path, seed=4)
+    scattered = np.random.default_rng(4).permutation(BLOCKS)[:8]
+    spill = BlockMapping(direction="d2h", src_ids=scattered, dst_ids=range(8))
+    want = {"mem": mem.copy(), **{b.name: np.zeros(b.nbytes, np.uint8) for b in layout.buffers[1:]}}
+    apply_copies(expected_copies(layout, spill), want)
+    with PosixFileExecutor(threads=1, piece_bytes=8 * PAGE) as ex:
+        bound = ex.bind(layout, {"mem": mem, **files})
+        plan = plan_transfer(layout, spill)
+        assert plan.num_ranges == 8 * REGIONS
+        ex.run(plan, bound).wait()
+        assert ex.calls <= REGIONS and ex.bytes_moved == plan.total_bytes
+        for name, fb in files.items():
+            assert np.array_equal(np.fromfile(fb.path, np.uint8)[:len(want[name])], want[name]), name
+        back = BlockMapping(direction="h2d", src_ids=range(8), dst_ids=scattered[::-1])
+        mem[:] = 0xEE
+        want["mem"][:] = 0xEE
+        apply_copies(expected_copies(layout, back), want)
+        ex.run(plan_transfer(layout, back), bound).wait()
+        assert ex.calls <= 2 * REGIONS and np.array_equal(mem, want["mem"])
+        bound.close()
+
+
 def test_a_short_file_is_a_failed_read_naming_the_call(executor, tmp_path):
     layout, mem, files = _setup(tmp_path, seed=2)
     bound = executor.bind(layout, {"mem": mem, **files})

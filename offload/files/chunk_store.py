@@ -37,7 +37,6 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from kvxfer.executors import BindingError, FileBinding, file_trust  # the trust 
 from kvxfer.planner import BlockMapping, Buffer, Layout, Location, Placement, PlanError, Region, plan_transfer
 from kvxfer.planner import Spec as _PlannerSpec
 
+from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 from .atomic import create_file, path_refusal, replace_file, set_aside
 from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, TierError, check_timeout
 
@@ -192,7 +192,7 @@ def _entry_check(slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
     out = np.zeros(len(entries), np.uint32)
     keys = entries["key"]
     for i, (s, epoch, n) in enumerate(zip(slots.tolist(), entries["epoch"].tolist(), entries["key_len"].tolist())):
-        out[i] = zlib.crc32(struct.pack("<QQH", s, epoch, n) + keys[i, :n].tobytes())
+        out[i] = crc32(struct.pack("<QQH", s, epoch, n) + keys[i, :n].tobytes())
     return out
 
 

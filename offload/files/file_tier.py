@@ -44,7 +44,6 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +55,8 @@ import numpy as np
 
 from kvxfer.executors import BindingError, BoundMemory, ExecutorError, FileBinding, Stream, Transfer, file_trust
 from kvxfer.planner import Buffer, Layout, Location, Placement, PlanError, Region, TransferPlan
+
+from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 
 MAGIC = b"KVXSUM02"
 OLD_MAGICS = (b"KVXSUM01",)
@@ -427,11 +428,11 @@ class FileTier:
         views = [self.views.get(b.name, np.zeros(0, np.uint8)) for b in plan.buffers]  # memory buffers all have one
         pieces = [views[b][o:o + n] for b, o in zip(mem_buf.tolist(), mem_off.tolist())]
         if len(pieces) * n < PARALLEL_CRC_BYTES or self._crc_threads < 2:
-            out[:] = [zlib.crc32(p) for p in pieces]
+            out[:] = [crc32(p) for p in pieces]
             return out
-        if self._crc_pool is None:  # zlib releases the GIL over large buffers: chunks are summed in parallel
+        if self._crc_pool is None:  # both CRCs release the GIL over large buffers: chunks are summed in parallel
             self._crc_pool = ThreadPoolExecutor(self._crc_threads, thread_name_prefix="kvxfer-crc")
-        out[:] = list(self._crc_pool.map(zlib.crc32, pieces))
+        out[:] = list(self._crc_pool.map(crc32, pieces))
         return out
 
     # ---- jobs -------------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ import numpy as np
 
 from kvxfer.executors import file_trust
 
+from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 from .chunk_store import (
     LOAD,
     MAX_KEY_BYTES,
@@ -109,8 +109,8 @@ def _parse(name: str) -> tuple[bytes, str] | None:
 def encode_chunk(key: bytes, row: np.ndarray | bytes, writer: str, digest: bytes, epoch: int) -> bytes:
     """Header, key and row of one chunk file."""
     data = np.ascontiguousarray(row).reshape(-1).view(np.uint8).tobytes() if isinstance(row, np.ndarray) else bytes(row)
-    body = CHUNK_HEADER.pack(MAGIC, len(key), 0, len(data), epoch, writer.encode(), digest, zlib.crc32(data), 0)
-    head = body[:-4] + struct.pack("<I", zlib.crc32(body[:-4] + key))
+    body = CHUNK_HEADER.pack(MAGIC, len(key), 0, len(data), epoch, writer.encode(), digest, crc32(data), 0)
+    head = body[:-4] + struct.pack("<I", crc32(body[:-4] + key))
     return (head + key).ljust(HEADER_BYTES, b"\0") + data
 
 
@@ -134,12 +134,12 @@ def read_chunk(path: Path, key: bytes, row_bytes: int, digest: bytes) -> tuple[b
     magic, klen, _, nbytes, _, _, dig, dcrc, hcrc = CHUNK_HEADER.unpack_from(raw)
     if magic != MAGIC:
         return None, f"not a kvxfer shared chunk (magic {magic!r})"
-    if klen > MAX_KEY_BYTES or zlib.crc32(raw[:CHUNK_HEADER.size - 4] + raw[CHUNK_HEADER.size:CHUNK_HEADER.size + klen]) != hcrc:
+    if klen > MAX_KEY_BYTES or crc32(raw[:CHUNK_HEADER.size - 4] + raw[CHUNK_HEADER.size:CHUNK_HEADER.size + klen]) != hcrc:
         return None, "header corrupted"
     if raw[CHUNK_HEADER.size:CHUNK_HEADER.size + klen] != key or nbytes != row_bytes or dig != digest:
         return None, "another key, row size or identity: not this chunk"
     data = raw[HEADER_BYTES:]
-    if zlib.crc32(data) != dcrc:
+    if crc32(data) != dcrc:
         return None, "data checksum mismatch: torn or corrupted"
     return data, ""
 

@@ -38,10 +38,10 @@ from .api import (
     OffloadingWorkerMetadata,
     TransferResult,
 )
-from .ledger import FailureLedger, WorkerFailures
 from .hooks import kv_cache_access as _access
 from .hooks import may_load_async as _may_load_async
 from .hooks import supports_sleep_mode as _sleep_mode
+from .ledger import FailureLedger, WorkerFailures
 
 __all__ = ["FailedTransfers", "FailureLedger", "FailureReports", "KvxferConnectorWorker", "KvxferOffloadingConnector",
            "KvxferWorkerMetadata", "WorkerFailures"]

@@ -87,7 +87,7 @@ class NumpyAdapter(Adapter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.executor = FaultyNumpyExecutor()
+        self.executor = FaultyNumpyExecutor(copier=False)  # call by call: faults land in ``move`` (the copier: test_host_copy)
 
     def inject_fault(self, descriptor: int) -> None:
         self.executor.fault = descriptor

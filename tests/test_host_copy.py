@@ -1,0 +1,145 @@
+"""The batched host copier (``executors/_host_copy``) and the NumPy executor's use of it: byte for byte what one
+slice assignment per range gives, sentinels included, from many threads at once; every byte of a job in exactly
+one thread's share; the executor's refusals before any byte moves; and today's paths where numba is missing."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.executors import BindingError, ExecutorConfig, ExecutorError, NumpyExecutor, _host_copy
+from kvxfer.executors._host_copy import HostCopier, even_shares
+from kvxfer.executors._ops_numpy import HostPath
+from kvxfer.planner import PlanError
+from kvxfer.planner.optional import MissingDependencyError
+
+from .test_exec_numpy import LAYOUT, SIZE, random_plan, reference
+
+numba_only = pytest.mark.skipif(HostCopier.load() is None, reason="numba is not installed (pip install 'kvxfer[fast]')")
+
+
+def _bytes(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(d) + i, int(s) + i) for d, s, n in zip(dst, src, nbytes) for i in range(int(n))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 9))
+def test_shares_hold_every_byte_once_in_order_and_no_empty_range(sizes, parts):
+    nbytes = np.array(sizes, np.uint64)
+    dst = np.cumsum(nbytes, dtype=np.uint64) * np.uint64(3)  # any distinct addresses
+    src = dst + np.uint64(10_000)
+    shares = even_shares(dst, src, nbytes, parts)
+    assert len(shares) <= parts
+    assert [b for share in shares for b in _bytes(*share)] == _bytes(dst, src, nbytes)
+    assert all(len(n) and (n > 0).all() for _, _, n in shares)
+    share_bytes = [int(n.sum()) for _, _, n in shares]
+    assert max(share_bytes) - min(share_bytes) <= 1  # equal shares
+
+
+@numba_only
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_the_copier_equals_one_slice_assignment_per_range_from_many_threads_at_once(threads):
+    """Eight Python threads run random plans through one executor at once, each on its own buffers (random bytes:
+    every untouched byte a sentinel); each ends byte for byte as the reference."""
+    ex = NumpyExecutor(copier_threads=threads)
+    errors: list[BaseException] = []
+
+    def job(seed: int) -> None:
+        try:
+            for k in range(3):
+                plan = random_plan(10 * seed + k)
+                rng = np.random.default_rng(seed * 31 + k)
+                bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}
+                want = reference(plan, bufs)
+                bound = ex.bind(LAYOUT, bufs)
+                ex.run(plan, bound)
+                assert all(np.array_equal(bufs[n], want[n]) for n in bufs)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+    workers = [threading.Thread(target=job, args=(s,)) for s in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    ex.close()
+    assert not errors, errors[0]
+    assert ex.paths(random_plan(1))[HostPath.COPIER][0] == random_plan(1).num_ranges
+
+
+@numba_only
+def test_the_copier_refuses_before_any_byte_moves():
+    """Every refusal of the executor stands with the copier: a range past its buffer (a column written after the
+    check), a read-only destination, memory whose owner moved it; nothing is written."""
+    ex = NumpyExecutor()
+    assert ex.host_copier() is not None
+    rng = np.random.default_rng(3)
+    bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}
+    before = {k: v.copy() for k, v in bufs.items()}
+
+    plan = random_plan(2)
+    assert plan.check().checked
+    offsets = plan.column("dst_offset").copy()
+    offsets[-1] = SIZE - 1  # written after the check: the range ends past its buffer
+    plan._store["dst_offset"] = offsets
+    plan._dense.clear()
+    with pytest.raises(PlanError, match="dst_offset"):
+        ex.run(plan, bufs)
+    assert all(np.array_equal(bufs[k], before[k]) for k in bufs)
+
+    plan = random_plan(2)
+    ro = {k: v.copy() for k, v in bufs.items()}
+    for v in ro.values():
+        v.flags.writeable = False
+    with pytest.raises(BindingError, match="read-only"):
+        ex.run(plan, ro)
+
+    owner = np.zeros(3 * SIZE, np.uint8)
+    views = {b.name: owner[i * SIZE:(i + 1) * SIZE] for i, b in enumerate(LAYOUT.buffers)}
+    bound = ex.bind(LAYOUT, views)
+    owner.__setstate__((1, (3 * SIZE,), np.dtype(np.uint8), False, bytes(3 * SIZE)))  # frees the bound memory
+    with pytest.raises(BindingError):
+        ex.run(plan, bound)
+
+
+@numba_only
+def test_a_failing_copy_is_an_executor_error_never_done(monkeypatch):
+    ex = NumpyExecutor()
+    copier = ex.host_copier()
+
+    def fails(*_):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(copier, "copy", fails)
+    bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers}
+    with pytest.raises(ExecutorError, match="^host copy failed at chunk 0, descriptor 0: RuntimeError: can't start"):
+        ex.run(random_plan(1), bufs)
+
+
+def test_without_numba_the_executor_keeps_its_own_paths_and_says_why(monkeypatch):
+    def missing():
+        raise MissingDependencyError("numba", "the batched host copier", ImportError("No module named 'numba'"))
+    monkeypatch.setattr(_host_copy, "kernel", missing)
+    ex = NumpyExecutor()
+    plan = random_plan(6)
+    assert ex.host_copier() is None
+    assert ex.paths(plan)[HostPath.COPIER] == (0, 0) and ex.paths(plan)[HostPath.WINDOW][0] > 0
+    assert "copier: numba not installed" in ex.explain(plan)
+    assert "copier off" in NumpyExecutor(copier=False).explain(plan)
+    rng = np.random.default_rng(8)
+    bufs = {b.name: rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in LAYOUT.buffers}
+    want = reference(plan, bufs)
+    ex.run(plan, bufs)
+    assert all(np.array_equal(bufs[k], want[k]) for k in bufs)
+
+
+def test_the_copier_options_come_from_config_and_environment():
+    c = ExecutorConfig.load(env={"KVXFER_NUMPY_COPIER": "0", "KVXFER_NUMPY_COPIER_THREADS": "2"})
+    assert c.numpy.copier is False and c.numpy.copier_threads == 2
+    ex = NumpyExecutor.from_options(c.numpy)
+    assert (ex.copier, ex.copier_threads, ex.host_copier()) == (False, 2, None)
+    with pytest.raises(ValueError, match="copier_threads"):
+        NumpyExecutor(copier_threads=0)
+    with pytest.raises(ValueError, match="KVXFER_NUMPY_COPIER"):
+        ExecutorConfig.load(env={"KVXFER_NUMPY_COPIER": "maybe"})
