@@ -45,11 +45,30 @@ def write_model(folder: Path, hidden: int = 128, layers: int = 2, vocab: int = 5
     return folder
 
 
+# kv_cache_memory_bytes: the KV cache's size in bytes. Without it vLLM's CPU build takes a share of the first NUMA
+# node's memory less what the process uses, which is negative where that node is small (8 GiB of 24 on some
+# machines): "Available memory on node 0 ... less than desired CPU memory utilization", then "Engine core
+# initialization failed" (docs/reference/troubleshooting.md).
+START_HINT = ("the engine did not start. If its log says 'Available memory on node 0 ... less than desired CPU memory "
+              "utilization', the first NUMA node is too small for vLLM's CPU build's default sizing: give the KV cache "
+              "a size with kv_cache_memory_bytes (docs/reference/troubleshooting.md)")
+
+
+def start(**kw: Any) -> Any:
+    """``vllm.LLM(**kw)``; a refused start ends the script saying what to check first."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kw)
+    except RuntimeError as e:
+        raise SystemExit(f"{e}\n{START_HINT}") from e
+
+
 def generate(model: Path, prompts: dict[str, list[int]], kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
     """Run ``prompts`` one after the other on a fresh engine; its tokens per prompt and its offload metrics."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+    llm = start(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
               num_gpu_blocks_override=16, max_model_len=480, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
               disable_log_stats=False, kv_transfer_config=kv_transfer_config)
     greedy = SamplingParams(temperature=0, max_tokens=8)
