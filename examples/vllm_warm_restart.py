@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_offload import start, write_model  # the host-tier example's small Llama and engine start
+from vllm_offload import start  # the engine start of the host-tier example (it says why a start is refused)
+
+from kvxfer.testing import write_llama  # a small seeded Llama: no download
 
 
 def engine(model: Path, tiers: list[dict[str, Any]] | None) -> Any:
@@ -41,7 +43,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=None, help="the file tier's directory (default: a new one)")
     root = ap.parse_args().root or Path(tempfile.mkdtemp(prefix="kvxfer-tier-"))
     root.mkdir(parents=True, exist_ok=True)
-    model = write_model(Path(tempfile.mkdtemp()) / "llama")
+    model = write_llama(Path(tempfile.mkdtemp()) / "llama")
     stats = root / "counters.json"
     files = [{"type": "KvxferFileTier", "module_path": "kvxfer.offload.vllm", "root_dir": str(root),
               "capacity_bytes": 64 << 20, "stats_path": str(stats)}]
