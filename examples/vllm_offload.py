@@ -2,9 +2,9 @@
 
 Writes a small Llama (``kvxfer.testing.write_llama``: seeded random weights, no tokenizer) and runs the same four
 prompts on two engines whose KV cache holds 16 blocks of 32 tokens (15 usable: vLLM keeps block 0): one without
-offloading, then one with kvxfer's spec behind kvxfer's connector. The prompts are A, two long prompts that
-evict A's blocks from the engine's cache, then A's 256-token prefix again with a new ending, whose prefix the second engine loads back from
-kvxfer's host tier. The tokens of both engines must be equal.
+offloading, then one with kvxfer's spec behind kvxfer's connector. The prompts are A, two long prompts that evict
+A's blocks from the engine's cache, then A's 256-token prefix again with a new ending, whose prefix the second
+engine loads back from kvxfer's host tier. The tokens of both engines must be equal.
 
     make venv-vllm                                   # builds .venv-vllm (vLLM's CPU build and kvxfer)
     .venv-vllm/bin/python examples/vllm_offload.py
