@@ -83,23 +83,37 @@ WHEEL_PYTHONS ?= 3.12 3.11
 WHEEL_PLATFORMS := --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 wheels: .whl/.complete
 
+# Downloaded once per machine into $(KVXFER_CACHE) (keyed by the pin and the Pythons) and copied from there, so a
+# fresh clone does not fetch them again.
+KVXFER_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvxfer
+WHEEL_CACHE := $(KVXFER_CACHE)/wheels-$(subst ==,-,$(PYDANTIC_PIN))-py$(subst $(eval) ,-,$(WHEEL_PYTHONS))
+
 .whl/.complete: Makefile
 	rm -rf .whl && mkdir -p .whl
-	for v in $(WHEEL_PYTHONS); do \
-	  $(PY) -m pip download $(PIP_FLAGS) --only-binary=:all: --implementation cp --python-version $$v $(WHEEL_PLATFORMS) \
-	    -d .whl "$(PYDANTIC_PIN)" || { echo "make wheels: download for Python $$v failed; .whl/ left empty"; rm -f .whl/*.whl; exit 0; }; \
-	done
-	ls .whl/*.whl >/dev/null 2>&1 && touch $@ || true
+	if [ ! -f "$(WHEEL_CACHE)/.complete" ]; then \
+	  rm -rf "$(WHEEL_CACHE)" && mkdir -p "$(WHEEL_CACHE)" && ok=1 && \
+	  for v in $(WHEEL_PYTHONS); do \
+	    $(PY) -m pip download $(PIP_FLAGS) --only-binary=:all: --implementation cp --python-version $$v $(WHEEL_PLATFORMS) \
+	      -d "$(WHEEL_CACHE)" "$(PYDANTIC_PIN)" || { echo "make wheels: download for Python $$v failed; .whl/ left empty"; ok=0; break; }; \
+	  done; \
+	  [ $$ok = 1 ] && touch "$(WHEEL_CACHE)/.complete" || rm -rf "$(WHEEL_CACHE)"; \
+	fi
+	if [ -f "$(WHEEL_CACHE)/.complete" ]; then cp "$(WHEEL_CACHE)"/*.whl .whl/ && touch $@; fi
 
 # The image's triton (3.6) beside this machine's, to compile the copy kernel for sm_90 ahead of time under
 # both (tests/test_gpu_check.py). A failed download leaves the folder out and that test skips.
 TRITON_IMAGE_PIN ?= triton==3.6.0
 triton-aot: build/triton-aot/.complete
 
+TRITON_CACHE := $(KVXFER_CACHE)/triton-aot-$(subst ==,-,$(TRITON_IMAGE_PIN))
+
+# installed once per machine into $(TRITON_CACHE); build/triton-aot links to it
 build/triton-aot/.complete: Makefile
-	rm -rf build/triton-aot
-	$(PY) -m pip install $(PIP_FLAGS) --no-deps --only-binary=:all: --target build/triton-aot "$(TRITON_IMAGE_PIN)" \
-	  && touch $@ || { echo "make triton-aot: install of $(TRITON_IMAGE_PIN) failed; the AOT test under it will skip"; rm -rf build/triton-aot; }
+	rm -rf build/triton-aot && mkdir -p build
+	[ -f "$(TRITON_CACHE)/.complete" ] || { rm -rf "$(TRITON_CACHE)"; \
+	  $(PY) -m pip install $(PIP_FLAGS) --no-deps --only-binary=:all: --target "$(TRITON_CACHE)" "$(TRITON_IMAGE_PIN)" \
+	  && touch "$(TRITON_CACHE)/.complete" || { echo "make triton-aot: install of $(TRITON_IMAGE_PIN) failed; the AOT test under it will skip"; rm -rf "$(TRITON_CACHE)"; }; }
+	[ -f "$(TRITON_CACHE)/.complete" ] && ln -s "$(TRITON_CACHE)" build/triton-aot || true
 
 # On the GPU machine (see benchmarks/NOTES.md for the device command, what it carries and its timeout).
 gpu-check:

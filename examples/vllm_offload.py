@@ -1,10 +1,10 @@
 """kvxfer as vLLM's KV offloading backend, end to end on vLLM's CPU build, checked against a run without offloading.
 
-Writes a small Llama (seeded random weights, no tokenizer) and runs the same four prompts on two engines whose KV
-cache holds 16 blocks of 32 tokens (15 usable: vLLM keeps block 0): one without offloading, then one with
-kvxfer's spec behind kvxfer's connector. The prompts are A, two long prompts that evict A's blocks from the
-engine's cache, then A's 256-token prefix again with a new ending, whose prefix the second engine loads back from
-kvxfer's host tier. The tokens of both engines must be equal.
+Writes a small Llama (``kvxfer.testing.write_llama``: seeded random weights, no tokenizer) and runs the same four
+prompts on two engines whose KV cache holds 16 blocks of 32 tokens (15 usable: vLLM keeps block 0): one without
+offloading, then one with kvxfer's spec behind kvxfer's connector. The prompts are A, two long prompts that evict
+A's blocks from the engine's cache, then A's 256-token prefix again with a new ending, whose prefix the second
+engine loads back from kvxfer's host tier. The tokens of both engines must be equal.
 
     make venv-vllm                                   # builds .venv-vllm (vLLM's CPU build and kvxfer)
     .venv-vllm/bin/python examples/vllm_offload.py
@@ -17,39 +17,32 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvxfer.testing import write_llama  # a small seeded Llama: no download
 
-def write_model(folder: Path, hidden: int = 128, layers: int = 2, vocab: int = 512) -> Path:
-    import torch
-    from safetensors.torch import save_file
+# kv_cache_memory_bytes: the KV cache's size in bytes. Without it vLLM's CPU build takes a share of the first NUMA
+# node's memory less what the process uses, which is negative where that node is small (8 GiB of 24 on some
+# machines): "Available memory on node 0 ... less than desired CPU memory utilization", then "Engine core
+# initialization failed" (docs/reference/troubleshooting.md).
+START_HINT = ("the engine did not start. If its log says 'Available memory on node 0 ... less than desired CPU memory "
+              "utilization', the first NUMA node is too small for vLLM's CPU build's default sizing: give the KV cache "
+              "a size with kv_cache_memory_bytes (docs/reference/troubleshooting.md)")
 
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 1024, "torch_dtype": "float32"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (hidden // 2, hidden)),
-                            ("self_attn.v_proj", (hidden // 2, hidden)), ("self_attn.o_proj", (hidden, hidden)),
-                            ("mlp.gate_proj", (2 * hidden, hidden)), ("mlp.up_proj", (2 * hidden, hidden)),
-                            ("mlp.down_proj", (hidden, 2 * hidden))):
-            shapes[f"model.layers.{i}.{name}.weight"] = shape
-    weights = {k: torch.randn(*s) / s[1] ** 0.5 for k, s in shapes.items()}
-    weights["model.embed_tokens.weight"] *= hidden ** 0.5
-    for i in range(layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            weights[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden)
-    weights["model.norm.weight"] = torch.ones(hidden)
-    save_file(weights, str(folder / "model.safetensors"))
-    return folder
+
+def start(**kw: Any) -> Any:
+    """``vllm.LLM(**kw)``; a refused start ends the script saying what to check first."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kw)
+    except RuntimeError as e:
+        raise SystemExit(f"{e}\n{START_HINT}") from e
 
 
 def generate(model: Path, prompts: dict[str, list[int]], kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
     """Run ``prompts`` one after the other on a fresh engine; its tokens per prompt and its offload metrics."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+    llm = start(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
               num_gpu_blocks_override=16, max_model_len=480, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
               disable_log_stats=False, kv_transfer_config=kv_transfer_config)
     greedy = SamplingParams(temperature=0, max_tokens=8)
@@ -64,7 +57,7 @@ def generate(model: Path, prompts: dict[str, list[int]], kv_transfer_config: dic
 
 def main() -> None:
     scratch = Path(tempfile.mkdtemp())
-    model, stats = write_model(scratch / "llama"), scratch / "kvxfer-stats.json"
+    model, stats = write_llama(scratch / "llama"), scratch / "kvxfer-stats.json"
     r = random.Random(0)
     a = [r.randrange(3, 512) for _ in range(264)]
     prompts = {"A": a, "B": [r.randrange(3, 512) for _ in range(440)], "C": [r.randrange(3, 512) for _ in range(440)],

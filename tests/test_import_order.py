@@ -1,5 +1,5 @@
-"""The planner's modules import in the order the README states: every module appears once in the README's
-"Planner modules, in import order" list, and imports only modules listed before it (the one documented lazy
+"""The planner's modules import in the order the architecture page states (docs/architecture.md, moved there from
+the README): every module appears once in its "Planner modules, in import order" list, and imports only modules listed before it (the one documented lazy
 edge, plan -> render, aside). No module imports another module's private (underscore) name."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANNER = ROOT / "planner"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "architecture.md"  # the architecture section, moved out of the README
 LAZY = {("plan", "render")}  # TransferPlan.explain / _repr_html_ / __rich__ / stats
 
 
@@ -21,7 +21,7 @@ def readme_order() -> list[str]:
     """The planner modules in the order the README's list names them: every backticked name of a module, in the
     section from its heading to the paragraph on the lazy edge."""
     text = README.read_text()
-    start = text.index("### Planner modules, in import order")
+    start = text.index("## Planner modules, in import order")
     section = text[start:text.index("One documented lazy edge", start)]
     names = modules()
     return [name for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section) if name in names]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .logs import log_through_vllm
 from .version import import_vllm, traits
 
 VLLM_VERSION = str(import_vllm().__version__)  # before the first import from vLLM below
 TRAITS = traits(VLLM_VERSION)  # what this release's interface has: every version difference is read from here
+log_through_vllm()  # vLLM has configured its logger on import: kvxfer's start-up lines go to the engine's log
 
 # ruff: noqa: E402 (vLLM's imports follow the version check)
 from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found, unused-ignore]

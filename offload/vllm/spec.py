@@ -31,6 +31,7 @@ from .checks import (
     check_host_memory,
     stats_path,
 )
+from .logs import config_summary
 from .worker import WorkerCore, build_worker, device_pointers
 
 __all__ = ["KvxferOffloadingSpec", "KvxferOffloadingWorker"]
@@ -164,9 +165,10 @@ def _make_worker(spec: Any, kv_caches: Any) -> KvxferOffloadingWorker:
             barrier()  # every rank passes the barrier once, so a refusal on one rank never hangs the others
         raise
     worker = build_worker(caches, tier, spec.make_executor(), pin=kind == "cuda", barrier=barrier, creator=p.rank == 0)
-    _log.info("kvxfer offloading worker: rank %d/%d, %d chunks of %d block(s), %d regions in %d group(s), %s host tier%s",
-              p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs), caches.num_groups,
-              "shared" if shared else "private", ", checksums on" if extra.get("kvxfer_verify") else "")
+    _log.info("kvxfer is active (KvxferOffloadingSpec): rank %d/%d, %d chunks of %d block(s), %d regions in %d group(s), "
+              "%s host tier%s; config: %s", p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs),
+              caches.num_groups, "shared" if shared else "private", ", checksums on" if extra.get("kvxfer_verify") else "",
+              config_summary(extra))
     import torch
 
     try:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..build import assemble_worker
+from ..drain import drain_at_exit
 from ..files.chunk_store import StoreConfig, StoreError
 from .api import (
     VLLM_VERSION,
@@ -58,6 +59,7 @@ from .api import JobResult as TierJobResult
 from .caches import read_caches
 from .checks import caches_device, check_executor_device, stats_path
 from .events import TierEvents, events_wanted
+from .logs import config_summary
 from .metrics import TierMeter, metric_definitions
 from .tiering import (
     FORMAT,
@@ -92,10 +94,10 @@ class KvxferTieringWorker(WorkerCore, OffloadingWorker):  # type: ignore[misc]
         times[:] = [*times[-31:], time.time()]
         return super().submit_load(job_id, src_spec, dst_spec, expedited)
 
-    def shutdown(self) -> None:
-        """``WorkerCore.shutdown``, then the region released (once nothing views its memory)."""
+    def _shutdown(self) -> None:
+        """``WorkerCore``'s drain, then the region released (once nothing views its memory)."""
         try:
-            super().shutdown()
+            super()._shutdown()
         finally:
             del self.worker  # vLLM unmaps the region only once nothing views its memory
             gc.collect()
@@ -145,6 +147,7 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
             self.events = TierEvents(OffloadingEvent, self.medium, self.locality, tier_type)
             self.events.stored(list(self.store.index))
         self.store.on_removed = self._removed
+        self._close = drain_at_exit(self.store.close, f"kvxfer file tier {self.store.folder}")  # or at exit
 
     def storage_executor(self, settings: StoreConfig) -> Any:
         """The executor the store runs its files on; None (here): kvxfer's POSIX executor on ``io_threads``
@@ -239,7 +242,7 @@ class KvxferFileTier(SecondaryTierManager):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Drain and close the store."""
-        self.store.close()  # drains: every store submitted is durable (or failed) before the engine goes
+        self._close()  # drains: every store submitted is durable (or failed) before the engine goes
 
 
 def _tiering_worker(spec: Any, kv_caches: Any) -> KvxferTieringWorker:
@@ -269,8 +272,9 @@ def _tiering_worker(spec: Any, kv_caches: Any) -> KvxferTieringWorker:
     except BaseException:
         region.cleanup()
         raise
-    _log.info("kvxfer tiering worker: rank %d/%d on vLLM's primary tier (%d chunks of %d block(s), %d regions)",
-              p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk, len(caches.refs))
+    _log.info("kvxfer is active (KvxferTieringOffloadingSpec): rank %d/%d on vLLM's primary tier (%d chunks of %d "
+              "block(s), %d regions); config: %s", p.rank, p.world_size, spec.num_chunks, spec.blocks_per_chunk,
+              len(caches.refs), config_summary(extra))
     out = KvxferTieringWorker(region, worker, TransferResult, stream=torch.cuda.current_stream if kind == "cuda" else None,
                               stats_path=stats_path(extra.get("kvxfer_stats_path"), p.rank, p.world_size),
                               pointers=device_pointers(kv_caches))

@@ -18,6 +18,7 @@ from kvxfer.planner import Buffer, Layout, Location
 
 from ..build import assemble_worker, host_memory
 from ..checksums import ChecksumError, HostChecksums
+from ..drain import drain_at_exit
 from ..jobs import LOAD, JobResult, OffloadError
 from ..tier import HOST_BUFFER, HostTier, host_region
 from ..worker import OffloadWorker
@@ -74,6 +75,8 @@ class WorkerCore:
         self._stored: dict[int, np.ndarray] = {}  # store jobs in flight -> their host chunks (with checksums)
         self._refused: list[JobResult] = []  # loads refused at submission, reported by the next get_finished
         self._report = False
+        # drained once: by shutdown, or at interpreter exit (daemon lanes would otherwise drop accepted stores)
+        self._drain = drain_at_exit(self._shutdown, f"kvxfer's vLLM worker ({type(self).__name__})")
 
     def report_failures(self) -> None:
         """From now on report failed jobs as failed TransferResults instead of raising JobFailedError."""
@@ -185,7 +188,11 @@ class WorkerCore:
 
     def shutdown(self) -> None:
         """Drain every job, release the host memory, write the counters; raises kvxfer's OffloadError for
-        failed jobs not yet reported (logged instead after ``report_failures``)."""
+        failed jobs not yet reported (logged instead after ``report_failures``). Runs once: later calls return once
+        the first is done. A process that exits without calling it drains at exit (``kvxfer.offload.drain``)."""
+        self._drain()
+
+    def _shutdown(self) -> None:
         self._checksums = None  # no view of the host memory outlives it
         try:
             self.worker.shutdown()
