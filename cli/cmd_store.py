@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
                  as_json: bool = typer.Option(False, "--json", help="print the reports as JSON")) -> None:
         """Identity, capacity, chunks, bytes, oldest and newest chunk, whether an engine holds it (no lock taken)."""
         from kvxfer.cli.run_memory import size_text
-        from kvxfer.offload.files.admin import describe, find_stores
+        from kvxfer.offload.files import describe, find_stores
 
         reports = [describe(f) for f in find_stores(path)]
         if as_json:
@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
     @store.command("verify")
     def verify_cmd(path: Path = where) -> None:
         """Read every chunk back and check its record, epoch and checksum (writes nothing); exit 1 if any fails."""
-        from kvxfer.offload.files.admin import find_stores, verify
+        from kvxfer.offload.files import find_stores, verify
 
         bad = 0
         for folder in find_stores(path):
@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
                   yes: bool = typer.Option(False, "--yes", help="really remove (without it: say what would go)")) -> None:
         """Remove the store's chunks and files (every store under a root_dir)."""
         from kvxfer.cli.run_memory import size_text
-        from kvxfer.offload.files.admin import describe, find_stores, purge
+        from kvxfer.offload.files import describe, find_stores, purge
 
         folders = find_stores(path)
         if not yes:
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
                                                 help="new capacity in bytes or with a unit: 64GiB, 512M")) -> None:
         """Change the store's capacity, keeping the most recently used chunks that fit. Set the tier's
         capacity_bytes to the same value, or the engine starts the store over."""
-        from kvxfer.offload.files.admin import find_stores, resize
+        from kvxfer.offload.files import find_stores, resize
 
         nbytes = parse_size(capacity)
         folders = find_stores(path)

@@ -9,6 +9,7 @@
 
 Imports the core (jobs, lanes, the host tier's shape), kvxfer.planner and kvxfer.executors; never an engine.
 """
+from .admin import StoreBusyError, describe, find_stores, purge, resize, verify
 from .chunk_store import ChunkStore, StoreConfig, StoreConfigError, StoreError, StoreResult, StoreStats, namespace
 from .file_tier import (
     Durability,
@@ -23,6 +24,7 @@ from .file_tier import (
 )
 from .spill import FileLane, attach_files, spill_layout
 
-__all__ = ["ChunkStore", "Durability", "FileLane", "FileTier", "IntegrityError", "StorageExecutor",
+__all__ = ["ChunkStore", "Durability", "FileLane", "FileTier", "IntegrityError", "StorageExecutor", "StoreBusyError",
            "StoreConfig", "StoreConfigError", "StoreError", "StoreResult", "StoreStats", "TierConfigError", "TierError",
-           "TierResult", "aligned_empty", "attach_files", "namespace", "spill_layout", "tier_layout"]
+           "TierResult", "aligned_empty", "attach_files", "describe", "find_stores", "namespace", "purge", "resize",
+           "spill_layout", "tier_layout", "verify"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.executors.file_trust import open_file, untrusted
+from kvxfer.executors import file_trust
 
 from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 from ..files.chunk_store import namespace
@@ -87,7 +87,7 @@ class FileFormat:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{id(buf):x}.tmp")
-        fd, _ = open_file(tmp, os.O_WRONLY | os.O_TRUNC, create=True)
+        fd, _ = file_trust.open_file(tmp, os.O_WRONLY | os.O_TRUNC, create=True)
         try:
             view = buf.data
             done = 0
@@ -111,14 +111,14 @@ class FileFormat:
         """Check the file at ``path`` and scatter ``ranges`` from it; ChunkMiss (nothing copied) when it fails."""
         need = int((ranges[:, 1] + ranges[:, 2]).max()) if len(ranges) else 0
         try:
-            fd, _ = open_file(path, os.O_RDONLY, create=False)
+            fd, _ = file_trust.open_file(path, os.O_RDONLY, create=False)
         except FileNotFoundError:
             raise ChunkMiss(path, "missing") from None
         except OSError as e:
             raise ChunkMiss(path, "foreign", f"not opened without following links ({e.strerror})") from None
         try:
             st = os.fstat(fd)
-            why = untrusted(st)
+            why = file_trust.untrusted(st)
             if why:
                 raise ChunkMiss(path, "foreign", why)
             size = st.st_size
