@@ -201,7 +201,7 @@ def test_a_second_engine_on_a_shared_root_serves_the_prefix_the_first_stored(run
     one, two = _ok(runs["shared-1"]), _ok(runs["shared-2"])
     assert one["tokens"] == _tokens(runs, 0, 1, 2) and two["tokens"] == _tokens(runs, 3)
     assert one["tier"]["writer"] != two["tier"]["writer"] and one["tier"]["folder"] == two["tier"]["folder"]
-    # A's and B's chunks (C's were still in the host tier when the first engine stopped), found by the second
-    assert one["tier"]["chunks_stored"] == 8 + 13 and two["tier"]["found"] == 8 + 13
+    # A's and B's chunks, and C's, which the first engine drains from its host tier as it stops: all found by the second
+    assert one["tier"]["chunks_stored"] >= 8 + 13 and two["tier"]["found"] == one["tier"]["chunks_stored"]
     assert (two["tier"]["chunks_loaded"], two["tier"]["integrity_misses"]) == (PREFIX_BLOCKS, 0)
     assert two["metrics"]["vllm:external_prefix_cache_hits"] == PREFIX_BLOCKS * 32
