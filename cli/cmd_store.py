@@ -54,9 +54,9 @@ def register(app: typer.Typer) -> None:
                  as_json: bool = typer.Option(False, "--json", help="print the reports as JSON")) -> None:
         """Identity, capacity, chunks, bytes, oldest and newest chunk, whether an engine holds it (no lock taken)."""
         from kvxfer.cli.run_memory import size_text
-        from kvxfer.offload.files import describe, find_stores
+        from kvxfer.offload import files
 
-        reports = [describe(f) for f in find_stores(path)]
+        reports = [files.describe(f) for f in files.find_stores(path)]
         if as_json:
             typer.echo(json.dumps([{**{k: v for k, v in vars(r).items() if k != "folder"}, "folder": str(r.folder),
                                     "capacity_bytes": r.capacity_bytes, "nbytes": r.nbytes} for r in reports],
@@ -77,11 +77,11 @@ def register(app: typer.Typer) -> None:
     @store.command("verify")
     def verify_cmd(path: Path = where) -> None:
         """Read every chunk back and check its record, epoch and checksum (writes nothing); exit 1 if any fails."""
-        from kvxfer.offload.files import find_stores, verify
+        from kvxfer.offload import files
 
         bad = 0
-        for folder in find_stores(path):
-            r = verify(folder)
+        for folder in files.find_stores(path):
+            r = files.verify(folder)
             typer.echo(f"{folder}: {r.checked} chunks checked, {r.failed} failed, {r.discarded} index entries "
                        "discarded when opened")
             for e in r.errors:
@@ -94,16 +94,16 @@ def register(app: typer.Typer) -> None:
                   yes: bool = typer.Option(False, "--yes", help="really remove (without it: say what would go)")) -> None:
         """Remove the store's chunks and files (every store under a root_dir)."""
         from kvxfer.cli.run_memory import size_text
-        from kvxfer.offload.files import describe, find_stores, purge
+        from kvxfer.offload import files
 
-        folders = find_stores(path)
+        folders = files.find_stores(path)
         if not yes:
             for f in folders:
-                r = describe(f)
+                r = files.describe(f)
                 typer.echo(f"would remove {f}: {r.chunks} chunks, {size_text(r.capacity_bytes)} of slots (--yes to do it)")
             raise typer.Exit(1)
         for f in folders:
-            typer.echo(f"removed {f} ({size_text(purge(f))} on disk)")
+            typer.echo(f"removed {f} ({size_text(files.purge(f))} on disk)")
 
     @store.command("resize")
     def resize_cmd(path: Path = where,
@@ -111,12 +111,12 @@ def register(app: typer.Typer) -> None:
                                                 help="new capacity in bytes or with a unit: 64GiB, 512M")) -> None:
         """Change the store's capacity, keeping the most recently used chunks that fit. Set the tier's
         capacity_bytes to the same value, or the engine starts the store over."""
-        from kvxfer.offload.files import find_stores, resize
+        from kvxfer.offload import files
 
         nbytes = parse_size(capacity)
-        folders = find_stores(path)
+        folders = files.find_stores(path)
         if len(folders) != 1:
             raise ValueError(f"PATH = {str(path)!r}: holds {len(folders)} stores; name one store folder")
-        kept, dropped = resize(folders[0], nbytes)
+        kept, dropped = files.resize(folders[0], nbytes)
         typer.echo(f"{folders[0]}: capacity {nbytes} bytes, {kept} chunks kept, {dropped} dropped; set the tier's "
                    f"capacity_bytes to {nbytes}")
