@@ -175,3 +175,25 @@ def test_a_dead_writers_temporary_file_and_lease_are_reaped_and_a_live_writer_re
     assert not (a.folder / f".tmp.{dead}.1").exists() and not (a.folder / "writers" / f"{dead}.lease").exists()
     assert a._lease.exists()
     a.close()
+
+
+@pytest.mark.parametrize("key,value", [("verify", False), ("o_direct", True), ("io_threads", 4),
+                                       ("lock_timeout_s", 30.0)])
+def test_a_setting_the_shared_store_does_not_carry_out_is_refused_by_name(tmp_path: Path, key: str,
+                                                                          value: object) -> None:
+    from kvxfer.offload.files.chunk_store import StoreConfigError
+
+    config = {"root_dir": str(tmp_path), "capacity_bytes": 16 * (ROW + HEADER_BYTES), "shared": True, key: value}
+    with pytest.raises(StoreConfigError, match=f"{key}.*not with shared"):
+        SharedChunkStore(config, _rows(4), ROW, IDENTITY)
+    # its default, said out loud, is no refusal
+    default = {"verify": True, "o_direct": False, "io_threads": None, "lock_timeout_s": 5.0}[key]
+    SharedChunkStore({**config, key: default}, _rows(4), ROW, IDENTITY).close()
+
+
+def test_memory_the_shared_store_could_only_copy_is_refused(tmp_path: Path) -> None:
+    from kvxfer.offload.files.chunk_store import StoreConfigError
+
+    fortran = np.asfortranarray(_rows(4).reshape(4, ROW))
+    with pytest.raises(StoreConfigError, match="memory.*C-contiguous"):
+        _store(tmp_path, fortran)

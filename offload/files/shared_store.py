@@ -144,6 +144,14 @@ def read_chunk(path: Path, key: bytes, row_bytes: int, digest: bytes) -> tuple[b
     return data, ""
 
 
+# StoreConfig's settings the shared store does not carry out, and why: set to anything but their default, refused
+UNSHARED = {
+    "verify": "every chunk's CRC-32 is always checked (a file another engine wrote is trusted only when it holds)",
+    "o_direct": "each chunk is its own file, read whole through the page cache",
+    "io_threads": "one job's files are read and written on the store's thread",
+    "lock_timeout_s": "a shared store takes no lock",
+}
+
 class SharedChunkStore:
     """Rows of ``memory`` stored under keys in files several engines share; see the module docstring.
 
@@ -163,6 +171,13 @@ class SharedChunkStore:
         root = Path(self.config.root_dir)
         if not root.is_dir():
             raise StoreConfigError("root_dir", self.config.root_dir, "no such directory (create it first)")
+        if not isinstance(memory, np.ndarray) or not memory.flags.c_contiguous:
+            raise StoreConfigError("memory", f"{type(memory).__name__} of strides {getattr(memory, 'strides', None)}",
+                                   "must be one C-contiguous numpy array: the store reads and writes it in place, and "
+                                   "any other would be a private copy the caller never sees")
+        for key, why in UNSHARED.items():  # settings this store does not carry out are refused, never ignored
+            if key in self.config.model_fields_set and getattr(self.config, key) != StoreConfig.model_fields[key].default:
+                raise StoreConfigError(key, getattr(self.config, key), f"not with shared: {why}")
         self.memory = memory.reshape(-1).view(np.uint8)
         self.num_rows = self.memory.nbytes // self.row_bytes
         self.scan_s, self.dead_after_s = float(scan_s), float(dead_after_s)
