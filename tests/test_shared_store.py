@@ -94,6 +94,33 @@ def test_a_damaged_foreign_or_planted_chunk_is_a_miss_never_bytes(tmp_path: Path
     b.close()
 
 
+def test_a_refused_chunk_is_left_in_place_logged_once_and_not_offered_again_until_its_file_changes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a damaged file stayed a hit at every listing, so vLLM promoted and failed it again every second; it may be
+    # another live engine's file, so it is never renamed or removed for it
+    a, b, mem, path = _one_file(tmp_path)
+    good = path.read_bytes()
+    raw = bytearray(good)
+    raw[HEADER_BYTES + 100] ^= 1
+    path.write_bytes(raw)
+    with caplog.at_level("WARNING", logger="kvxfer.offload.files.shared_store"):
+        assert not _run(b, "load", 2, [b"k"], [1]).success
+        for _ in range(2):
+            b._scan()
+            assert not b.lookup(b"k")  # a miss from now on, listing after listing
+    assert path.read_bytes() == raw and sorted(p.name for p in b.folder.iterdir() if p.is_file()) == [path.name]
+    assert sum("refused" in m and path.name in m for m in caplog.messages) == 1
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(good)
+    os.chmod(tmp, 0o600)
+    tmp.rename(path)  # its writer stores the key again: another file under the name
+    b._scan()
+    assert b.lookup(b"k") and _run(b, "load", 3, [b"k"], [1]).success
+    assert (mem[ROW:] != 0xEE).any()
+    a.close()
+    b.close()
+
+
 def test_eviction_removes_own_files_and_dead_writers_files_never_a_live_writers(tmp_path: Path) -> None:
     a = _store(tmp_path, _rows(8), chunks=4)
     assert _run(a, "store", 1, [b"a0", b"a1", b"a2", b"a3"], [0, 1, 2, 3]).done_keys == (b"a0", b"a1", b"a2", b"a3")

@@ -155,3 +155,72 @@ def test_bad_configuration_stops_the_tier_at_start_up_in_one_line_naming_the_key
     with pytest.raises(StoreConfigError) as e:
         _tier(tmp_path, rows, **{"root_dir": str(tmp_path), **config})
     assert "\n" not in str(e.value) and (e.value.field.endswith(f".{field}") or e.value.field == field)
+
+
+class _GatedWrites:
+    """kvxfer's POSIX executor whose writes (stores) wait for ``gate``: a file tier still storing, on demand."""
+
+    def __init__(self, gate: Any):
+        from kvxfer.executors import PosixFileExecutor
+
+        self.inner, self.gate = PosixFileExecutor(threads=1), gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def run(self, plan: Any, memory: Any, stream: Any = None, after: Any = None) -> Any:
+        if plan.direction.value == "d2h":  # host rows -> file
+            assert self.gate.wait(30)
+        return self.inner.run(plan, memory)
+
+
+@needs_vllm
+def test_a_host_tier_full_of_chunks_still_being_stored_to_files_refuses_the_next_requests_chunks(tmp_path):
+    # why a storage tier can store only the first of several prompts (seen at TP=2 with three 9-chunk prompts in one
+    # batch and a 16-chunk host tier): vLLM's tiering pins a host chunk until every secondary tier's store of it is
+    # reported done (kvxfer's: once durable), and its host tier refuses a store it cannot make room for; the
+    # scheduler retries it while the request runs and drops it once the request has finished ("cannot store
+    # chunks", vllm:kv_offload_allocation_failure). Room comes back the step after the file tier's store finishes.
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+
+    from kvxfer.offload.vllm import KvxferFileTier
+
+    gate = threading.Event()
+
+    class Gated(KvxferFileTier):  # type: ignore[misc, valid-type]
+        def storage_executor(self, settings: Any) -> Any:
+            return _GatedWrites(gate)
+
+    region = SharedOffloadRegion(engine_id=f"kvxfer-test-{uuid.uuid4().hex[:8]}", num_chunks=16, rank=0,
+                                 kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    primary = CPUPrimaryTierOffloadingManager(16, region)
+    tier = Gated(_spec(), primary.get_kv_memoryview(), "KvxferFileTier", None, root_dir=str(tmp_path),
+                 capacity_bytes=64 * 4096)
+    manager = TieringOffloadingManager(primary, [tier])
+    step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    ctx = [ReqContext(req_id=str(i)) for i in range(2)]
+    keys = [[bytes([i, j]) * 16 + bytes(4) for j in range(9)] for i in range(2)]
+    try:
+        for c in ctx:
+            manager.on_new_request(c)
+        first = manager.prepare_store(keys[0], ctx[0])
+        assert first is not None and len(first.keys_to_store) == 9
+        manager.complete_store(keys[0], ctx[0])  # in host memory: cascaded to the file tier, which is still writing
+        manager.on_schedule_end(step)
+        for _ in range(3):  # the next request's 9 chunks: 7 free, the other 9 pinned; a step later, the same
+            assert manager.prepare_store(keys[1], ctx[1]) is None
+            manager.on_schedule_end(step)
+        assert tier.store.stats.stores == 0 and tier.has_pending_work()
+        gate.set()  # the file tier's store finishes (durable); the next step takes its result and unpins the chunks
+        tier.drain_jobs()
+        manager.on_schedule_end(step)
+        second = manager.prepare_store(keys[1], ctx[1])
+        assert second is not None and len(second.keys_to_store) == 9 and len(second.evicted_keys) == 2
+        assert tier.store.stats.chunks_stored == 9
+    finally:
+        gate.set()
+        manager.shutdown()

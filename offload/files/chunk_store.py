@@ -52,6 +52,7 @@ from kvxfer.planner import Spec as _PlannerSpec
 from ..checksums import crc32  # ISA-L where installed, else zlib: the same values
 from .atomic import create_file, path_refusal, replace_file, set_aside
 from .file_tier import Durability, FileTier, IntegrityError, StorageExecutor, TierError, check_timeout
+from .job_queue import QueuedJobs
 
 _log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class _Index:
         os.close(self.fd)
 
 
-class ChunkStore:
+class ChunkStore(QueuedJobs):
     """Rows of ``memory`` (uint8, ``row_bytes`` each) stored under keys in files; see the module docstring.
 
     ``config``: a StoreConfig (or its dict); ``identity``: JSON-able values saying what the bytes mean (the
@@ -363,7 +364,7 @@ class ChunkStore:
         self._counters = threading.Lock()
         self._running = 0
         self._stop = False
-        self._died: BaseException | None = None  # why the store's thread stopped, if it ever does
+        self._died = None  # why the store's thread stopped, if it ever does
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # durable keys, LRU first
         self._storing: dict[bytes, int] = {}
         self._free = np.ones(self.slots, dtype=bool)
@@ -645,18 +646,6 @@ class ChunkStore:
             for t in self.stats.load_timeline:
                 if t.get("job") == r.job_id:
                     t["polled"] = now
-
-    @property
-    def pending(self) -> bool:
-        """Whether a job is queued, running, or finished and not yet polled."""
-        with self._cond:
-            return bool(self._queue or self._running or self._results)
-
-    def drain(self) -> None:
-        """Block until every submitted job has finished (its result waits for ``poll``)."""
-        with self._cond:
-            while (self._queue or self._running) and self._died is None:
-                self._cond.wait()
 
     def close(self) -> None:
         """Finish the jobs submitted, stop the thread, write the counters and close the files (and the executor the

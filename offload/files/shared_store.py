@@ -14,7 +14,10 @@ The writer id is ``<host>-<pid>-<8 random hex>``: one per open store, so an engi
 and needs no lock another engine could wait on. Readers trust nothing they do not validate: each file is opened
 without following a link, refused unless it is a regular file of this user not writable by others, read whole
 into a private buffer, and used only if magic, key, row size, namespace digest and both CRCs hold; only then is
-the row copied into memory. A chunk that fails (gone, torn, foreign, rewritten) is a miss, never wrong bytes.
+the row copied into memory. A chunk that fails (gone, torn, foreign, rewritten) is a miss, never wrong bytes;
+a file that fails a check is logged once and not offered again until it changes (another inode, size or
+time). It is never renamed or removed for it: it may be another live engine's, and only its writer (or
+eviction, once that writer is dead) removes it.
 
 Eviction: a writer removes only its own files, or files (and temporaries) of writers proven dead (a lease older
 than ``dead_after_s``, or on this host a pid that no longer exists). Removing or replacing a file never harms a
@@ -58,6 +61,7 @@ from .chunk_store import (
     namespace,
 )
 from .file_tier import Durability
+from .job_queue import QueuedJobs
 
 _log = logging.getLogger(__name__)
 
@@ -114,6 +118,19 @@ def encode_chunk(key: bytes, row: np.ndarray | bytes, writer: str, digest: bytes
     return (head + key).ljust(HEADER_BYTES, b"\0") + data
 
 
+def _stat_id(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or rewritten: device, inode, size, modification and change times."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_id(path: Path) -> tuple[int, ...] | None:
+    """``_stat_id`` of ``path`` (not followed if a link), or None when it cannot be looked at."""
+    try:
+        return _stat_id(os.lstat(path))
+    except OSError:
+        return None
+
+
 def read_chunk(path: Path, key: bytes, row_bytes: int, digest: bytes) -> tuple[bytes | None, str]:
     """The row stored in ``path`` for ``key``, or None and why: every check holds or nothing is returned."""
     try:
@@ -152,7 +169,8 @@ UNSHARED = {
     "lock_timeout_s": "a shared store takes no lock",
 }
 
-class SharedChunkStore:
+
+class SharedChunkStore(QueuedJobs):
     """Rows of ``memory`` stored under keys in files several engines share; see the module docstring.
 
     Same threads as ChunkStore: one owner thread calls the methods (none blocks but ``drain`` and ``close``);
@@ -205,6 +223,7 @@ class SharedChunkStore:
         self._stop = False
         self._known_lock = threading.Lock()
         self._known: dict[bytes, set[str]] = {}  # key -> file names holding it (any writer)
+        self._refused: dict[str, tuple[int, ...]] = {}  # file name -> what it was when a load refused it
         self._own: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # own files, LRU first
         self._estimate = 0  # bytes in the folder: the last scan plus this writer's changes since
         self._last_scan = 0.0
@@ -265,18 +284,6 @@ class SharedChunkStore:
         """The keys some writer's file holds, as of the last folder listing (for a tier's gauges and events)."""
         with self._known_lock:
             return [k for k, names in self._known.items() if names]
-
-    @property
-    def pending(self) -> bool:
-        """Whether a job is queued, running, or finished and not yet polled."""
-        with self._cond:
-            return bool(self._queue or self._running or self._results)
-
-    def drain(self) -> None:
-        """Block until every submitted job has finished."""
-        with self._cond:
-            while self._queue or self._running:
-                self._cond.wait()
 
     def close(self) -> None:
         """Finish the jobs submitted and stop. The files stay: other writers (and a restart) read them, and once
@@ -429,13 +436,19 @@ class SharedChunkStore:
                 names = sorted(self._known.get(key, ()), key=lambda n: n.split(".")[1] != self.writer)
             data = None
             for name in names:
+                before = _file_id(self.folder / name)
                 data, why = read_chunk(self.folder / name, key, self.row_bytes, self.digest)
                 if data is not None:
                     break
                 last = f"{name}: {why}"
                 self.stats.integrity_misses += 1
-                with self._known_lock:  # gone or refused: a miss from now on (a later scan may find it again)
+                with self._known_lock:  # gone or refused: a miss from now on
                     self._known.get(key, set()).discard(name)
+                    if before is not None and before == _file_id(self.folder / name):  # the very file read
+                        self._refused[name] = before  # not offered again by a scan until it changes
+                        _log.warning("kvxfer shared store %s: %s refused (%s): a miss, recomputed; the file is left "
+                                     "in place (it may be another engine's) and not read again until it changes",
+                                     self.folder, name, why)
             if data is None:
                 continue
             self.memory[row * self.row_bytes:(row + 1) * self.row_bytes] = np.frombuffer(data, np.uint8)
@@ -482,6 +495,7 @@ class SharedChunkStore:
                 except OSError:
                     pass
         known: dict[bytes, set[str]] = {}
+        refused: dict[str, tuple[int, ...]] = {}
         dead_files: list[tuple[float, str]] = []
         total = 0
         for entry in os.scandir(self.folder):
@@ -500,7 +514,10 @@ class SharedChunkStore:
             if parsed is None or file_trust.untrusted(st) is not None:
                 continue  # not a chunk, or a file that is not this user's: never read, never counted
             key, w = parsed
-            known.setdefault(key, set()).add(entry.name)
+            if self._refused.get(entry.name) == _stat_id(st):
+                refused[entry.name] = _stat_id(st)  # the file a load refused, unchanged: counted, not offered
+            else:
+                known.setdefault(key, set()).add(entry.name)
             total += st.st_size
             if w != self.writer and self._dead(w, leases, now):
                 dead_files.append((st.st_mtime, entry.name))
@@ -509,9 +526,11 @@ class SharedChunkStore:
             if w not in holders and w != self.writer and now - leases[w] > self.dead_after_s:
                 self._unlink_quiet(f"writers/{w}.lease")
         with self._known_lock:
-            for key, name in self._own.items():  # written since the listing began: still known
-                known.setdefault(key, set()).add(name)
+            for key, name in self._own.items():  # written since the listing began: still known (unless refused)
+                if name not in refused:
+                    known.setdefault(key, set()).add(name)
             self._known = known
+            self._refused = refused  # files gone or changed are forgotten
         self._estimate = total
         dead_files.sort()
         self._reapable = [name for _, name in dead_files]

@@ -20,29 +20,38 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PACKAGES = ("planner", "executors", "offload", "testing", "cli")
 
-CATCHES = {  # patch -> the test (a pytest node id, or a file and a -k expression) that fails with it
+
+def _named(path: str, name: str) -> list[str]:
+    """The pytest arguments that run the tests of ``path`` whose names hold ``name``."""
+    return [path, "-k", name]
+
+
+CATCHES = {  # patch -> the test (a file and a -k expression) that fails with it
     "35-lowering-bound-from-memory.patch":
-        ["tests/test_plan_bound_rules.py", "-k",
-         "test_an_offset_written_after_the_check_is_bounded_by_the_declared_size_not_the_memory"],
+        _named("tests/test_plan_bound_rules.py",
+               "test_an_offset_written_after_the_check_is_bounded_by_the_declared_size_not_the_memory"),
     "35-bound-adds-offset-and-size-in-uint64.patch":
-        ["tests/test_plan_bound_rules.py", "-k", "test_an_offset_whose_end_wraps_uint64_is_refused"],
+        _named("tests/test_plan_bound_rules.py", "test_an_offset_whose_end_wraps_uint64_is_refused"),
     "35-attr-id-equal-to-table-size-accepted.patch":
-        ["tests/test_exec_cuda.py", "-k",
-         "test_an_attribute_id_equal_to_its_tables_size_written_after_the_check_is_refused_before_any_call"],
+        _named("tests/test_exec_cuda.py",
+               "test_an_attribute_id_equal_to_its_tables_size_written_after_the_check_is_refused_before_any_call"),
     "35-quick-bound-assumes-largest-range-fits-every-buffer.patch":
-        ["tests/test_plan_bound_rules.py", "-k", "test_a_range_longer_than_the_smallest_buffer_it_touches"],
+        _named("tests/test_plan_bound_rules.py", "test_a_range_longer_than_the_smallest_buffer_it_touches"),
     "35-numpy-memmove-pieces-read-the-first-piece.patch":
-        ["tests/test_exec_numpy.py", "-k", "test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_bytes"],
+        _named("tests/test_exec_numpy.py",
+               "test_ranges_of_several_memmove_pieces_move_each_piece_from_its_own_source_bytes"),
     "35-calls-cut-from-the-plan-start.patch":
-        ["tests/test_planner_build.py", "-k", "test_calls_are_cut_at_each_call_group_and_every_cap_ranges_from_its_start"],
+        _named("tests/test_planner_build.py",
+               "test_calls_are_cut_at_each_call_group_and_every_cap_ranges_from_its_start"),
     "36-slots-found-on-reopening-left-free.patch":
-        ["tests/test_chunk_store_damage.py", "-k", "test_slots_found_on_reopening_are_never_given_to_a_later_store"],
+        _named("tests/test_chunk_store_damage.py", "test_slots_found_on_reopening_are_never_given_to_a_later_store"),
     "36-checksum-recorded-for-a-failed-store.patch":
-        ["tests/test_vllm_worker.py", "-k", "test_a_store_that_failed_records_no_checksum_so_a_load_of_its_chunk_is_refused"],
+        _named("tests/test_vllm_worker.py",
+               "test_a_store_that_failed_records_no_checksum_so_a_load_of_its_chunk_is_refused"),
     "36-failed-load-keys-still-hits.patch":
-        ["tests/test_vllm_store_rules.py", "-k", "test_the_keys_of_a_failed_load_miss_until_stored_anew"],
+        _named("tests/test_vllm_store_rules.py", "test_the_keys_of_a_failed_load_miss_until_stored_anew"),
     "36-one-group-failed-load-reported-as-failed-receive.patch":
-        ["tests/test_vllm_store_rules.py", "-k", "test_a_failed_load_is_reported_as_load_error_blocks_with_one_group"],
+        _named("tests/test_vllm_store_rules.py", "test_a_failed_load_is_reported_as_load_error_blocks_with_one_group"),
 }
 
 

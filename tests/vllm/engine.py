@@ -9,7 +9,8 @@ few per process to pay vLLM's import once). A case holds:
 - ``offload``: None (no offloading), or kvxfer's ``kv_connector_extra_config`` (``spec_name`` and
   ``spec_module_path`` default to kvxfer's spec);
 - ``transfer``: more keys of vLLM's ``kv_transfer_config`` (``KVXFER_CONNECTOR``: kvxfer's connector);
-- ``requests``: prompt token id lists, generated one after the other (greedy, ``max_tokens`` each);
+- ``requests``: prompt token id lists, generated one after the other (greedy, ``max_tokens`` each), or all in
+  one ``generate`` call with ``batch`` true (vLLM schedules them together as its cache allows);
 - ``name``: echoed in the result.
 
 The output, per case: ``tokens`` (generated ids per request), ``metrics`` (vLLM's counters and histogram sums by name),
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +65,9 @@ def _metrics(llm: Any) -> dict[str, float]:
     return out
 
 
-def run(case: dict[str, Any]) -> dict[str, Any]:
-    """Run ``case`` (see the module docstring) and return the result dict."""
+def run(case: dict[str, Any], before: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Run ``case`` (see the module docstring) and return the result dict; ``before(i)`` is called before the i-th
+    ``generate`` call (what a test does to a running engine's surroundings)."""
     from vllm import LLM, SamplingParams
 
     model = dict(case.get("model", {}))
@@ -85,12 +88,15 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     out["start_s"] = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=int(case.get("max_tokens", 8)))
     t1 = time.perf_counter()
+    batches = [case["requests"]] if case.get("batch") else [[p] for p in case["requests"]]
     try:
-        for prompt in case["requests"]:
+        for i, batch in enumerate(batches):
+            if before is not None:
+                before(i)
             t2 = time.perf_counter()
-            res = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+            res = llm.generate([{"prompt_token_ids": list(p)} for p in batch], params, use_tqdm=False)
             out["request_times_s"].append(time.perf_counter() - t2)
-            out["tokens"].append(list(res[0].outputs[0].token_ids))
+            out["tokens"].extend(list(r.outputs[0].token_ids) for r in res)
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["request_s"] = time.perf_counter() - t1

@@ -66,7 +66,9 @@ def _cases(tmp: Path) -> list[dict[str, Any]]:
                                     crash_at_store=3, crash_marker=str(tmp / "crashed")), crash_marker=str(tmp / "crashed")),
         case("restart", "A2 C2", tier("crash", "restart")),
         case("truncated", "A2 C2", tier("tp", "truncated"), damage={"stats": str(tmp / "warm.json"), "truncate_slots": 20}),
-        case("records", "A2", tier("tp", "records"), damage={"stats": str(tmp / "truncated.json"), "records": "random"}),
+        case("records", "A2 B C A2", tier("tp", "records"), damage={"stats": str(tmp / "truncated.json"), "records": "random"},
+             damage_running={"stats": str(tmp / "records.json"), "before": 3, "stored": 8 + 13 + 13, "truncate_slots": 4,
+                             "records": "random"}),
         case("fs", "A B C A2", {"type": "fs", "root_dir": str(tmp / "fs")}),
         case("events", "A B", tier("events", "events", type="RecordingFileTier", module_path="tests.vllm.tier_doubles",
                                    enable_kv_events=True, locality="LOCAL", events_path=str(tmp / "events.jsonl")),
@@ -192,9 +194,20 @@ def test_a_truncated_data_file_before_a_restart_costs_only_the_chunks_past_its_e
 
 def test_random_bytes_in_the_records_before_a_restart_start_the_store_over_and_say_so(runs):
     r = _ok(runs["records"])
-    assert r["tokens"] == _tokens(runs, 3)
-    assert r["tier"]["found"] == 0 and r["tier"]["chunks_loaded"] == 0
+    assert r["tokens"][0] == _tokens(runs, 3)[0]
+    assert r["tier"]["found"] == 0
     assert r["log"].count("set aside as") == 1 and "not kvxfer integrity records" in r["log"]
+
+
+def test_a_store_damaged_while_the_engine_runs_costs_the_chunks_and_the_engine_serves_on(runs):
+    # the same engine, on: A2, B and C stored to disk, then (the engine running) the data file cut to 4 slots and
+    # random bytes written over the records; A2 again finds its prefix on disk only, and every chunk of it is refused
+    r = _ok(runs["records"])
+    assert r["tokens"] == _tokens(runs, 3, 1, 2, 3)  # every request finishes with the tokens of no offloading
+    tier = r["tier"]
+    assert tier["chunks_stored"] >= 8 + 13 + 13 and tier["chunks_loaded"] == 0
+    assert tier["integrity_misses"] == PREFIX_BLOCKS and tier["failed_jobs"] >= 1
+    assert r["log"].count(f"{PREFIX_BLOCKS} stored chunk(s) refused and dropped") == 1  # named once
 
 
 def test_a_second_engine_on_a_shared_root_serves_the_prefix_the_first_stored(runs):

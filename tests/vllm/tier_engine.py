@@ -9,6 +9,8 @@ this process, with what happens between engines.
 - ``damage``: ``{"stats": PATH, "truncate_slots": N}`` cuts the data file of that file tier to N slots,
   ``{"stats": PATH, "records": "random"}`` overwrites its integrity records with random bytes, before the engine
   starts;
+- ``damage_running``: the same, done to this case's own file tier while its engine runs: with ``"before": I``
+  (the request), once its counters (``"stats"``) show ``"stored": N`` chunks stored (up to 120 s);
 - ``tier_stats``: a file tier's counters file, read after the engine and returned under ``tier``;
 - ``crash_marker``: the engine is to kill itself (a test double writes this file, then SIGKILLs the engine
   process): the case runs in a process of its own (vLLM's client would wait forever for a dead engine), which
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,27 @@ def _damage(spec: dict[str, Any]) -> None:
         sums.write_bytes(os.urandom(sums.stat().st_size))
 
 
+def _damage_running(spec: dict[str, Any]) -> Callable[[int], None]:
+    """``engine.run``'s hook that damages the running engine's file tier before request ``spec["before"]``, once
+    its stores have landed (the counters file shows ``spec["stored"]`` chunks stored)."""
+    def before(i: int) -> None:
+        if i != int(spec["before"]):
+            return
+        stats = Path(spec["stats"])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(stats.read_text())["chunks_stored"] >= int(spec["stored"]):
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        else:
+            raise TimeoutError(f"{spec['stored']} chunks were not stored within 120 s ({stats})")
+        _damage(spec)
+    return before
+
+
 def _killed(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """Run ``case`` in a process of its own until its engine has killed itself (the marker file), then kill it."""
     marker = Path(case["crash_marker"])
@@ -90,7 +114,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         if case.get("damage"):
             _damage(case["damage"])
         try:
-            result = _killed(case) if case.get("crash_marker") else engine.run(case)
+            hook = _damage_running(case["damage_running"]) if case.get("damage_running") else None
+            result = _killed(case) if case.get("crash_marker") else engine.run(case, hook)
         except Exception:
             result = {"name": case.get("name"), "error": traceback.format_exc(), "tokens": [], "stats": []}
     finally:
