@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .credit import Credit, page_bytes, range_blocks, region_credit
 from .errors import PlanError
 from .layout import Layout
 from .optional import import_optional
@@ -33,23 +34,29 @@ NUMERIC = {"call", "#", "bytes", "blocks"}
 
 
 def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
-    """Bytes of one block for every range (float64): the device page of the range's region (from ``layout``
-    when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the mean
-    bytes per requested copy, exact whenever all regions share one page size).
+    """Bytes of one block for every range (float64): the device page of the range's first region (from
+    ``layout`` when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the
+    mean bytes per requested copy, exact whenever all regions share one page size).
 
-    Raises PlanError when ``layout`` does not have the plan's regions.
+    Raises PlanError when ``layout`` does not have the plan's regions and buffers.
     """
-    if layout is not None:
-        names = tuple(r.name for r in layout.regions)
-        if names != plan.regions:
-            raise PlanError("layout.regions", f"{len(names)} regions",
-                            f"do not match the plan's {len(plan.regions)} regions")
-        page: np.ndarray = layout.info.page.astype(np.float64)[plan.region]
-        return page
-    if plan.region_page_bytes:
-        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]  # type: ignore[no-any-return]
-    unit = plan.total_bytes / plan.requested_copies if plan.requested_copies else 1.0
-    return np.full(plan.num_ranges, unit or 1.0)
+    return page_bytes(plan, layout)[plan.region]  # type: ignore[no-any-return]
+
+
+REGIONS_NAMED = 3  # a range over more regions names the first and counts the rest
+
+
+def region_labels(plan: TransferPlan, credit: Credit, idx: np.ndarray) -> list[str]:
+    """The region column for ranges ``idx``: its region, 'K+V' where a range covers several, and
+    'kv0+117 more' past REGIONS_NAMED."""
+    lo = np.searchsorted(credit.range, idx, "left").tolist()
+    hi = np.searchsorted(credit.range, idx, "right").tolist()
+    regs = credit.region.tolist()
+    out = []
+    for a, b in zip(lo, hi):
+        names = [plan.regions[r] for r in regs[a:min(b, a + REGIONS_NAMED + 1)]]
+        out.append("+".join(names) if b - a <= REGIONS_NAMED else f"{names[0]}+{b - a - 1} more")
+    return out
 
 
 def count(x: float) -> str:
@@ -99,13 +106,15 @@ def shown_indices(n: int, max_rows: int | None) -> tuple[np.ndarray, int]:
 
 
 def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None) -> list[tuple[str, ...]]:
-    """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS."""
+    """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS. With ``layout``, a range
+    over several regions' pages counts each region's blocks and names every region (``credit.region_credit``)."""
     idx = np.asarray(idx, dtype=np.int64)
     call = np.searchsorted(plan.call_offsets, idx, side="right") - 1
-    blocks = plan.nbytes[idx].astype(np.float64) / block_bytes(plan, layout)[idx]
+    credit = region_credit(plan, layout)
+    blocks = range_blocks(plan, credit, layout)[idx]
     cols = (call.tolist(), idx.tolist(), _where(plan, plan.src_buf[idx], plan.src_offset[idx]),
             _where(plan, plan.dst_buf[idx], plan.dst_offset[idx]), plan.nbytes[idx].tolist(),
-            [count(b) for b in blocks.tolist()], [plan.regions[r] for r in plan.region[idx].tolist()])
+            [count(b) for b in blocks.tolist()], region_labels(plan, credit, idx))
     return [tuple(str(v) for v in r) for r in zip(*cols)]
 
 
@@ -186,9 +195,11 @@ def run_lengths(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
     return ", ".join(parts)
 
 
-def run_length_histogram(plan: TransferPlan, layout: Layout | None = None) -> dict[float, int]:
-    """{blocks covered by a range: number of ranges}, ascending by blocks."""
-    blocks = plan.nbytes.astype(np.float64) / block_bytes(plan, layout)
+def run_length_histogram(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                         ) -> dict[float, int]:
+    """{blocks covered by a range: number of ranges}, ascending by blocks (with ``layout``, a range over several
+    regions counts the blocks of each). ``credit``: the plan's ``region_credit``, where the caller has it."""
+    blocks = range_blocks(plan, region_credit(plan, layout) if credit is None else credit, layout)
     keys, counts = np.unique(blocks, return_counts=True)
     return {(int(k) if float(k).is_integer() else float(k)): int(c) for k, c in zip(keys.tolist(), counts.tolist())}
 
@@ -265,9 +276,10 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
         rows.append(("groups", f"{layout.num_groups} declared" + (f", without regions: {empty}" if empty else "")))
     if n:
         nb = plan.nbytes
-        unit = block_bytes(plan, layout)
-        uniform = len(np.unique(unit)) == 1
-        hist = run_length_histogram(plan, layout)
+        credit = region_credit(plan, layout)
+        unit = np.unique(page_bytes(plan, layout)[np.unique(credit.region)])
+        uniform = len(unit) == 1
+        hist = run_length_histogram(plan, layout, credit)
         shown = list(hist.items())[:_HIST_SHOWN]
         more = f", ... ({len(hist) - _HIST_SHOWN} more)" if len(hist) > _HIST_SHOWN else ""
         rows += [
@@ -374,7 +386,9 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
     Keys: direction, target, api, requested_copies, ranges, calls, total_bytes, merge_ratio, call_sizes,
     bytes_per_call, range_bytes (min/median/mean/max), largest_range and smallest_range (first such range),
     run_length_histogram ({blocks: ranges}), per_region and per_buffer ({name: {ranges, bytes}}; a buffer
-    counts as src_* and dst_*). Regions and buffers that no range touches are left out.
+    counts as src_* and dst_*). Regions and buffers that no range touches are left out. With ``layout``, a
+    range over several regions' pages counts for each, with its bytes of each (``credit.region_credit``), so
+    per_region's bytes add up to total_bytes.
     """
     n = plan.num_ranges
     nb = plan.nbytes
@@ -390,7 +404,8 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
         "smallest_range": _range_record(plan, int(np.argmin(nb))) if n else None,
         "run_length_histogram": run_length_histogram(plan, layout),
     }
-    r_ranges, r_bytes = _totals(plan.region, nb, len(plan.regions))
+    credit = region_credit(plan, layout)
+    r_ranges, r_bytes = _totals(credit.region, credit.nbytes, len(plan.regions))
     out["per_region"] = {name: {"ranges": c, "bytes": b}
                          for name, c, b in zip(plan.regions, r_ranges, r_bytes) if c}
     nbuf = len(plan.buffers)
@@ -411,12 +426,13 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
     pd = import_optional("pandas", "stats_frame")
     if by == "range":
         names = np.array([b.name for b in plan.buffers], dtype=object)
+        credit = region_credit(plan, layout)
         return pd.DataFrame({
             "call": np.searchsorted(plan.call_offsets, np.arange(plan.num_ranges), side="right") - 1,
             "src": names[plan.src_buf], "src_offset": plan.src_offset, "dst": names[plan.dst_buf],
             "dst_offset": plan.dst_offset, "nbytes": plan.nbytes,
-            "blocks": plan.nbytes / block_bytes(plan, layout),
-            "region": np.array(plan.regions, dtype=object)[plan.region], "attr": plan.attr})
+            "blocks": range_blocks(plan, credit, layout),
+            "region": region_labels(plan, credit, np.arange(plan.num_ranges)), "attr": plan.attr})
     s = stats(plan, layout)
     if by == "region":
         return pd.DataFrame.from_dict(s["per_region"], orient="index").rename_axis("region")
@@ -429,4 +445,4 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
 
 
 __all__ = ["DEFAULT_MAX_ROWS", "EXPLAIN_HINT", "VIEW_HINT", "block_bytes", "elision", "explain", "header_rows",
-           "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]
+           "region_labels", "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]
