@@ -48,15 +48,19 @@ REGIONS_NAMED = 3  # a range over more regions names the first and counts the re
 
 def region_labels(plan: TransferPlan, credit: Credit, idx: np.ndarray) -> list[str]:
     """The region column for ranges ``idx``: its region, 'K+V' where a range covers several, and
-    'kv0+117 more' past REGIONS_NAMED."""
-    lo = np.searchsorted(credit.range, idx, "left").tolist()
-    hi = np.searchsorted(credit.range, idx, "right").tolist()
-    regs = credit.region.tolist()
-    out = []
-    for a, b in zip(lo, hi):
-        names = [plan.regions[r] for r in regs[a:min(b, a + REGIONS_NAMED + 1)]]
-        out.append("+".join(names) if b - a <= REGIONS_NAMED else f"{names[0]}+{b - a - 1} more")
-    return out
+    'kv0+117 more' past REGIONS_NAMED (numpy over the ranges, no loop per range)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    lo = np.searchsorted(credit.range, idx, "left")
+    many = np.searchsorted(credit.range, idx, "right") - lo
+    names = np.array(plan.regions + ("",), dtype=object)
+    label = names[credit.region[lo]] if len(idx) else np.zeros(0, dtype=object)
+    listed = many <= REGIONS_NAMED
+    for j in range(1, REGIONS_NAMED):
+        m = listed & (many > j)
+        label[m] = label[m] + "+" + names[credit.region[lo[m] + j]]
+    m = ~listed
+    label[m] = label[m] + "+" + (many[m] - 1).astype(str).astype(object) + " more"
+    return label.tolist()
 
 
 def count(x: float) -> str:
@@ -105,12 +109,14 @@ def shown_indices(n: int, max_rows: int | None) -> tuple[np.ndarray, int]:
     return np.concatenate((np.arange(head), np.arange(n - (max_rows - head), n))), head
 
 
-def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None) -> list[tuple[str, ...]]:
+def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None, credit: Credit | None = None,
+             ) -> list[tuple[str, ...]]:
     """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS. With ``layout``, a range
-    over several regions' pages counts each region's blocks and names every region (``credit.region_credit``)."""
+    over several regions' pages counts each region's blocks and names every region (``credit.region_credit``;
+    pass ``credit`` where the caller has it)."""
     idx = np.asarray(idx, dtype=np.int64)
     call = np.searchsorted(plan.call_offsets, idx, side="right") - 1
-    credit = region_credit(plan, layout)
+    credit = region_credit(plan, layout) if credit is None else credit
     blocks = range_blocks(plan, credit, layout)[idx]
     cols = (call.tolist(), idx.tolist(), _where(plan, plan.src_buf[idx], plan.src_offset[idx]),
             _where(plan, plan.dst_buf[idx], plan.dst_offset[idx]), plan.nbytes[idx].tolist(),
@@ -125,12 +131,12 @@ def check_max_rows(max_rows: int | None) -> None:
 
 
 def range_rows(plan: TransferPlan, layout: Layout | None = None, max_rows: int | None = DEFAULT_MAX_ROWS,
-               ) -> tuple[list[tuple[str, ...]], int, int]:
+               credit: Credit | None = None) -> tuple[list[tuple[str, ...]], int, int]:
     """The range table as strings (columns RANGE_COLUMNS), the row before which the elision marker goes
     (-1: no elision), and how many ranges were elided. ``max_rows=None`` shows every range."""
     check_max_rows(max_rows)
     idx, cut = shown_indices(plan.num_ranges, max_rows)
-    return rows_for(plan, idx, layout), cut, plan.num_ranges - len(idx)
+    return rows_for(plan, idx, layout, credit), cut, plan.num_ranges - len(idx)
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,
@@ -251,8 +257,10 @@ def _writers_line(plan: TransferPlan) -> str:
     return " | ".join(parts)
 
 
-def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[str, str]]:
-    """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls."""
+def header_rows(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                ) -> list[tuple[str, str]]:
+    """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls.
+    ``credit``: the plan's ``region_credit`` over ``layout``, where the caller has it."""
     n, req = plan.num_ranges, plan.requested_copies
     ratio = f"merge {req / n:.2f}x" if n else "nothing to copy"
     rows = [
@@ -276,7 +284,7 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
         rows.append(("groups", f"{layout.num_groups} declared" + (f", without regions: {empty}" if empty else "")))
     if n:
         nb = plan.nbytes
-        credit = region_credit(plan, layout)
+        credit = region_credit(plan, layout) if credit is None else credit
         unit = np.unique(page_bytes(plan, layout)[np.unique(credit.region)])
         uniform = len(unit) == 1
         hist = run_length_histogram(plan, layout, credit)
@@ -312,11 +320,12 @@ def explain(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
     header only. With ``layout`` (the plan's), block counts use each region's page size. Raises PlanError
     for ``max_rows < 2`` or a layout with other regions.
     """
-    head = header_rows(plan, layout)
+    credit = region_credit(plan, layout)  # once per view
+    head = header_rows(plan, layout, credit)
     width = max(len(k) for k, _ in head)
     lines = [repr(plan)] + [f"  {k.ljust(width)}  {v}" for k, v in head]
     if ranges and plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         lines += [""] + format_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint))
     return "\n".join(lines) + "\n"
 
@@ -326,12 +335,13 @@ def to_html(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
             layout: Layout | None = None, hint: str = VIEW_HINT) -> str:
     """The content of ``explain`` as plain HTML (a header table and the range table); no scripts, no subprocess.
     Arguments as for ``explain``."""
+    credit = region_credit(plan, layout)  # once per view
     head = "\n".join(f"<tr><th>{html.escape(k.strip())}</th><td>{html.escape(v)}</td></tr>"
-                     for k, v in header_rows(plan, layout))
+                     for k, v in header_rows(plan, layout, credit))
     parts = ['<div class="kvxfer kvxfer-plan">', STYLE, f"<p><b>{html.escape(repr(plan))}</b></p>",
              f'<table class="kvxfer-header">\n{head}\n</table>']
     if plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         parts.append(html_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint)))
     parts.append("</div>")
     return "\n".join(parts)
@@ -349,11 +359,12 @@ def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    for k, v in header_rows(plan, layout):
+    credit = region_credit(plan, layout)  # once per view
+    for k, v in header_rows(plan, layout, credit):
         grid.add_row(k, v)
     parts: list[Any] = [Text(repr(plan), style="bold"), grid]
     if ranges and plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         table = Table(box=None, header_style="bold", pad_edge=False)
         for c in RANGE_COLUMNS:
             table.add_column(c, justify="right" if c in NUMERIC else "left")

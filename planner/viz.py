@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .credit import block_position, page_bytes, region_credit
+from .credit import Credit, block_position, page_bytes, region_credit
 from .layout import Layout
 from .optional import import_optional
 from .plan import TransferPlan, format_bytes
@@ -42,14 +42,16 @@ def require_matplotlib() -> Any:
     return import_optional("matplotlib", "the transfer map")
 
 
-def range_strips(plan: TransferPlan, layout: Layout | None = None) -> dict[str, np.ndarray]:
+def range_strips(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                 ) -> dict[str, np.ndarray]:
     """The ranges-per-region panel as columns, one entry per (range, region) with bytes, ranges in plan order:
     ``range`` (its range), ``row`` (its region), ``start`` and ``blocks`` (its place and length, in blocks of its
     region, the region's entries laid end to end in plan order), ``call`` (the driver call it is in) and
     ``shade`` (0/1, alternating along a row). Without ``layout`` each range is one entry, in its first region's
     row; with it, a range over several regions' pages (K and V of a block side by side) is one entry in each
-    of their rows, sized by its bytes there (``credit.region_credit``), and blocks use each region's page."""
-    credit = region_credit(plan, layout)
+    of their rows, sized by its bytes there (``credit.region_credit``; pass ``credit`` where the caller has
+    it), and blocks use each region's page."""
+    credit = region_credit(plan, layout) if credit is None else credit
     n = len(credit.range)
     blocks = credit.nbytes / page_bytes(plan, layout)[credit.region] if n else np.zeros(0)
     row = credit.region
@@ -103,8 +105,9 @@ def _region_ticks(ax: Any, names: tuple[str, ...], height_pt: float) -> None:
     ax.tick_params(axis="y", length=2)
 
 
-def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, height_in: float) -> None:
-    s = range_strips(plan, layout)
+def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit, colours: np.ndarray,
+                 height_in: float) -> None:
+    s = range_strips(plan, layout, credit)
     rows = len(plan.regions)
     per_row = np.bincount(s["row"], weights=s["blocks"], minlength=rows) if len(s["row"]) else np.zeros(rows)
     total = float(per_row.max()) if rows and plan.num_ranges else 1.0
@@ -128,12 +131,12 @@ def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np
     ax.set_title("ranges per region", fontsize=9, loc="left")
 
 
-def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None) -> None:
+def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit) -> None:
     from matplotlib.ticker import MaxNLocator
 
     from .render import run_length_histogram
 
-    hist = run_length_histogram(plan, layout)
+    hist = run_length_histogram(plan, layout, credit)
     sizes, counts = list(hist), list(hist.values())
     ax.set_title("range sizes", fontsize=9, loc="left")
     ax.set_ylabel("ranges", fontsize=8)
@@ -158,13 +161,14 @@ def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None) -> None:
     ax.set_xlabel("blocks per range", fontsize=8)
 
 
-def region_segments(plan: TransferPlan, region: int, layout: Layout | None = None) -> dict[str, np.ndarray]:
+def region_segments(plan: TransferPlan, region: int, layout: Layout | None = None, credit: Credit | None = None,
+                    ) -> dict[str, np.ndarray]:
     """The one-region panel's numbers: per (range, region) entry of ``region`` (see ``range_strips``), the
     ``range``, and where its bytes start and end on each side (``x0``, ``x1``: source; ``y0``, ``y1``:
     destination). With ``layout`` these are positions in the region's block ids on that side (id + fraction of
     its page; chunk ids where a side holds chunks), so a shared host buffer shows the mapping's ids; without
     it, byte offsets over the region's page (the axis labels say which)."""
-    credit = region_credit(plan, layout)
+    credit = region_credit(plan, layout) if credit is None else credit
     sel = np.flatnonzero(credit.region == region)
     rng = credit.range[sel]
     regs = credit.region[sel]
@@ -178,17 +182,17 @@ def region_segments(plan: TransferPlan, region: int, layout: Layout | None = Non
             "y0": block_position(dst, regs, dst0), "y1": block_position(dst, regs, dst0 + nb)}
 
 
-def _draw_region(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, region: int | None) -> None:
+def _draw_region(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit, colours: np.ndarray,
+                 region: int | None) -> None:
     from matplotlib.collections import LineCollection
     from matplotlib.ticker import MaxNLocator
 
-    credit = region_credit(plan, layout)
     if plan.num_ranges:
         per = np.bincount(credit.region, minlength=len(plan.regions))
         r = int(np.argmax(per)) if region is None else region
     else:
         r = 0 if region is None else region
-    seg = region_segments(plan, r, layout) if plan.num_ranges else {"range": np.zeros(0, np.int64)}
+    seg = region_segments(plan, r, layout, credit) if plan.num_ranges else {"range": np.zeros(0, np.int64)}
     sel = seg["range"]
     name = plan.regions[r] if plan.regions else "-"
     ax.set_title(f"region {name}: {plural(len(sel), 'range')}", fontsize=9, loc="left")
@@ -257,9 +261,10 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, fig: Any =
             fig = Figure(figsize=(11, max(5.2, strip_in + 1.9)), layout="constrained")
         grid = fig.add_gridspec(2, 2, width_ratios=(2.2, 1), height_ratios=(1, 1.3))
         strips, sizes, one = grid[:, 0], grid[0, 1], grid[1, 1]
-    _draw_strips(fig.add_subplot(strips), plan, layout, colours, strip_in)
-    _draw_sizes(fig.add_subplot(sizes), plan, layout)
-    _draw_region(fig.add_subplot(one), plan, layout, colours, region)
+    credit = region_credit(plan, layout)  # once per map
+    _draw_strips(fig.add_subplot(strips), plan, layout, credit, colours, strip_in)
+    _draw_sizes(fig.add_subplot(sizes), plan, layout, credit)
+    _draw_region(fig.add_subplot(one), plan, layout, credit, colours, region)
     _legend(fig, plan, colours)
     n, req = plan.num_ranges, plan.requested_copies
     merge = f"merge {req / n:.2f}x" if n else "nothing to copy"

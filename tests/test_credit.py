@@ -49,13 +49,18 @@ def test_regions_with_other_page_sizes_get_their_own_bytes():
     assert run_length_histogram(plan, layout) == {2: 1, 8: 1}  # one K and one V copy per block, whatever the size
 
 
-def test_a_block_major_row_of_many_regions_names_the_first_and_counts_the_rest():
-    layout = side_by_side((P,) * 6, "abcdef")
+@pytest.mark.parametrize(("names", "label"), [("abc", "a+b+c"), ("abcd", "a+3 more"), ("abcdef", "a+5 more")])
+def test_a_block_major_row_of_many_regions_names_them_up_to_three(names, label):
+    layout = side_by_side((P,) * len(names), names)
     plan = plan_transfer(layout, RUNS, CUDA)
-    assert [line.split()[-2:] for line in explain(plan, layout=layout).splitlines()[-2:]] == [
-        ["a+5", "more"], ["a+5", "more"]]
+    assert [" ".join(line.split()[6:]) for line in explain(plan, layout=layout).splitlines()[-2:]] == [label] * 2
     per = stats(plan, layout)["per_region"]
-    assert per == {n: {"ranges": 2, "bytes": 5 * P} for n in "abcdef"}
+    assert per == {n: {"ranges": 2, "bytes": 5 * P} for n in names}
+    pytest.importorskip("pandas", reason="stats_frame needs pandas")
+    from kvxfer.planner.render import stats_frame
+
+    assert stats_frame(plan, "range", layout)["region"].tolist() == [label] * 2
+    assert stats_frame(plan, "region", layout)["bytes"].sum() == plan.total_bytes
 
 
 @pytest.mark.parametrize("seed", range(6))
