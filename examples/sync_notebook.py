@@ -1,4 +1,5 @@
-"""Rebuild inspect_plans.ipynb from inspect_plans.py (cells split at '# %%'; outputs left empty).
+"""Rebuild inspect_plans.ipynb from inspect_plans.py (cells split at '# %%'; outputs left empty), and
+getting_started.py from the Python blocks of docs/getting-started.md (tests/test_examples.py checks both).
 
 A code line ``# %matplotlib ...`` is a comment in the script and IPython's magic in the notebook.
 """
@@ -9,6 +10,23 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SCRIPT, NOTEBOOK = HERE / "inspect_plans.py", HERE / "inspect_plans.ipynb"
+PAGE, STARTED = HERE.parent / "docs" / "getting-started.md", HERE / "getting_started.py"
+STARTED_HEAD = '''"""docs/getting-started.md as one script: its Python blocks, in order (written by examples/sync_notebook.py).
+
+    make venv-vllm                                     # builds .venv-vllm (vLLM's CPU build and kvxfer)
+    .venv-vllm/bin/python examples/getting_started.py  # a few minutes: two engines start
+"""
+'''
+
+
+def page_blocks(text: str) -> str:
+    """The Python blocks of a Markdown page, in order, one blank line apart (as tests/vllm runs them)."""
+    return "\n\n".join(re.findall(r"^```python\n(.*?)^```", text, re.M | re.S))
+
+
+def getting_started(text: str) -> str:
+    """examples/getting_started.py for the getting-started page ``text``."""
+    return STARTED_HEAD + page_blocks(text)
 
 
 def cells(text: str) -> list[tuple[str, str]]:
@@ -39,4 +57,5 @@ if __name__ == "__main__":
     import nbformat
 
     nbformat.write(notebook(SCRIPT.read_text()), NOTEBOOK)
-    print(f"wrote {NOTEBOOK}")
+    STARTED.write_text(getting_started(PAGE.read_text()))
+    print(f"wrote {NOTEBOOK} and {STARTED}")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .credit import Credit, page_bytes, range_blocks, region_credit
 from .errors import PlanError
 from .layout import Layout
 from .optional import import_optional
@@ -33,23 +34,33 @@ NUMERIC = {"call", "#", "bytes", "blocks"}
 
 
 def block_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
-    """Bytes of one block for every range (float64): the device page of the range's region (from ``layout``
-    when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the mean
-    bytes per requested copy, exact whenever all regions share one page size).
+    """Bytes of one block for every range (float64): the device page of the range's first region (from
+    ``layout`` when given, else from the plan's ``region_page_bytes``; plans saved without it fall back to the
+    mean bytes per requested copy, exact whenever all regions share one page size).
 
-    Raises PlanError when ``layout`` does not have the plan's regions.
+    Raises PlanError when ``layout`` does not have the plan's regions and buffers.
     """
-    if layout is not None:
-        names = tuple(r.name for r in layout.regions)
-        if names != plan.regions:
-            raise PlanError("layout.regions", f"{len(names)} regions",
-                            f"do not match the plan's {len(plan.regions)} regions")
-        page: np.ndarray = layout.info.page.astype(np.float64)[plan.region]
-        return page
-    if plan.region_page_bytes:
-        return np.asarray(plan.region_page_bytes, dtype=np.float64)[plan.region]  # type: ignore[no-any-return]
-    unit = plan.total_bytes / plan.requested_copies if plan.requested_copies else 1.0
-    return np.full(plan.num_ranges, unit or 1.0)
+    return page_bytes(plan, layout)[plan.region]  # type: ignore[no-any-return]
+
+
+REGIONS_NAMED = 3  # a range over more regions names the first and counts the rest
+
+
+def region_labels(plan: TransferPlan, credit: Credit, idx: np.ndarray) -> list[str]:
+    """The region column for ranges ``idx``: its region, 'K+V' where a range covers several, and
+    'kv0+117 more' past REGIONS_NAMED (numpy over the ranges, no loop per range)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    lo = np.searchsorted(credit.range, idx, "left")
+    many = np.searchsorted(credit.range, idx, "right") - lo
+    names = np.array(plan.regions + ("",), dtype=object)
+    label = names[credit.region[lo]] if len(idx) else np.zeros(0, dtype=object)
+    listed = many <= REGIONS_NAMED
+    for j in range(1, REGIONS_NAMED):
+        m = listed & (many > j)
+        label[m] = label[m] + "+" + names[credit.region[lo[m] + j]]
+    m = ~listed
+    label[m] = label[m] + "+" + (many[m] - 1).astype(str).astype(object) + " more"
+    return label.tolist()
 
 
 def count(x: float) -> str:
@@ -98,14 +109,18 @@ def shown_indices(n: int, max_rows: int | None) -> tuple[np.ndarray, int]:
     return np.concatenate((np.arange(head), np.arange(n - (max_rows - head), n))), head
 
 
-def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None) -> list[tuple[str, ...]]:
-    """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS."""
+def rows_for(plan: TransferPlan, idx: np.ndarray, layout: Layout | None = None, credit: Credit | None = None,
+             ) -> list[tuple[str, ...]]:
+    """The ranges ``idx`` of ``plan`` as table rows of strings, columns RANGE_COLUMNS. With ``layout``, a range
+    over several regions' pages counts each region's blocks and names every region (``credit.region_credit``;
+    pass ``credit`` where the caller has it)."""
     idx = np.asarray(idx, dtype=np.int64)
     call = np.searchsorted(plan.call_offsets, idx, side="right") - 1
-    blocks = plan.nbytes[idx].astype(np.float64) / block_bytes(plan, layout)[idx]
+    credit = region_credit(plan, layout) if credit is None else credit
+    blocks = range_blocks(plan, credit, layout)[idx]
     cols = (call.tolist(), idx.tolist(), _where(plan, plan.src_buf[idx], plan.src_offset[idx]),
             _where(plan, plan.dst_buf[idx], plan.dst_offset[idx]), plan.nbytes[idx].tolist(),
-            [count(b) for b in blocks.tolist()], [plan.regions[r] for r in plan.region[idx].tolist()])
+            [count(b) for b in blocks.tolist()], region_labels(plan, credit, idx))
     return [tuple(str(v) for v in r) for r in zip(*cols)]
 
 
@@ -116,12 +131,12 @@ def check_max_rows(max_rows: int | None) -> None:
 
 
 def range_rows(plan: TransferPlan, layout: Layout | None = None, max_rows: int | None = DEFAULT_MAX_ROWS,
-               ) -> tuple[list[tuple[str, ...]], int, int]:
+               credit: Credit | None = None) -> tuple[list[tuple[str, ...]], int, int]:
     """The range table as strings (columns RANGE_COLUMNS), the row before which the elision marker goes
     (-1: no elision), and how many ranges were elided. ``max_rows=None`` shows every range."""
     check_max_rows(max_rows)
     idx, cut = shown_indices(plan.num_ranges, max_rows)
-    return rows_for(plan, idx, layout), cut, plan.num_ranges - len(idx)
+    return rows_for(plan, idx, layout, credit), cut, plan.num_ranges - len(idx)
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[str], cut: int = -1,
@@ -186,9 +201,11 @@ def run_lengths(values: Sequence[int], shown: int = _HIST_SHOWN) -> str:
     return ", ".join(parts)
 
 
-def run_length_histogram(plan: TransferPlan, layout: Layout | None = None) -> dict[float, int]:
-    """{blocks covered by a range: number of ranges}, ascending by blocks."""
-    blocks = plan.nbytes.astype(np.float64) / block_bytes(plan, layout)
+def run_length_histogram(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                         ) -> dict[float, int]:
+    """{blocks covered by a range: number of ranges}, ascending by blocks (with ``layout``, a range over several
+    regions counts the blocks of each). ``credit``: the plan's ``region_credit``, where the caller has it."""
+    blocks = range_blocks(plan, region_credit(plan, layout) if credit is None else credit, layout)
     keys, counts = np.unique(blocks, return_counts=True)
     return {(int(k) if float(k).is_integer() else float(k)): int(c) for k, c in zip(keys.tolist(), counts.tolist())}
 
@@ -240,8 +257,10 @@ def _writers_line(plan: TransferPlan) -> str:
     return " | ".join(parts)
 
 
-def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[str, str]]:
-    """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls."""
+def header_rows(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                ) -> list[tuple[str, str]]:
+    """(key, value) lines of the plan's header: target, gates, options, attributes, totals, merge ratio, calls.
+    ``credit``: the plan's ``region_credit`` over ``layout``, where the caller has it."""
     n, req = plan.num_ranges, plan.requested_copies
     ratio = f"merge {req / n:.2f}x" if n else "nothing to copy"
     rows = [
@@ -265,9 +284,10 @@ def header_rows(plan: TransferPlan, layout: Layout | None = None) -> list[tuple[
         rows.append(("groups", f"{layout.num_groups} declared" + (f", without regions: {empty}" if empty else "")))
     if n:
         nb = plan.nbytes
-        unit = block_bytes(plan, layout)
-        uniform = len(np.unique(unit)) == 1
-        hist = run_length_histogram(plan, layout)
+        credit = region_credit(plan, layout) if credit is None else credit
+        unit = np.unique(page_bytes(plan, layout)[np.unique(credit.region)])
+        uniform = len(unit) == 1
+        hist = run_length_histogram(plan, layout, credit)
         shown = list(hist.items())[:_HIST_SHOWN]
         more = f", ... ({len(hist) - _HIST_SHOWN} more)" if len(hist) > _HIST_SHOWN else ""
         rows += [
@@ -300,11 +320,12 @@ def explain(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
     header only. With ``layout`` (the plan's), block counts use each region's page size. Raises PlanError
     for ``max_rows < 2`` or a layout with other regions.
     """
-    head = header_rows(plan, layout)
+    credit = region_credit(plan, layout)  # once per view
+    head = header_rows(plan, layout, credit)
     width = max(len(k) for k, _ in head)
     lines = [repr(plan)] + [f"  {k.ljust(width)}  {v}" for k, v in head]
     if ranges and plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         lines += [""] + format_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint))
     return "\n".join(lines) + "\n"
 
@@ -314,12 +335,13 @@ def to_html(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
             layout: Layout | None = None, hint: str = VIEW_HINT) -> str:
     """The content of ``explain`` as plain HTML (a header table and the range table); no scripts, no subprocess.
     Arguments as for ``explain``."""
+    credit = region_credit(plan, layout)  # once per view
     head = "\n".join(f"<tr><th>{html.escape(k.strip())}</th><td>{html.escape(v)}</td></tr>"
-                     for k, v in header_rows(plan, layout))
+                     for k, v in header_rows(plan, layout, credit))
     parts = ['<div class="kvxfer kvxfer-plan">', STYLE, f"<p><b>{html.escape(repr(plan))}</b></p>",
              f'<table class="kvxfer-header">\n{head}\n</table>']
     if plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         parts.append(html_table(RANGE_COLUMNS, rows, NUMERIC, cut, elision(elided, hint)))
     parts.append("</div>")
     return "\n".join(parts)
@@ -337,11 +359,12 @@ def to_rich(plan: TransferPlan, *, max_rows: int | None = DEFAULT_MAX_ROWS, full
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    for k, v in header_rows(plan, layout):
+    credit = region_credit(plan, layout)  # once per view
+    for k, v in header_rows(plan, layout, credit):
         grid.add_row(k, v)
     parts: list[Any] = [Text(repr(plan), style="bold"), grid]
     if ranges and plan.num_ranges:
-        rows, cut, elided = range_rows(plan, layout, None if full else max_rows)
+        rows, cut, elided = range_rows(plan, layout, None if full else max_rows, credit)
         table = Table(box=None, header_style="bold", pad_edge=False)
         for c in RANGE_COLUMNS:
             table.add_column(c, justify="right" if c in NUMERIC else "left")
@@ -374,7 +397,9 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
     Keys: direction, target, api, requested_copies, ranges, calls, total_bytes, merge_ratio, call_sizes,
     bytes_per_call, range_bytes (min/median/mean/max), largest_range and smallest_range (first such range),
     run_length_histogram ({blocks: ranges}), per_region and per_buffer ({name: {ranges, bytes}}; a buffer
-    counts as src_* and dst_*). Regions and buffers that no range touches are left out.
+    counts as src_* and dst_*). Regions and buffers that no range touches are left out. With ``layout``, a
+    range over several regions' pages counts for each, with its bytes of each (``credit.region_credit``), so
+    per_region's bytes add up to total_bytes.
     """
     n = plan.num_ranges
     nb = plan.nbytes
@@ -390,7 +415,8 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
         "smallest_range": _range_record(plan, int(np.argmin(nb))) if n else None,
         "run_length_histogram": run_length_histogram(plan, layout),
     }
-    r_ranges, r_bytes = _totals(plan.region, nb, len(plan.regions))
+    credit = region_credit(plan, layout)
+    r_ranges, r_bytes = _totals(credit.region, credit.nbytes, len(plan.regions))
     out["per_region"] = {name: {"ranges": c, "bytes": b}
                          for name, c, b in zip(plan.regions, r_ranges, r_bytes) if c}
     nbuf = len(plan.buffers)
@@ -411,12 +437,13 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
     pd = import_optional("pandas", "stats_frame")
     if by == "range":
         names = np.array([b.name for b in plan.buffers], dtype=object)
+        credit = region_credit(plan, layout)
         return pd.DataFrame({
             "call": np.searchsorted(plan.call_offsets, np.arange(plan.num_ranges), side="right") - 1,
             "src": names[plan.src_buf], "src_offset": plan.src_offset, "dst": names[plan.dst_buf],
             "dst_offset": plan.dst_offset, "nbytes": plan.nbytes,
-            "blocks": plan.nbytes / block_bytes(plan, layout),
-            "region": np.array(plan.regions, dtype=object)[plan.region], "attr": plan.attr})
+            "blocks": range_blocks(plan, credit, layout),
+            "region": region_labels(plan, credit, np.arange(plan.num_ranges)), "attr": plan.attr})
     s = stats(plan, layout)
     if by == "region":
         return pd.DataFrame.from_dict(s["per_region"], orient="index").rename_axis("region")
@@ -429,4 +456,4 @@ def stats_frame(plan: TransferPlan, by: str = "region", layout: Layout | None = 
 
 
 __all__ = ["DEFAULT_MAX_ROWS", "EXPLAIN_HINT", "VIEW_HINT", "block_bytes", "elision", "explain", "header_rows",
-           "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]
+           "region_labels", "run_length_histogram", "run_lengths", "stats", "stats_frame", "to_html", "to_rich", "wrap_parts"]

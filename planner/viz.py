@@ -7,10 +7,14 @@ Three panels, each legible from 1 region to hundreds:
   is one long segment, a fragmented transfer a row of thin stripes. Colour is the driver call; a black tick
   marks where a call starts inside a row.
 - **range sizes** (top right): how many ranges cover how many blocks.
-- **one region** (bottom right): source block against destination block for the region with the most
-  ranges, each range a band along the diagonal, so descending and interleaved runs show their shape.
+- **one region** (bottom right): source block id against destination block id for the region with the most
+  ranges, each range a band along the diagonal, so descending and interleaved runs show their shape (block
+  ids need the layout; without it the axes are byte offsets over the page, and say so).
 
-``range_strips`` is the numbers the left panel draws (pure numpy, no matplotlib).
+With the layout, a range over several regions' pages (K and V of a block side by side) counts in each of their
+rows, by its bytes there (``credit.region_credit``).
+
+``range_strips`` and ``region_segments`` are the numbers the panels draw (pure numpy, no matplotlib).
 """
 from __future__ import annotations
 
@@ -19,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from .credit import Credit, block_position, page_bytes, region_credit
 from .layout import Layout
 from .optional import import_optional
 from .plan import TransferPlan, format_bytes
-from .render import block_bytes, plural
+from .render import plural
 
 STRIP_COLUMNS = 1200  # raster width of the ranges-per-region panel
 CALL_COLOURS = 10  # tab10; more calls cycle the colours
@@ -37,15 +42,20 @@ def require_matplotlib() -> Any:
     return import_optional("matplotlib", "the transfer map")
 
 
-def range_strips(plan: TransferPlan, layout: Layout | None = None) -> dict[str, np.ndarray]:
-    """The ranges-per-region panel as columns, one entry per range in plan order: ``row`` (its region),
-    ``start`` and ``blocks`` (its place and length, in blocks of its region, the region's ranges laid end to
-    end in plan order), ``call`` (the driver call it is in) and ``shade`` (0/1, alternating along a row).
-    With ``layout``, blocks use each region's page size (see ``render.block_bytes``)."""
-    n = plan.num_ranges
-    blocks = plan.nbytes.astype(np.float64) / block_bytes(plan, layout) if n else np.zeros(0)
-    row = np.asarray(plan.region, np.int64)
-    order = np.lexsort((np.arange(n), row))  # each region's ranges, in plan order
+def range_strips(plan: TransferPlan, layout: Layout | None = None, credit: Credit | None = None,
+                 ) -> dict[str, np.ndarray]:
+    """The ranges-per-region panel as columns, one entry per (range, region) with bytes, ranges in plan order:
+    ``range`` (its range), ``row`` (its region), ``start`` and ``blocks`` (its place and length, in blocks of its
+    region, the region's entries laid end to end in plan order), ``call`` (the driver call it is in) and
+    ``shade`` (0/1, alternating along a row). Without ``layout`` each range is one entry, in its first region's
+    row; with it, a range over several regions' pages (K and V of a block side by side) is one entry in each
+    of their rows, sized by its bytes there (``credit.region_credit``; pass ``credit`` where the caller has
+    it), and blocks use each region's page."""
+    credit = region_credit(plan, layout) if credit is None else credit
+    n = len(credit.range)
+    blocks = credit.nbytes / page_bytes(plan, layout)[credit.region] if n else np.zeros(0)
+    row = credit.region
+    order = np.lexsort((np.arange(n), row))  # each region's entries, in plan order
     cum = np.cumsum(blocks[order])
     first = np.concatenate(([True], row[order][1:] != row[order][:-1])) if n else np.zeros(0, bool)
     region_base = np.maximum.accumulate(np.where(first, cum - blocks[order], 0.0)) if n else np.zeros(0)
@@ -54,8 +64,9 @@ def range_strips(plan: TransferPlan, layout: Layout | None = None) -> dict[str, 
     rank = np.empty(n, np.int64)
     starts = np.flatnonzero(first)
     rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
-    call = np.searchsorted(plan.call_offsets, np.arange(n), side="right") - 1
-    return {"row": row, "start": start, "blocks": blocks, "call": call.astype(np.int64), "shade": rank % 2}
+    call = np.searchsorted(plan.call_offsets, credit.range, side="right") - 1
+    return {"range": credit.range, "row": row, "start": start, "blocks": blocks, "call": call.astype(np.int64),
+            "shade": rank % 2}
 
 
 def _call_colours(plan: TransferPlan) -> np.ndarray:
@@ -71,13 +82,13 @@ def _strip_image(plan: TransferPlan, s: dict[str, np.ndarray], total: float, col
     on odd shades; empty space transparent. A range narrower than a column still paints one."""
     rows = len(plan.regions)
     img = np.zeros((rows, STRIP_COLUMNS, 4))
-    if not plan.num_ranges or total <= 0:
+    if not len(s["range"]) or total <= 0:
         return img
     scale = STRIP_COLUMNS / total
     c0 = np.minimum((s["start"] * scale).astype(np.int64), STRIP_COLUMNS - 1)
     c1 = np.maximum(np.minimum(np.ceil((s["start"] + s["blocks"]) * scale).astype(np.int64), STRIP_COLUMNS), c0 + 1)
     width = c1 - c0
-    which = np.repeat(np.arange(plan.num_ranges), width)
+    which = np.repeat(np.arange(len(s["range"])), width)
     col = np.repeat(c0, width) + (np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width))
     rgba = colours[s["call"]].copy()
     rgba[s["shade"] == 1, :3] = 1 - 0.55 * (1 - rgba[s["shade"] == 1, :3])  # lighter: mixed with white
@@ -94,21 +105,22 @@ def _region_ticks(ax: Any, names: tuple[str, ...], height_pt: float) -> None:
     ax.tick_params(axis="y", length=2)
 
 
-def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, height_in: float) -> None:
-    s = range_strips(plan, layout)
+def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit, colours: np.ndarray,
+                 height_in: float) -> None:
+    s = range_strips(plan, layout, credit)
     rows = len(plan.regions)
-    per_row = np.bincount(s["row"], weights=s["blocks"], minlength=rows) if plan.num_ranges else np.zeros(rows)
+    per_row = np.bincount(s["row"], weights=s["blocks"], minlength=rows) if len(s["row"]) else np.zeros(rows)
     total = float(per_row.max()) if rows and plan.num_ranges else 1.0
     ax.imshow(_strip_image(plan, s, total, colours), aspect="auto", interpolation="nearest",
               extent=(0, total, rows - 0.5, -0.5))
     ax.set_xlim(0, total)
     ax.set_ylim(rows - 0.5, -0.5)
-    starts = plan.call_offsets[1:-1]  # where calls 1, 2, ... begin: a tick across that row
+    starts = np.flatnonzero(np.isin(s["range"], plan.call_offsets[1:-1]))  # calls 1, 2, ... begin: ticks
     if len(starts):
         x = s["start"][starts]
         ax.vlines(x, s["row"][starts] - 0.5, s["row"][starts] + 0.5, colors="black", linewidth=1.2)
-    if plan.num_ranges <= LABELLED_RANGES:
-        for i in range(plan.num_ranges):
+    if len(s["range"]) <= LABELLED_RANGES:
+        for i in range(len(s["range"])):
             if s["blocks"][i] >= 0.06 * total:  # wide enough for its label
                 ax.text(s["start"][i] + s["blocks"][i] / 2, s["row"][i], f"{s['blocks'][i]:g}", ha="center",
                         va="center", fontsize=7, clip_on=True)
@@ -119,12 +131,12 @@ def _draw_strips(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np
     ax.set_title("ranges per region", fontsize=9, loc="left")
 
 
-def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None) -> None:
+def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit) -> None:
     from matplotlib.ticker import MaxNLocator
 
     from .render import run_length_histogram
 
-    hist = run_length_histogram(plan, layout)
+    hist = run_length_histogram(plan, layout, credit)
     sizes, counts = list(hist), list(hist.values())
     ax.set_title("range sizes", fontsize=9, loc="left")
     ax.set_ylabel("ranges", fontsize=8)
@@ -149,38 +161,65 @@ def _draw_sizes(ax: Any, plan: TransferPlan, layout: Layout | None) -> None:
     ax.set_xlabel("blocks per range", fontsize=8)
 
 
-def _draw_region(ax: Any, plan: TransferPlan, layout: Layout | None, colours: np.ndarray, region: int | None) -> None:
+def region_segments(plan: TransferPlan, region: int, layout: Layout | None = None, credit: Credit | None = None,
+                    ) -> dict[str, np.ndarray]:
+    """The one-region panel's numbers: per (range, region) entry of ``region`` (see ``range_strips``), the
+    ``range``, and where its bytes start and end on each side (``x0``, ``x1``: source; ``y0``, ``y1``:
+    destination). With ``layout`` these are positions in the region's block ids on that side (id + fraction of
+    its page; chunk ids where a side holds chunks), so a shared host buffer shows the mapping's ids; without
+    it, byte offsets over the region's page (the axis labels say which)."""
+    credit = region_credit(plan, layout) if credit is None else credit
+    sel = np.flatnonzero(credit.region == region)
+    rng = credit.range[sel]
+    regs = credit.region[sel]
+    src0, dst0 = plan.src_offset[rng].astype(np.int64), plan.dst_offset[rng].astype(np.int64)
+    nb = plan.nbytes[rng].astype(np.int64)
+    if layout is None:
+        unit = page_bytes(plan)[regs]
+        return {"range": rng, "x0": src0 / unit, "x1": (src0 + nb) / unit, "y0": dst0 / unit, "y1": (dst0 + nb) / unit}
+    src, dst = layout.info.side[plan.direction.src_side], layout.info.side[plan.direction.dst_side]
+    return {"range": rng, "x0": block_position(src, regs, src0), "x1": block_position(src, regs, src0 + nb),
+            "y0": block_position(dst, regs, dst0), "y1": block_position(dst, regs, dst0 + nb)}
+
+
+def _draw_region(ax: Any, plan: TransferPlan, layout: Layout | None, credit: Credit, colours: np.ndarray,
+                 region: int | None) -> None:
     from matplotlib.collections import LineCollection
     from matplotlib.ticker import MaxNLocator
 
     if plan.num_ranges:
-        per = np.bincount(plan.region, minlength=len(plan.regions))
+        per = np.bincount(credit.region, minlength=len(plan.regions))
         r = int(np.argmax(per)) if region is None else region
     else:
         r = 0 if region is None else region
-    sel = np.flatnonzero(plan.region == r) if plan.num_ranges else np.zeros(0, np.int64)
+    seg = region_segments(plan, r, layout, credit) if plan.num_ranges else {"range": np.zeros(0, np.int64)}
+    sel = seg["range"]
     name = plan.regions[r] if plan.regions else "-"
     ax.set_title(f"region {name}: {plural(len(sel), 'range')}", fontsize=9, loc="left")
     ax.tick_params(labelsize=7)
     if not len(sel):
         ax.text(0.5, 0.5, "no ranges", ha="center", va="center", transform=ax.transAxes, fontsize=8)
         return
-    unit = block_bytes(plan, layout)[sel]
-    x0, y0 = plan.src_offset[sel] / unit, plan.dst_offset[sel] / unit
-    length = plan.nbytes[sel] / unit
-    segments = np.stack([np.stack([x0, y0], 1), np.stack([x0 + length, y0 + length], 1)], 1)
+    x0, x1, y0, y1 = seg["x0"], seg["x1"], seg["y0"], seg["y1"]
+    segments = np.stack([np.stack([x0, y0], 1), np.stack([x1, y1], 1)], 1)
     calls = np.searchsorted(plan.call_offsets, sel, side="right") - 1
     ax.add_collection(LineCollection(list(segments), colors=colours[calls], linewidths=3, capstyle="butt"))
-    for lo, hi, lim in ((x0.min(), (x0 + length).max(), ax.set_xlim), (y0.min(), (y0 + length).max(), ax.set_ylim)):
+    for lo, hi, lim in ((x0.min(), x1.max(), ax.set_xlim), (y0.min(), y1.max(), ax.set_ylim)):
         pad = max((hi - lo) * 0.04, 0.5)
         lim(lo - pad, hi + pad)  # the axes fit the region's data
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_locator(MaxNLocator(nbins=5, integer=True))
     src = {plan.buffers[b].name for b in plan.src_buf[sel].tolist()}
     dst = {plan.buffers[b].name for b in plan.dst_buf[sel].tolist()}
-    block = format_bytes(int(unit[0])) if len(np.unique(unit)) == 1 else "its page"
-    ax.set_xlabel(f"source block ({', '.join(sorted(src))}; {block})", fontsize=8)
-    ax.set_ylabel(f"destination block ({', '.join(sorted(dst))})", fontsize=8)
+    page = format_bytes(int(page_bytes(plan, layout)[r]))
+    if layout is not None:
+        sides = layout.info.side
+        ids = ["chunk id" if sides[s].k[r] > 1 else "block id" for s in (plan.direction.src_side, plan.direction.dst_side)]
+        ax.set_xlabel(f"source {ids[0]} ({', '.join(sorted(src))}; pages of {page})", fontsize=8)
+        ax.set_ylabel(f"destination {ids[1]} ({', '.join(sorted(dst))})", fontsize=8)
+    else:  # without the layout the block ids are unknown: offsets in the buffer, in pages
+        ax.set_xlabel(f"source page offset ({', '.join(sorted(src))}; offset / {page})", fontsize=8)
+        ax.set_ylabel(f"destination page offset ({', '.join(sorted(dst))})", fontsize=8)
 
 
 def _legend(fig: Any, plan: TransferPlan, colours: np.ndarray) -> None:
@@ -222,9 +261,10 @@ def transfer_map(plan: TransferPlan, *, layout: Layout | None = None, fig: Any =
             fig = Figure(figsize=(11, max(5.2, strip_in + 1.9)), layout="constrained")
         grid = fig.add_gridspec(2, 2, width_ratios=(2.2, 1), height_ratios=(1, 1.3))
         strips, sizes, one = grid[:, 0], grid[0, 1], grid[1, 1]
-    _draw_strips(fig.add_subplot(strips), plan, layout, colours, strip_in)
-    _draw_sizes(fig.add_subplot(sizes), plan, layout)
-    _draw_region(fig.add_subplot(one), plan, layout, colours, region)
+    credit = region_credit(plan, layout)  # once per map
+    _draw_strips(fig.add_subplot(strips), plan, layout, credit, colours, strip_in)
+    _draw_sizes(fig.add_subplot(sizes), plan, layout, credit)
+    _draw_region(fig.add_subplot(one), plan, layout, credit, colours, region)
     _legend(fig, plan, colours)
     n, req = plan.num_ranges, plan.requested_copies
     merge = f"merge {req / n:.2f}x" if n else "nothing to copy"
@@ -241,4 +281,4 @@ def save_transfer_map(plan: TransferPlan, path: str | Path, *, dpi: int = 110, *
     return path
 
 
-__all__ = ["range_strips", "require_matplotlib", "save_transfer_map", "transfer_map"]
+__all__ = ["range_strips", "region_segments", "require_matplotlib", "save_transfer_map", "transfer_map"]

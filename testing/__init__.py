@@ -13,6 +13,7 @@ start-up in every project that installs kvxfer) costs numpy and no planner impor
 """
 from __future__ import annotations
 
+from .llama import write_llama  # imports torch and the planner only when it runs
 from .oracle import (
     Copies,
     OracleError,
@@ -25,14 +26,6 @@ from .oracle import (
     random_buffers,
     run_reference,
 )
-
-
-def __getattr__(name: str) -> object:
-    if name == "write_llama":  # loaded on first use: the pytest plugin's import stays numpy only
-        from .llama import write_llama
-        return write_llama
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = ["Copies", "OracleError", "apply_copies", "assert_buffers_equal", "assert_plan_matches", "expected_copies",
            "independent", "min_ranges", "random_buffers", "run_reference", "write_llama"]

@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvxfer.planner import import_optional
-
 __all__ = ["write_llama"]
 
 
@@ -30,6 +28,8 @@ def write_llama(folder: str | Path, *, layers: int = 2, hidden: int = 128, heads
     bytes. ``layer_types``/``sliding_window``: per-layer attention kinds (for example
     ``["sliding_attention", "full_attention"]`` with ``sliding_window=64``), which gives the engine two KV-cache
     groups. Raises MissingDependencyError (an ImportError) without torch or safetensors."""
+    from kvxfer.planner import import_optional  # here: importing kvxfer.testing loads no planner (its pytest plugin)
+
     torch = import_optional("torch", "kvxfer.testing.write_llama")
     save_file = import_optional("safetensors.torch", "kvxfer.testing.write_llama").save_file
 

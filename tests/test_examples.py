@@ -20,6 +20,13 @@ def test_notebook_has_the_scripts_cells():
     assert [(c.cell_type, c.source) for c in nb.cells] == want, "run: python examples/sync_notebook.py"
 
 
+def test_the_getting_started_script_is_the_pages_python_blocks():
+    """examples/getting_started.py is what tests/vllm/test_getting_started.py runs: the page's blocks, in order."""
+    page = (EXAMPLES.parent / "docs" / "getting-started.md").read_text()
+    assert (EXAMPLES / "getting_started.py").read_text() == sync_notebook.getting_started(page), \
+        "run: python examples/sync_notebook.py"
+
+
 def test_notebook_executes_and_renders_html_and_the_map(tmp_path):
     nbformat = pytest.importorskip("nbformat", reason="nbformat is in the dev extra")
     nbclient = pytest.importorskip("nbclient", reason="nbclient is in the dev extra")

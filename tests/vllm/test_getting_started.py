@@ -31,6 +31,8 @@ def test_the_getting_started_page_runs_as_written(tmp_path: Path) -> None:
     stored = int(re.search(r"chunks stored: (\d+)", r.stdout)[1])
     found, loaded = map(int, re.search(r"found on disk: (\d+) loaded: (\d+)", r.stdout).groups())
     assert stored >= 8 and found >= 8 and loaded >= 8, r.stdout  # 256 tokens = 8 blocks of 32, from disk
+    shown = re.search(r"^```text\n(engine 1:.*?)^```", PAGE.read_text(), re.M | re.S)[1].splitlines()
+    assert [line for line in r.stdout.splitlines() if line.startswith(("engine ", "chunks stored"))] == shown
     assert "kvxfer is active (KvxferTieringOffloadingSpec)" in log and "cpu_bytes_to_use=16777216" in log
     assert re.search(r"kvxfer file tier: .*slots of \d+ bytes \(\d+ found\)", log)
 
