@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,18 +24,10 @@ from bench_binding import load_baseline
 from kvxfer.executors import bind
 from kvxfer.executors._lowering import DescriptorArrays
 
+from timing import fastest_s
+
 SHAPES = [("contiguous", 256, 1), ("runs8", 256, 1), ("fragmented", 256, 1), ("fragmented", 2048, 1),
           ("fragmented", 2048, 4)]
-
-
-def fastest(fns: dict[str, Callable[[], Any]], samples: int) -> dict[str, float]:
-    best = {name: float("inf") for name in fns}
-    for _ in range(samples):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -57,10 +46,10 @@ def main() -> None:
         plan = bh.plan_job(layout, job)
         arrays = DescriptorArrays()
         out = tuple(np.empty(plan.num_ranges, np.uint64) for _ in range(3))
-        t = fastest({"old d": lambda: old_bound.descriptors(plan, out),
-                     "new d": lambda: new_bound.descriptors(plan, arrays.reserve(plan.num_ranges)),
-                     "old o": lambda: old_bound.offsets(plan), "new o": lambda: new_bound.offsets(plan)},
-                    8 if n > 10000 else 60)
+        t = fastest_s({"old d": lambda: old_bound.descriptors(plan, out),
+                       "new d": lambda: new_bound.descriptors(plan, arrays.reserve(plan.num_ranges)),
+                       "old o": lambda: old_bound.offsets(plan), "new o": lambda: new_bound.offsets(plan)},
+                      8 if n > 10000 else 60, warm=False)
         print(f"{f'118x{n} k={k} {pattern}':<28}{plan.num_ranges:>9}  {t['new d'] / t['old d']:>19.2f}"
               f"  {t['new o'] / t['old o']:>15.2f}", flush=True)
 

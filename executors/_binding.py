@@ -22,6 +22,7 @@ import numpy as np
 
 from kvxfer.planner import Buffer, ColumnPool, Layout, TransferPlan, freeze
 
+from ._lower_kernel import load as load_add_bounded
 from ._lowering import ADDRESSES, CHECK, OFFSETS, DescriptorArrays, Lowered, lower
 from ._memory import BindingError, Check, Memory, RawMemory, check_location, describe, resolve
 from ._owners import Kept, Probe
@@ -89,6 +90,7 @@ class BoundMemory:
         self.writable = np.array([bool(m and m.writable) for m in memory], dtype=bool)
         self.readable = np.array(bound, dtype=bool)
         self.closed = False
+        self.add_bounded = load_add_bounded()  # lowering's compiled pass where numba is installed (loaded now)
         self.extra: dict[str, Any] = {}  # executor-specific state made at bind time (registrations)
         self._on_close: list[Callable[[], None]] = []
         self._tables: list[tuple[Buffer, ...]] = [buffers]  # buffer tables already found equal (kept alive)

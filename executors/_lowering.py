@@ -27,6 +27,8 @@ same length, as when each region has as many ranges) and one or two reductions p
 """
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,6 +43,7 @@ ADDRESSES, OFFSETS, CHECK = "addresses", "offsets", "check"  # what ``lower`` ke
 LONG_RUN = 8192  # runs at least this long (on average) get their base added per run, without a per-range array
 FILL_RUNS = 16  # sizes in at most this many runs are written run by run into a reused array
 FRESH_RANGES = 16384  # below this many ranges, sizes go into a fresh array (no page faults at that size)
+TWO_THREADS = 1 << 19  # plans of at least this many ranges lower their two sides on two threads (compiled pass)
 BLOCK = 1 << 18  # ranges lowered per block on large plans (offsets and addresses of a block stay in cache)
 AFTER_CHECK = ("this does not match the plan that was checked: a column was written after the check (a plan's "
                "columns must never be written) or the planner built it wrong")
@@ -161,6 +164,7 @@ class Bounds(Protocol):
     size: np.ndarray
     readable: np.ndarray
     writable: np.ndarray
+    add_bounded: Any  # ``_lower_kernel``'s compiled pass, or None (numpy's passes)
 
     def check_table(self, plan: TransferPlan) -> None:
         """Raise BindingError when the binding is closed or ``plan``'s buffer table is not the bound one."""
@@ -221,15 +225,40 @@ def lower(plan: TransferPlan, bound: Bounds, mode: str, out: DescriptorArrays | 
     else:
         sizes = _sizes(nb_values, nb_lengths, n, mode, sizes_out)
     last = bound.last_starts(nb_max)
-    sides = []
-    for k, (side, runs) in enumerate((("src", src_runs), ("dst", dst_runs))):
-        target = out[k][:n] if out is not None and mode == ADDRESSES else None
-        sides.append(_place(plan, bound, side, n, runs, found, (nb_values, nb_lengths), last, mode, target))
+    places = [functools.partial(_place, plan, bound, side, n, runs, found, (nb_values, nb_lengths), last, mode,
+                                out[k][:n] if out is not None and mode == ADDRESSES else None)
+              for k, (side, runs) in enumerate((("src", src_runs), ("dst", dst_runs)))]
+    if mode == ADDRESSES and bound.add_bounded is not None and n >= TWO_THREADS:
+        sides = _both(*places)
+    else:
+        sides = [place() for place in places]
     for a in (co, *src_runs, *dst_runs, *attr_runs, *sides, sizes):
         if a.flags.writeable:
             a.flags.writeable = False
     total = int((nb_values * nb_lengths.astype(np.uint64)).sum(dtype=np.uint64))
     return Lowered(sides[0], sides[1], sizes, src_runs, dst_runs, attr_runs, co, total)
+
+
+def _both(first: Callable[[], np.ndarray], second: Callable[[], np.ndarray]) -> list[np.ndarray]:
+    """``[first(), second()]``, ``first`` on a thread of its own (the compiled pass releases the GIL, so the two
+    sides' memory traffic overlaps); an error of ``first`` is raised before one of ``second``, as in turn."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = first()
+        except BaseException as e:  # handed to the caller, which raises it
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name="kvxfer-lower", daemon=True)
+    thread.start()
+    try:
+        value = second()
+    finally:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+    return [box["value"], value]
 
 
 def _call_offsets(plan: TransferPlan, n: int) -> np.ndarray:
@@ -318,6 +347,12 @@ def _place(plan: TransferPlan, bound: Bounds, side: str, n: int, buffers: Runs, 
     per_range = _PerRange(sizes)
     values, lengths = buffers
     bases = found.src_bases if side == "src" else found.dst_bases
+    fused = bound.add_bounded if mode == ADDRESSES else None
+    if fused is not None:  # the addition and the per-run bound in one compiled pass (``_lower_kernel``)
+        inside = last[3] or bool(np.logical_and.reduce(last[2][values]))  # the largest range fits every buffer
+        if not (fused(offs, bases, lengths, last[1][values], used) and inside):
+            _exact(bound, side, used, 0, buffers, bases, per_range)
+        return used
     for (r0, r1), (lo, hi) in _blocks(lengths, n):
         runs = (values[r0:r1], lengths[r0:r1])
         strategy = lowering_strategy(runs[1], hi - lo)
@@ -401,6 +436,13 @@ def _bound(bound: Bounds, side: str, used: np.ndarray, first: int, buffers: Runs
         ok &= np.minimum.reduceat(used, starts) >= bases
     if inside and np.logical_and.reduce(ok):
         return
+    _exact(bound, side, used, first, buffers, bases, sizes)
+
+
+def _exact(bound: Bounds, side: str, used: np.ndarray, first: int, buffers: Runs, bases: np.ndarray | None,
+           sizes: _PerRange) -> None:
+    """The inside rule itself over every range of ``used`` (as ``_bound``): refuses the first range outside."""
+    values, lengths = buffers
     rel = used if bases is None else used - np.repeat(bases, lengths)  # the offsets used, modulo 2^64
     bounds.check_inside(side, rel, sizes(first, first + len(used)), np.repeat(values, lengths), bound.size,
                         [b.name for b in bound.buffers], first, AFTER_CHECK)

@@ -70,7 +70,7 @@ from ._base import (
 )
 from ._binding import BoundMemory
 from ._host_copy import HostCopier
-from ._lowering import Lowered
+from ._lowering import DescriptorArrays, Lowered
 from ._memory import Memory, check_host_view
 from ._options import NumpyOptions
 
@@ -111,17 +111,18 @@ class NumpyExecutor(Executor):
         self._memmove = _held_memmove()
         self._loaded: list[HostCopier | None] = []  # [] until loaded; then [the copier, or None where numba is missing]
         self._load_lock = threading.Lock()
+        self._arrays = threading.local()  # per thread: DescriptorArrays the copier's jobs lower into (grow only)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_memmove", "_loaded", "_load_lock"):  # made again where the executor is unpickled
+        for name in ("_memmove", "_loaded", "_load_lock", "_arrays"):  # made again where the executor is unpickled
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._memmove = _held_memmove()
-        self._loaded, self._load_lock = [], threading.Lock()
+        self._loaded, self._load_lock, self._arrays = [], threading.Lock(), threading.local()
 
     @classmethod
     def from_options(cls, options: Any) -> NumpyExecutor:
@@ -212,7 +213,11 @@ class NumpyExecutor(Executor):
         bound = self.memory_for(plan, memory)
         copier = self.host_copier()
         if copier is not None:
-            low = bound.descriptors(plan)  # every check, before the first byte moves; addresses inside bound memory
+            arrays = getattr(self._arrays, "value", None)
+            if arrays is None:
+                arrays = self._arrays.value = DescriptorArrays()
+            # every check, before the first byte moves; addresses inside bound memory, in this thread's arrays
+            low = bound.descriptors(plan, arrays.reserve(plan.num_ranges))
             wait_on_host(waits)
             try:
                 copier.copy(*(np.ascontiguousarray(a, dtype=np.uint64) for a in (low.dst, low.src, low.nbytes)))

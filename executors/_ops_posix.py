@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ from ._options import PosixOptions
 from .file_trust import FileBinding  # where a file buffer lives (shared with the NIXL storage path)
 
 READ, WRITE = "pread", "pwrite"
+OnRead = Callable[[int, int, memoryview], None]  # (plan range, byte offset in it, the host bytes that landed)
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)  # buffers one vectored call takes
 
 
@@ -77,6 +78,7 @@ class _Piece:
     view: memoryview  # the host bytes read into or written from
     call: int
     index: int  # the plan range it belongs to
+    at: int = 0  # where in that range it starts
 
 
 @dataclass(eq=False, kw_only=True)
@@ -185,11 +187,17 @@ class PosixFileExecutor(Executor):
         return super().memory_for(plan, memory)
 
     def run(self, plan: TransferPlan, memory: BoundMemory | Mapping[str, Any], stream: Stream = None,
-            after: After = None) -> PosixTransfer:
+            after: After = None, *, on_read: OnRead | None = None) -> PosixTransfer:
         """Read or write every range once every ``after`` transfer has finished; returns at once. Raises
         BindingError, PlanError or RunArgumentError before any I/O for a malformed plan, a range outside its bound
         buffer, a range that is not between a file and host memory, or a file whose descriptor was closed (or
-        now refers to another file); ``wait()`` raises ExecutorError."""
+        now refers to another file); ``wait()`` raises ExecutorError.
+
+        ``on_read(range, at, view)``, when given, is called on the I/O thread as soon as a piece of a read has
+        landed (``view``: the host bytes of range ``range`` from byte ``at``, at most ``piece_bytes``), while they
+        are still in the cache: a caller checksums them there instead of in a second pass. It must return
+        quickly (hand work on) and not raise; an exception it raises fails the run (ExecutorError for the
+        piece)."""
         t0 = time.perf_counter()
         if stream is not None:
             stream_handle(stream)
@@ -206,7 +214,7 @@ class PosixFileExecutor(Executor):
             for i in range(0, len(pieces), per or 1):
                 fds.use()
                 try:
-                    future = self._pool.submit(self._move, pieces[i:i + per])
+                    future = self._pool.submit(self._move, pieces[i:i + per], on_read)
                 except BaseException:
                     fds.release()
                     raise
@@ -242,10 +250,10 @@ class PosixFileExecutor(Executor):
             for at in range(0, n, self.piece_bytes):
                 size = min(self.piece_bytes, n - at)
                 out.append(_Piece(READ if read else WRITE, fd, fm.binding.offset + fo + at,
-                                  memoryview(views[mb][mo + at:mo + at + size]), call, k))
+                                  memoryview(views[mb][mo + at:mo + at + size]), call, k, at))
         return out
 
-    def _move(self, pieces: list[_Piece]) -> ExecutorError | None:
+    def _move(self, pieces: list[_Piece], on_read: OnRead | None = None) -> ExecutorError | None:
         """Run ``pieces`` in order, those end to end in a file in one vectored call; the first failure, or None.
         Every piece is attempted (a failed one stops only itself), so a failure never hides whether the others
         moved: a vectored call that fails is retried piece by piece, and the error names the piece that fails."""
@@ -256,6 +264,7 @@ class PosixFileExecutor(Executor):
                 try:
                     calls += _vectored(batch)
                     moved += sum(len(p.view) for p in batch)
+                    first = first or _landed(batch, on_read)
                     continue
                 except OSError:
                     pass
@@ -268,6 +277,8 @@ class PosixFileExecutor(Executor):
                     err = ExecutorError(p.op, p.call, p.index, f"{why} at file offset {p.file_offset}, "
                                         f"{len(p.view)} bytes", p.call)
                     first = first or err
+                    continue
+                first = first or _landed([p], on_read)
         with self._count:
             self.calls += calls
             self.bytes_moved += moved
@@ -333,6 +344,19 @@ def _write(p: _Piece) -> int:
         done += os.pwrite(p.fd, p.view[done:], p.file_offset + done)
         calls += 1
     return calls
+
+
+def _landed(pieces: list[_Piece], on_read: OnRead | None) -> ExecutorError | None:
+    """Hand the pieces of a read that landed to ``on_read`` (see ``PosixFileExecutor.run``); the first exception
+    it raises, as the piece's ExecutorError."""
+    if on_read is None or pieces[0].op != READ:
+        return None
+    for p in pieces:
+        try:
+            on_read(p.index, p.at, p.view)
+        except Exception as e:  # the caller's hook: the run fails, the I/O thread goes on
+            return ExecutorError(p.op, p.call, p.index, f"on_read failed: {type(e).__name__}: {e}", p.call)
+    return None
 
 
 def _batches(pieces: list[_Piece], max_bytes: int) -> list[list[_Piece]]:

@@ -53,3 +53,18 @@ def disk():
     d = Path(tempfile.mkdtemp(prefix="kvxfer-test-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=["numpy passes", "compiled pass", "compiled, two threads"])
+def lowering_path(request, monkeypatch):
+    """A test using it runs on each way lowering adds bases and bounds them: numpy's passes, the compiled pass
+    (``_lower_kernel``, where numba is installed), and the compiled pass with the two sides on two threads."""
+    from kvxfer.executors import _binding, _lower_kernel
+    from kvxfer.executors import _lowering as lowering
+    if request.param == "numpy passes":
+        monkeypatch.setattr(_binding, "load_add_bounded", lambda: None)
+    elif _lower_kernel.load() is None:
+        pytest.skip("numba is not installed (pip install 'kvxfer[fast]')")
+    if request.param == "compiled, two threads":
+        monkeypatch.setattr(lowering, "TWO_THREADS", 0)
+    return request.param

@@ -28,6 +28,8 @@ DEVICE = [i for i, b in enumerate(LAYOUT.buffers) if b.location is Location.DEVI
 BASES = {b.name: (1 << 40) + (i << 32) for i, b in enumerate(LAYOUT.buffers)}
 RUNS = {"4, 2, 2, 8": [4, 2, 2, 8], "4, 4, 4, 4": [4, 4, 4, 4], "1, 8, 6, 1": [1, 8, 6, 1]}
 
+pytestmark = pytest.mark.usefixtures("lowering_path")  # every test on each lowering path (conftest)
+
 
 def hand_plan(lengths: list[int], seed: int = 0, buffers: int | None = None) -> TransferPlan:
     """A one-call h2d plan whose buffer runs have ``lengths``: run r reads cpu.kv<r> and writes gpu.kv<r>, pages at

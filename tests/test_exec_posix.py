@@ -210,3 +210,44 @@ def test_file_tier_spills_and_restores_through_posix_calls(tmp_path):
         got, want = mem.reshape(REGIONS, BLOCKS, PAGE), before.reshape(REGIONS, BLOCKS, PAGE)
         assert np.array_equal(got[:, :3], want[:, :3]) and not got[:, 3:].any()
     ex.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_large_restore_checksums_pieces_as_they_land_and_still_refuses_a_corrupted_chunk(tmp_path, threads):
+    """A verified restore of 12 MiB on the POSIX executor (pieces of 1 MiB holding whole chunks of 64 KiB) has
+    each piece checksummed as it lands, on the tier's CRC threads: the right chunks pass byte for byte, and one
+    byte flipped in the file is refused naming its chunk, exactly as the pass after the read refuses it."""
+    chunk, blocks = 64 << 10, 64
+    layout = tier_layout(3, blocks, chunk)  # 3 regions x 64 pages of 64 KiB: 12 MiB
+    mem = np.random.default_rng(threads).integers(0, 256, layout.buffers[0].nbytes, dtype=np.uint8)
+    path = tmp_path / "file0.kv"
+    ids = np.arange(blocks)
+    spill = plan_transfer(layout, BlockMapping(direction="d2h", src_ids=ids, dst_ids=ids))
+    restore = plan_transfer(layout, BlockMapping(direction="h2d", src_ids=ids, dst_ids=ids))
+    ex = PosixFileExecutor(threads=threads, piece_bytes=1 << 20)
+    landed = []
+    run = ex.run
+
+    def counted(*args, **kw):
+        if kw.get("on_read") is not None:
+            hook = kw["on_read"]
+            kw["on_read"] = lambda k, at, view: (landed.append((k, at, len(view))), hook(k, at, view))
+        return run(*args, **kw)
+    ex.run = counted
+    with FileTier(ex, layout, {"file0": FileBinding(path, create=True)}, {"mem": mem}, chunk_bytes=chunk,
+                  durability="none") as tier:
+        want = mem.copy()
+        tier.spill(spill).raise_for_error()
+        mem[:] = 0
+        tier.restore(restore).raise_for_error()
+        assert np.array_equal(mem, want)
+        assert sum(n for _, _, n in landed) == mem.nbytes  # every byte checksummed as it landed
+        bad = 2 * blocks * chunk + 5 * chunk + 123  # region 2, page 5: the file's chunk 133
+        with open(path, "r+b") as f:
+            f.seek(bad)
+            byte = f.read(1)
+            f.seek(bad)
+            f.write(bytes([byte[0] ^ 0x40]))
+        result = tier.restore(restore)
+        assert not result.success and "chunk 133" in str(result.error) and "checksum" in str(result.error)
+    ex.close()

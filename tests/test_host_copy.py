@@ -143,3 +143,99 @@ def test_the_copier_options_come_from_config_and_environment():
         NumpyExecutor(copier_threads=0)
     with pytest.raises(ValueError, match="KVXFER_NUMPY_COPIER"):
         ExecutorConfig.load(env={"KVXFER_NUMPY_COPIER": "maybe"})
+
+
+def _large_job(seed: int, size: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """Two buffers of ``size`` random bytes and about ``size / 3`` bytes of ranges (offsets in the destination,
+    offsets in the source, sizes) that overlap nothing: unaligned starts, odd sizes, pages found at random, and
+    runs adjacent on both sides (the copier takes them as one copy)."""
+    rng = np.random.default_rng(seed)
+    src, dst = (rng.integers(0, 256, size, dtype=np.uint8) for _ in range(2))
+    slot, groups, k = size // 512, [], 0
+    while k < 512:  # destination slots in groups of one, or of two holding two adjacent ranges
+        m = 2 if k < 511 and rng.random() < 0.3 else 1
+        groups.append((k, m))
+        k += m
+    ranges = []
+    for m in (1, 2):  # each group reads a group of as many slots, found at random
+        mine = [g for g in groups if g[1] == m]
+        for (d, _), (s, _) in zip(mine, [mine[i] for i in rng.permutation(len(mine))]):
+            if m == 2:
+                pad = int(rng.integers(0, slot))
+                ranges += [(d * slot + pad, s * slot + pad, slot - pad), ((d + 1) * slot, (s + 1) * slot,
+                                                                          int(rng.integers(1, slot)))]
+            else:
+                n = int(rng.integers(1, slot))  # an odd size anywhere in its slot: unaligned on both sides
+                ranges.append((d * slot + int(rng.integers(0, slot - n + 1)), s * slot + int(rng.integers(0, slot - n + 1)), n))
+    return src, dst, ranges
+
+
+@numba_only
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("size", [1 << 20, 64 << 20])  # below and above the size written around the caches
+def test_large_jobs_copy_byte_for_byte_with_streaming_stores_and_merged_neighbours(threads, size):
+    """Jobs above STREAM_BYTES take streaming stores (aligned heads, 128-byte bodies, ragged tails), neighbours
+    merge: every byte as one slice assignment per range gives, every other byte untouched, on 1-3 threads."""
+    copier = HostCopier.load(threads)
+    src, dst, ranges = _large_job(threads * 7 + size % 97, size)
+    want = dst.copy()
+    src_ranges = []
+    for d, s, n in ranges:
+        src_ranges.append((s, n))
+        want[d:d + n] = src[s:s + n]
+    if size > _host_copy.STREAM_BYTES:
+        assert sum(n for _, _, n in ranges) >= _host_copy.STREAM_BYTES
+    cols = [np.array([dst.ctypes.data + d for d, _, _ in ranges], np.uint64),
+            np.array([src.ctypes.data + s for _, s, _ in ranges], np.uint64),
+            np.array([n for _, _, n in ranges], np.uint64)]
+    for c in cols:
+        c.flags.writeable = False  # as lowering hands them over
+    copier.copy(*cols)
+    copier.close()
+    assert np.array_equal(dst, want)
+
+
+@numba_only
+def test_a_job_compiles_nothing_the_loop_and_lowering_were_compiled_at_bind():
+    """The copy loop and lowering's pass hold the signatures compiled at bind, for the read-only arrays lowering
+    hands over: a job never compiles (numba would otherwise compile another version inside the first job)."""
+    from kvxfer.executors import _lower_kernel
+    ex = NumpyExecutor()
+    bufs = {b.name: np.zeros(b.nbytes, np.uint8) for b in LAYOUT.buffers}
+    bound = ex.bind(LAYOUT, bufs)
+    copy_loop, add_bounded = _host_copy.kernel(), _lower_kernel.kernel()
+    before = (list(copy_loop.signatures), list(add_bounded.signatures))  # type: ignore[attr-defined]
+    assert (len(before[0]), len(before[1])) == (1, 2)  # lowering's: contiguous arrays, and any layout
+    ex.run(random_plan(4), bound)
+    assert (list(copy_loop.signatures), list(add_bounded.signatures)) == before  # type: ignore[attr-defined]
+
+
+@numba_only
+@pytest.mark.parametrize("step", [1, 2])  # contiguous arrays, and strided ones (the second signature)
+def test_lowerings_pass_writes_base_plus_offset_and_says_whether_every_run_is_inside(step):
+    """The compiled pass (contiguous arrays, and strided ones through its second signature): every address is
+    base + offset modulo 2^64; it answers True only while every run's addresses lie in [base, limit], so an
+    offset one byte past its run's last start, and a sum that wraps past 2^64, both answer False."""
+    from kvxfer.executors import _lower_kernel
+    add_bounded = _lower_kernel.kernel()
+    lengths = np.array([3, 1, 7, 5], np.int64)
+    bases = np.array([1 << 40, 1 << 41, (1 << 64) - 4096, 7], np.uint64)  # run 2 ends exactly at 2^64
+    offs = np.random.default_rng(step).integers(0, 4096, int(lengths.sum()), dtype=np.uint64)
+    limits = bases + np.uint64(4095)  # each run's last start: its base + 4095
+
+    def run(offsets: np.ndarray) -> tuple[bool, list[int]]:
+        def wide(a: np.ndarray) -> np.ndarray:  # the same values, strided when step > 1
+            return np.repeat(a, step)[::step]
+        out = np.zeros(len(offsets) * step, np.uint64)
+        ok = add_bounded(wide(offsets), wide(bases), wide(lengths), wide(limits), out[::step])
+        return ok, out[::step].tolist()
+
+    ok, got = run(offs)
+    assert ok is True and got == (np.repeat(bases, lengths) + offs).tolist()
+    past = offs.copy()
+    past[0] = np.uint64(4096)  # one byte past run 0's last start
+    assert run(past)[0] is False
+    wraps = offs.copy()
+    wraps[5] = np.uint64(4096)  # run 2: 2^64 - 4096 + 4096 wraps to 0, below its base
+    ok, got = run(wraps)
+    assert ok is False and got[5] == 0

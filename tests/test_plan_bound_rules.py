@@ -25,6 +25,8 @@ COLS = {"src_buf": [1, 0], "dst_buf": [3, 2], "src_offset": [0, 0], "dst_offset"
         "region": [0, 0], "attr": [0, 0]}
 MODES = ["descriptors", "offsets", "check", "numpy run"]
 
+pytestmark = pytest.mark.usefixtures("lowering_path")  # every test on each lowering path (conftest)
+
 
 def make(columns: dict | None = None, call_offsets: list[int] | None = None) -> TransferPlan:
     cols = {c: np.array(v, dtype=COLUMNS[c]) for c, v in COLS.items()} | (columns or {})

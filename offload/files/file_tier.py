@@ -169,6 +169,39 @@ def tier_layout(num_regions: int, num_blocks: int, page_bytes: int, *, files: in
     return Layout(buffers=tuple(buffers), regions=tuple(regions))
 
 
+class _LandedCrcs:
+    """A restore's chunk CRC-32s, computed as the POSIX executor's pieces land: ``on_read`` (on an I/O thread)
+    hands each piece to the tier's CRC threads, which checksum its whole chunks while they are in the cache and
+    the next piece is read; ``wait`` (on the job's thread) returns them per file buffer, in ``_chunks`` order."""
+
+    def __init__(self, pool: ThreadPoolExecutor, chunk_bytes: int, first: np.ndarray, owner: np.ndarray,
+                 counts: dict[int, int]):
+        self.pool, self.chunk_bytes = pool, chunk_bytes
+        self.first, self.owner = first.tolist(), owner.tolist()
+        self.got = {i: np.zeros(n, np.uint32) for i, n in counts.items()}
+        self.futures: list[Any] = []  # appended by I/O threads (list.append is atomic)
+
+    def on_read(self, k: int, at: int, view: memoryview) -> None:
+        self.futures.append(self.pool.submit(self._crc, k, at, view))
+
+    def _crc(self, k: int, at: int, view: memoryview) -> None:
+        n = self.chunk_bytes
+        got, j = self.got[self.owner[k]], self.first[k] + at // n
+        for q in range(len(view) // n):
+            got[j + q] = crc32(view[q * n:(q + 1) * n])
+
+    def wait(self) -> dict[int, np.ndarray] | None:
+        """Every piece's CRCs once every task has finished; None when a task failed (the caller checksums the
+        chunks itself)."""
+        failed = [f for f in self.futures if f.exception() is not None]
+        return None if failed else self.got
+
+
+def _crc_each(pieces: Sequence[np.ndarray]) -> list[int]:
+    """The CRC-32 of each piece, in order."""
+    return [crc32(p) for p in pieces]
+
+
 def _record_check(chunks: np.ndarray, epochs: np.ndarray, crcs: np.ndarray, identity: np.uint64) -> np.ndarray:
     """A check word per record: a record torn, written for another chunk or for another file does not verify."""
     mix = (chunks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ epochs ^ (crcs.astype(np.uint64) << np.uint64(17))
@@ -420,6 +453,26 @@ class FileTier:
         mem_off = np.repeat(job.mem_off[m].astype(np.int64), count) + within * self.chunk_bytes
         return chunks, np.repeat(job.mem_buf[m], count), mem_off
 
+    def _landed(self, job: _Checked) -> _LandedCrcs | None:
+        """For a verified restore of at least PARALLEL_CRC_BYTES on the POSIX executor whose pieces hold whole
+        chunks: the chunks' CRC-32s, computed on the CRC threads as each piece lands (``on_read``) while the next
+        is read, instead of a pass over every chunk after the read; else None (that pass)."""
+        from kvxfer.executors import PosixFileExecutor
+
+        ex = self.executor
+        if (not self.verify or not isinstance(ex, PosixFileExecutor) or ex.piece_bytes % self.chunk_bytes
+                or int(job.plan.nbytes.sum()) < PARALLEL_CRC_BYTES):
+            return None
+        if self._crc_pool is None:
+            self._crc_pool = ThreadPoolExecutor(self._crc_threads, thread_name_prefix="kvxfer-crc")
+        n = len(job.plan.nbytes)
+        first, owner, counts = np.zeros(n, np.int64), np.zeros(n, np.int64), {}
+        for i in job.names:  # range k's first chunk: its place in file i's chunk list (as ``_chunks`` orders them)
+            m = np.flatnonzero(job.file_buf == i)
+            count = (job.plan.nbytes[m] // np.uint64(self.chunk_bytes)).astype(np.int64)
+            first[m], owner[m], counts[i] = np.cumsum(count) - count, i, int(count.sum())
+        return _LandedCrcs(self._crc_pool, self.chunk_bytes, first, owner, counts)
+
     def _crcs(self, plan: TransferPlan, mem_buf: np.ndarray, mem_off: np.ndarray) -> np.ndarray:
         out = np.zeros(len(mem_off), dtype=np.uint32)
         if not self.verify:
@@ -432,7 +485,9 @@ class FileTier:
             return out
         if self._crc_pool is None:  # both CRCs release the GIL over large buffers: chunks are summed in parallel
             self._crc_pool = ThreadPoolExecutor(self._crc_threads, thread_name_prefix="kvxfer-crc")
-        out[:] = list(self._crc_pool.map(crc32, pieces))
+        per = -(-len(pieces) // self._crc_threads)  # one task per thread: a task per chunk cost 8x the CRCs
+        groups = self._crc_pool.map(_crc_each, [pieces[i:i + per] for i in range(0, len(pieces), per)])
+        out[:] = [c for group in groups for c in group]
         return out
 
     # ---- jobs -------------------------------------------------------------------------------------------------
@@ -463,11 +518,15 @@ class FileTier:
                 return TierResult(op, False, 0, time.perf_counter() - t0, error=err)
         return TierResult(op, True, plan.total_bytes, time.perf_counter() - t0, chunks, epoch)
 
-    def _io(self, op: str, job: _Checked, before_wait: Callable[[], None] | None = None) -> None:
+    def _io(self, op: str, job: _Checked, before_wait: Callable[[], None] | None = None,
+            landed: _LandedCrcs | None = None) -> None:
         """Run the plan through the executor on the tier's binding; a NIXL failure becomes a TierError naming the
-        call's files."""
+        call's files. ``landed``: checksum a restore's pieces as they land (POSIX executor only)."""
         try:
-            t = self.executor.run(job.plan, self._bound())
+            if landed is not None:
+                t = self.executor.run(job.plan, self._bound(), on_read=landed.on_read)  # type: ignore[call-arg]
+            else:
+                t = self.executor.run(job.plan, self._bound())
             if before_wait is not None:
                 before_wait()
             t.wait()
@@ -526,14 +585,18 @@ class FileTier:
             self._extent(name, ends[i], "extent check")
             records[i] = self._check_records(name, parts[i][0])
             before[i] = self._file_state(name)
-        self._io("restore", job)
+        landed = self._landed(job)
+        try:
+            self._io("restore", job, landed=landed)
+        finally:  # every task done before the memory is reused; a task that failed leaves the pass below to do it
+            crcs = landed.wait() if landed is not None else None
         for i, name in job.names.items():
             self._extent(name, ends[i], "extent check after reading")  # a file cut short under the read
             self._unchanged(name, before[i], job, i)
             chunks, mb, mo = parts[i]
             if not self.verify:
                 continue
-            got = self._crcs(plan, mb, mo)
+            got = crcs[i] if crcs is not None else self._crcs(plan, mb, mo)
             bad = np.flatnonzero(got != records[i]["crc"])
             if bad.size:
                 k = int(bad[0])
