@@ -224,3 +224,33 @@ def test_memory_the_shared_store_could_only_copy_is_refused(tmp_path: Path) -> N
     fortran = np.asfortranarray(_rows(4).reshape(4, ROW))
     with pytest.raises(StoreConfigError, match="memory.*C-contiguous"):
         _store(tmp_path, fortran)
+
+
+class _Stop(BaseException):
+    pass
+
+
+def test_a_shared_store_thread_that_stops_anyway_fails_every_job_and_no_waiter_hangs(tmp_path: Path) -> None:
+    import threading
+
+    s = _store(tmp_path, np.zeros(4 * ROW, np.uint8))
+    gate = threading.Event()
+
+    def dies(*_: object) -> object:
+        gate.wait(10)
+        raise _Stop("the thread stops")
+
+    s._store = dies  # type: ignore[method-assign]
+    s.submit_store(1, [b"a"], [0])
+    s.submit_store(2, [b"b"], [1])
+    gate.set()
+    waiter = threading.Thread(target=s.drain, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    s.submit_load(3, [b"a"], [2])
+    results = s.poll()
+    assert sorted(r.job_id for r in results) == [1, 2, 3] and not any(r.success for r in results)
+    assert all("thread stopped" in str(r.error) for r in results)
+    assert not s.pending
+    s.close()

@@ -221,6 +221,7 @@ class SharedChunkStore(QueuedJobs):
         self._results: list[StoreResult] = []
         self._running = 0
         self._stop = False
+        self._died: BaseException | None = None  # why the store's thread stopped, if it ever does
         self._known_lock = threading.Lock()
         self._known: dict[bytes, set[str]] = {}  # key -> file names holding it (any writer)
         self._refused: dict[str, tuple[int, ...]] = {}  # file name -> what it was when a load refused it
@@ -298,39 +299,64 @@ class SharedChunkStore(QueuedJobs):
         with self._cond:
             if self._stop:
                 raise StoreError("the store is closed")
-            (self._queue.appendleft if first else self._queue.append)((job_id, op, keys, rows))
+            if self._died is not None:  # no thread runs it: it fails as a job, reported by poll()
+                self._results.append(self._failed((job_id, op, keys, rows), self._died))
+            else:
+                (self._queue.appendleft if first else self._queue.append)((job_id, op, keys, rows))
             self._cond.notify_all()
+
+    @staticmethod
+    def _failed(job: tuple[int, str, tuple[bytes, ...], np.ndarray], why: BaseException) -> StoreResult:
+        error = why if isinstance(why, Exception) else StoreError(f"the store's thread stopped: {why!r}")
+        return StoreResult(job[0], job[1], False, job[2], (), error=error)
 
     # ---- the store's thread ----------------------------------------------------------------------------------
     def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop:
-                    if not self._cond.wait(max(0.0, self._last_scan + self.scan_s - time.monotonic())):
-                        break
-                if not self._queue and self._stop:
-                    return
-                job = self._queue.popleft() if self._queue else None
-                self._running += job is not None
-            if job is None or time.monotonic() - self._last_scan >= self.scan_s:
+        """Run the jobs and the folder scans until closed. A side task (a scan, the counters) never stops it; should
+        anything stop it anyway, the job it ran and every queued one fail as jobs, later ones fail at submission,
+        ``drain`` returns."""
+        job: tuple[int, str, tuple[bytes, ...], np.ndarray] | None = None
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._stop:
+                        if not self._cond.wait(max(0.0, self._last_scan + self.scan_s - time.monotonic())):
+                            break
+                    if not self._queue and self._stop:
+                        return
+                    job = self._queue.popleft() if self._queue else None
+                    self._running += job is not None
+                if job is None or time.monotonic() - self._last_scan >= self.scan_s:
+                    try:
+                        self._scan()
+                    except Exception as e:  # a side task never kills the thread that serves jobs
+                        _log.warning("kvxfer shared store %s: scan failed: %s", self.folder, e)
+                if job is None:
+                    continue
+                job_id, op, keys, rows = job
+                t0 = time.perf_counter()
                 try:
-                    self._scan()
-                except Exception as e:  # a side task never kills the thread that serves jobs
-                    _log.warning("kvxfer shared store %s: scan failed: %s", self.folder, e)
-            if job is None:
-                continue
-            job_id, op, keys, rows = job
-            t0 = time.perf_counter()
-            try:
-                r = self._store(job_id, keys, rows) if op == STORE else self._load(job_id, keys, rows)
-            except Exception as e:  # a job never disappears: its failure is its result
-                r = StoreResult(job_id, op, False, keys, (), error=e)
-            r = StoreResult(r.job_id, r.op, r.success, r.keys, r.done_keys, r.nbytes, time.perf_counter() - t0, r.error)
+                    r = self._store(job_id, keys, rows) if op == STORE else self._load(job_id, keys, rows)
+                except Exception as e:  # a job never disappears: its failure is its result
+                    r = StoreResult(job_id, op, False, keys, (), error=e)
+                r = StoreResult(r.job_id, r.op, r.success, r.keys, r.done_keys, r.nbytes, time.perf_counter() - t0,
+                                r.error)
+                with self._cond:
+                    self._results.append(r)
+                    self._running -= 1
+                    job = None
+                    self._cond.notify_all()
+                self._write_stats()
+        except BaseException as e:
+            _log.error("kvxfer shared store %s: the store's thread stopped (%r); its jobs fail from now on",
+                       self.folder, e)
             with self._cond:
-                self._results.append(r)
-                self._running -= 1
+                self._died = e
+                for j in [*([job] if job is not None else []), *self._queue]:
+                    self._results.append(self._failed(j, e))
+                self._queue.clear()
+                self._running = 0
                 self._cond.notify_all()
-            self._write_stats()
 
     def _write_stats(self) -> None:
         """Replace the counters file (``stats_path``) whole; a failure is logged once."""

@@ -1,8 +1,8 @@
 """kvxfer under vLLM's tiering in a real engine (vLLM's CPU build): host memory and files, restarts, a crash, a
 change of tensor-parallel size, another identity, and vLLM's own ``fs`` tier over kvxfer's primary worker.
 
-Eleven engines run one after the other in one process (``tests/vllm/tier_engine.py``; about 4 minutes on an idle
-2-core machine, two of them at TP=2) over the small Llama of ``test_engine.py``. The host tier holds 16 chunks,
+Fourteen engines run one after the other in one process (``tests/vllm/tier_engine.py``; about 8 minutes on a
+2-core machine, one of them at TP=2) over the small Llama of ``test_engine.py``. The host tier holds 16 chunks,
 so after A, B and C it no longer holds A's prefix, and A2 (A's prefix with another suffix) finds it on disk
 only. Every token is compared with an engine without offloading. Run with ``make test-vllm``.
 """
