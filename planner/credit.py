@@ -12,13 +12,42 @@ never a Python loop per range. Pure: reads the plan's columns and the layout's p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .errors import PlanError
 from .layout import Layout
 from .layout_cache import SideColumns
-from .plan import TransferPlan
+from .spec import Buffer, Direction
+
+
+class PlanColumns(Protocol):
+    """What the credit reads from a ``TransferPlan`` (named structurally: the views import this module and the
+    plan imports the views, so this module does not import the plan)."""
+
+    @property
+    def direction(self) -> Direction: ...
+    @property
+    def buffers(self) -> tuple[Buffer, ...]: ...
+    @property
+    def regions(self) -> tuple[str, ...]: ...
+    @property
+    def region_page_bytes(self) -> tuple[int, ...]: ...
+    @property
+    def requested_copies(self) -> int: ...
+    @property
+    def num_ranges(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def src_buf(self) -> np.ndarray: ...
+    @property
+    def src_offset(self) -> np.ndarray: ...
+    @property
+    def nbytes(self) -> np.ndarray: ...
+    @property
+    def region(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +69,7 @@ class Credit:
         return np.bincount(self.range, minlength=num_ranges)
 
 
-def check_layout(plan: TransferPlan, layout: Layout) -> None:
+def check_layout(plan: PlanColumns, layout: Layout) -> None:
     """Raise PlanError unless ``layout`` has the plan's regions and buffers, by name and in order."""
     names = tuple(r.name for r in layout.regions)
     if names != plan.regions:
@@ -61,7 +90,7 @@ def bytes_before(side: SideColumns, regs: np.ndarray, x: np.ndarray) -> np.ndarr
     return out
 
 
-def region_credit(plan: TransferPlan, layout: Layout | None = None) -> Credit:
+def region_credit(plan: PlanColumns, layout: Layout | None = None) -> Credit:
     """Each range's bytes per region (see ``Credit``). Raises PlanError for a layout that is not the plan's."""
     n = plan.num_ranges
     ranges, own = np.arange(n, dtype=np.int64), plan.region.astype(np.int64)
@@ -97,7 +126,7 @@ def region_credit(plan: TransferPlan, layout: Layout | None = None) -> Credit:
     return Credit(rng[order], reg[order], byt[order])
 
 
-def page_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
+def page_bytes(plan: PlanColumns, layout: Layout | None = None) -> np.ndarray:
     """Bytes of one block per region (float64): the layout's device page, else the plan's ``region_page_bytes``;
     plans saved without them fall back to the mean bytes per requested copy (exact when all regions share one
     page size). Raises PlanError for a layout that is not the plan's."""
@@ -110,7 +139,7 @@ def page_bytes(plan: TransferPlan, layout: Layout | None = None) -> np.ndarray:
     return np.full(len(plan.regions), unit or 1.0)
 
 
-def range_blocks(plan: TransferPlan, credit: Credit, layout: Layout | None = None) -> np.ndarray:
+def range_blocks(plan: PlanColumns, credit: Credit, layout: Layout | None = None) -> np.ndarray:
     """Blocks (copies) each range moves, float64: its bytes per region over that region's page, summed."""
     per = credit.nbytes / page_bytes(plan, layout)[credit.region] if len(credit.range) else np.zeros(0)
     return np.bincount(credit.range, weights=per, minlength=plan.num_ranges)
@@ -126,4 +155,5 @@ def block_position(side: SideColumns, regs: np.ndarray, x: np.ndarray) -> np.nda
     return c + np.minimum(y - c * stride, row) / row  # type: ignore[no-any-return]
 
 
-__all__ = ["Credit", "block_position", "bytes_before", "check_layout", "page_bytes", "range_blocks", "region_credit"]
+__all__ = ["Credit", "PlanColumns", "block_position", "bytes_before", "check_layout", "page_bytes", "range_blocks",
+           "region_credit"]
