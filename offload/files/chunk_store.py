@@ -697,21 +697,11 @@ class ChunkStore(QueuedJobs):
                     out = self._store(job) if job.op == STORE else self._load(job)
                 except Exception as e:  # a job never disappears: its failure is its result
                     out = self._failed(job, e)
-                with self._cond:
-                    self._results.append(out)
-                    self._running -= 1
-                    job = None
-                    self._cond.notify_all()
+                self._finished(out)
+                job = None
                 self._write_stats()
         except BaseException as e:
-            _log.error("kvxfer file tier %s: the store's thread stopped (%r); its jobs fail from now on", self.folder, e)
-            with self._cond:
-                self._died = e
-                for j in [*([job] if job is not None else []), *self._queue]:
-                    self._results.append(self._failed(j, e))
-                self._queue.clear()
-                self._running = 0
-                self._cond.notify_all()
+            self._stopped(_log, f"file tier {self.folder}", job, e)
 
     def _calls(self) -> int:
         return int(getattr(self.executor, "calls", 0))

@@ -341,22 +341,11 @@ class SharedChunkStore(QueuedJobs):
                     r = StoreResult(job_id, op, False, keys, (), error=e)
                 r = StoreResult(r.job_id, r.op, r.success, r.keys, r.done_keys, r.nbytes, time.perf_counter() - t0,
                                 r.error)
-                with self._cond:
-                    self._results.append(r)
-                    self._running -= 1
-                    job = None
-                    self._cond.notify_all()
+                self._finished(r)
+                job = None
                 self._write_stats()
         except BaseException as e:
-            _log.error("kvxfer shared store %s: the store's thread stopped (%r); its jobs fail from now on",
-                       self.folder, e)
-            with self._cond:
-                self._died = e
-                for j in [*([job] if job is not None else []), *self._queue]:
-                    self._results.append(self._failed(j, e))
-                self._queue.clear()
-                self._running = 0
-                self._cond.notify_all()
+            self._stopped(_log, f"shared store {self.folder}", job, e)
 
     def _write_stats(self) -> None:
         """Replace the counters file (``stats_path``) whole; a failure is logged once."""
