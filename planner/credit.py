@@ -27,27 +27,38 @@ class PlanColumns(Protocol):
     plan imports the views, so this module does not import the plan)."""
 
     @property
-    def direction(self) -> Direction: ...
+    def direction(self) -> Direction:
+        """The plan's direction (which side is the source)."""
     @property
-    def buffers(self) -> tuple[Buffer, ...]: ...
+    def buffers(self) -> tuple[Buffer, ...]:
+        """The plan's buffers, in order."""
     @property
-    def regions(self) -> tuple[str, ...]: ...
+    def regions(self) -> tuple[str, ...]:
+        """The plan's region names, in order."""
     @property
-    def region_page_bytes(self) -> tuple[int, ...]: ...
+    def region_page_bytes(self) -> tuple[int, ...]:
+        """Bytes of one block per region, where recorded."""
     @property
-    def requested_copies(self) -> int: ...
+    def requested_copies(self) -> int:
+        """Block copies the mapping asked for."""
     @property
-    def num_ranges(self) -> int: ...
+    def num_ranges(self) -> int:
+        """Number of ranges."""
     @property
-    def total_bytes(self) -> int: ...
+    def total_bytes(self) -> int:
+        """Bytes of all ranges."""
     @property
-    def src_buf(self) -> np.ndarray: ...
+    def src_buf(self) -> np.ndarray:
+        """Source buffer index of every range."""
     @property
-    def src_offset(self) -> np.ndarray: ...
+    def src_offset(self) -> np.ndarray:
+        """Source byte offset of every range."""
     @property
-    def nbytes(self) -> np.ndarray: ...
+    def nbytes(self) -> np.ndarray:
+        """Size of every range."""
     @property
-    def region(self) -> np.ndarray: ...
+    def region(self) -> np.ndarray:
+        """Region of every range's first byte."""
 
 
 @dataclass(frozen=True)
