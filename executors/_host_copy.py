@@ -36,7 +36,7 @@ Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 STREAM_BYTES = 8 << 20  # a share of at least this many bytes is written with non-temporal (streaming) stores
-STREAM_RANGE = 256  # ranges shorter than this are copied by memmove even then
+STREAM_RANGE = 16 << 10  # copies (ranges merged with their neighbours) shorter than this take memmove even then
 
 
 @functools.cache
@@ -46,12 +46,13 @@ def kernel() -> Kernel:
 
     Per range (ranges adjacent on both sides taken as one): the next range's first KiB is prefetched (a page
     found at random otherwise waits for the hardware prefetcher to start again), then the bytes are copied. A
-    call moving at least STREAM_BYTES writes ranges of STREAM_RANGE bytes and more with non-temporal stores, 32
+    call moving at least STREAM_BYTES writes copies of STREAM_RANGE bytes and more with non-temporal stores, 32
     bytes at a time, and ends with a store fence: a job larger than the caches gains nothing from keeping its
     destination cached, and writing around the cache skips reading each destination line first (libc's memcpy
-    does this only above a size it derives from the last-level cache, which pages and per-layer tensors of 16
-    MiB stay under: they copied at 0.6x one 128 MiB memcpy here). Smaller calls and the ragged ends call
-    ``memmove`` (LLVM's intrinsic, libc's)."""
+    does this only above a size it derives from the last-level cache, which per-layer tensors of 16 MiB stayed
+    under on one machine: they copied at 0.6x one 128 MiB memcpy there). Single pages found at random take
+    memmove: streamed, 4 KiB pages to scattered destinations ran at half memmove's speed on another machine
+    (benchmarks/NOTES.md). Smaller calls and the ragged ends call ``memmove`` (LLVM's intrinsic, libc's)."""
     numba: Any = import_optional("numba", "the batched host copier")
     ir: Any = importlib.import_module("llvmlite.ir")  # installed with numba
     cgutils: Any = importlib.import_module("numba.core.cgutils")
