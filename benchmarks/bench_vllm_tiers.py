@@ -23,6 +23,7 @@ vLLM's CPU build.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_tiers.py [--root /var/tmp] [--chunks 128] [--chunk-mib 1]
         [--kills 2] [--skip-files] [--skip-engines] [--skip-crash] [--quick] [--json OUT]
+        [--rounds 1] [--engine-tiers page,odirect,fs]
 
 Run it under ``flock /tmp/kvxfer-engine.lock``. ``--quick``: small sizes (a smoke run; its figures are not for
 notes). Needs .venv-vllm (``make venv-vllm``) and, for syscalls, ``strace``.
@@ -204,7 +205,14 @@ def _tier_entry(kind: str, root: Path, timing: Path, **kw: Any) -> dict[str, Any
             "capacity_bytes": 8 << 30, "timing_path": str(timing), "stats_path": f"{timing}.tier", **kw}
 
 
-def engine_bench(tmp: Path, layers: int, hidden: int, prefix_blocks: int) -> dict[str, Any]:
+ENGINE_TIERS = {"page": ("kvxfer, page cache", "kvxfer", {}), "odirect": ("kvxfer, O_DIRECT", "kvxfer", {"o_direct": True}),
+                "fs": ("vLLM fs", "fs", {})}
+
+
+def engine_bench(tmp: Path, layers: int, hidden: int, prefix_blocks: int, tiers: tuple[str, ...] = ("page", "odirect", "fs"),
+                 rounds: int = 1) -> dict[str, Any]:
+    """Part 2. With ``rounds`` above 1 the tiers run again in turn, the order reversed every other round (each
+    round's figures under ``out["rounds"]``; the first round's also under the tier's name)."""
     from tests.vllm.engine import run
 
     r = random.Random(0)
@@ -226,29 +234,44 @@ def engine_bench(tmp: Path, layers: int, hidden: int, prefix_blocks: int) -> dic
     if rec["error"]:
         raise SystemExit(f"recomputed: {rec['error']}")
     out["recomputed"] = {**rec, "ttft_s": rec["request_times_s"][3], "timing": None, "tier": None}
-    for name, kind, kw in (("kvxfer, page cache", "kvxfer", {}), ("kvxfer, O_DIRECT", "kvxfer", {"o_direct": True}),
-                           ("vLLM fs", "fs", {})):
-        root = tmp / f"root-{len(out)}"
-        root.mkdir()
-        runs = []
-        # the first engine stores P and the prompts that evict it, and exits (its stores drain); the second, on
-        # the same directory, serves P' with an empty host tier: every chunk of the prefix comes from disk
-        for i, reqs in enumerate((requests[:3], requests[3:])):
-            timing = tmp / f"timing-{len(out)}-{i}.json"
-            offload = {"spec_name": "KvxferTieringOffloadingSpec", "cpu_bytes_to_use": 2 * prefix_blocks * chunk,
-                       "secondary_tiers": [_tier_entry(kind, root, timing, **kw)]}
-            res = run({**base, "name": name, "offload": offload, "requests": reqs})
-            if res["error"]:
-                raise SystemExit(f"{name}: {res['error']}")
-            tier = Path(f"{timing}.tier")
-            runs.append({**res, "timing": json.loads(timing.read_text()) if timing.exists() else None,
-                         "tier": json.loads(tier.read_text()) if tier.exists() else None})
-        if runs[1]["tokens"] != rec["tokens"][3:]:
-            raise SystemExit(f"{name}: tokens of P' differ from the recomputed engine's")
-        t0, t1 = runs[0]["timing"] or {}, runs[1]["timing"] or {}
-        timing_sum = {k: t0.get(k, 0) + t1.get(k, 0) for k in ("calls", "scheduler_s", "steps", "process_cpu_s")}
-        out[name] = {**runs[1], "ttft_s": runs[1]["request_times_s"][0], "timing": timing_sum, "store_run": runs[0]}
+    out["rounds"] = []
+    for rnd in range(rounds):
+        out["rounds"].append({})
+        for name, kind, kw in (ENGINE_TIERS[t] for t in (tiers if rnd % 2 == 0 else tiers[::-1])):
+            _one_tier(tmp, out, rec, base, requests, prefix_blocks, chunk, rnd, name, kind, kw)
     return out
+
+
+def _one_tier(tmp: Path, out: dict[str, Any], rec: dict[str, Any], base: dict[str, Any], requests: list[list[int]],
+              prefix_blocks: int, chunk: int, rnd: int, name: str, kind: str, kw: dict[str, Any]) -> None:
+    """One tier's two engines (stores, then P' from disk on a new engine), into ``out``."""
+    from tests.vllm.engine import run
+
+    tag = f"{rnd}-{kind}-{len(kw)}"
+    root = tmp / f"root-{tag}"
+    root.mkdir()
+    runs = []
+    # the first engine stores P and the prompts that evict it, and exits (its stores drain); the second, on
+    # the same directory, serves P' with an empty host tier: every chunk of the prefix comes from disk
+    for i, reqs in enumerate((requests[:3], requests[3:])):
+        timing = tmp / f"timing-{tag}-{i}.json"
+        offload = {"spec_name": "KvxferTieringOffloadingSpec", "cpu_bytes_to_use": 2 * prefix_blocks * chunk,
+                   "secondary_tiers": [_tier_entry(kind, root, timing, **kw)]}
+        res = run({**base, "name": name, "offload": offload, "requests": reqs})
+        if res["error"]:
+            raise SystemExit(f"{name}: {res['error']}")
+        tier = Path(f"{timing}.tier")
+        runs.append({**res, "timing": json.loads(timing.read_text()) if timing.exists() else None,
+                     "tier": json.loads(tier.read_text()) if tier.exists() else None})
+    if runs[1]["tokens"] != rec["tokens"][3:]:
+        raise SystemExit(f"{name}: tokens of P' differ from the recomputed engine's")
+    t0, t1 = runs[0]["timing"] or {}, runs[1]["timing"] or {}
+    timing_sum = {k: t0.get(k, 0) + t1.get(k, 0) for k in ("calls", "scheduler_s", "steps", "process_cpu_s")}
+    loads = [j for j in t1.get("loads", []) if j["ok"]]  # the new engine's first load: the prefix from disk
+    out["rounds"][rnd][name] = {"ttft_s": runs[1]["request_times_s"][0], "load_s": loads[0]["s"] if loads else None,
+                                "load_chunks": loads[0]["chunks"] if loads else 0}
+    if rnd == 0:
+        out[name] = {**runs[1], "ttft_s": runs[1]["request_times_s"][0], "timing": timing_sum, "store_run": runs[0]}
 
 
 # ---- 3. crashes --------------------------------------------------------------------------------------------------
@@ -376,6 +399,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--prefix-blocks", type=int, default=64)
     ap.add_argument("--kills", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="part 2: run the tiers this many times, in turn")
+    ap.add_argument("--engine-tiers", default="page,odirect,fs", help="part 2: which of page, odirect, fs")
     ap.add_argument("--skip-files", action="store_true")
     ap.add_argument("--skip-engines", action="store_true")
     ap.add_argument("--skip-crash", action="store_true")
@@ -405,7 +430,11 @@ def main() -> None:
             print("file and descriptor syscalls per GiB stored and loaded back: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sc.items()))
         if not a.skip_engines:
-            e = engine_bench(tmp, a.layers, a.hidden, a.prefix_blocks)
+            tiers = tuple(t.strip() for t in a.engine_tiers.split(","))
+            unknown = [t for t in tiers if t not in ENGINE_TIERS]
+            if unknown:
+                raise SystemExit(f"--engine-tiers: {unknown} (choose from {', '.join(ENGINE_TIERS)})")
+            e = engine_bench(tmp, a.layers, a.hidden, a.prefix_blocks, tiers, a.rounds)
             figures["engines"] = {k: ({kk: v[kk] for kk in ("ttft_s", "request_times_s", "timing", "tier", "stats",
                                                             "metrics")} if isinstance(v, dict) else v)
                                   for k, v in e.items()}
@@ -413,7 +442,7 @@ def main() -> None:
             print(f"\n2. P' ({a.prefix_blocks * 32}-token prefix, {a.prefix_blocks * e['chunk_bytes'] / 2**20:.1f} MiB of "
                   f"KV): time to first token, recomputed after eviction, or restored from disk by a new engine")
             print(f"{'':22} {'TTFT s':>7} {'x recompute':>11} {'disk hits':>9} {'sched us/step':>13} {'proc CPU ms/step':>16}")
-            for name in ("recomputed", "kvxfer, page cache", "kvxfer, O_DIRECT", "vLLM fs"):
+            for name in ("recomputed", *(ENGINE_TIERS[t][0] for t in tiers)):
                 v = e[name]
                 t, m = v["timing"], v["metrics"]
                 steps = max((t or {}).get("steps", 0), 1)
@@ -421,7 +450,7 @@ def main() -> None:
                 cpu = f"{t['process_cpu_s'] / steps * 1e3:16.2f}" if t else f"{'-':>16}"
                 print(f"{name:22} {v['ttft_s']:7.3f} {v['ttft_s'] / rec:11.2f} "
                       f"{m.get('vllm:kv_offload_tiering_chunk_hits', 0):9.0f} {sched} {cpu}")
-            for name in ("kvxfer, page cache", "kvxfer, O_DIRECT"):
+            for name in (ENGINE_TIERS[t][0] for t in tiers if t != "fs"):
                 t, worker = e[name]["tier"], e[name]["stats"][0]
                 if t and t["load_timeline"] and worker.get("load_submitted"):
                     j = t["load_timeline"][-1]
@@ -429,6 +458,21 @@ def main() -> None:
                     print(f"{name}: promotion of {j['chunks']} chunks: queued {1e3 * (j['started'] - j['submitted']):.1f} ms, "
                           f"read {1e3 * (j['done'] - j['started']):.1f} ms, reported {1e3 * (j['polled'] - j['done']):.1f} ms "
                           f"later, device load submitted {1e3 * (dev - j['polled']):.1f} ms after that")
+            names = [ENGINE_TIERS[t][0] for t in tiers]
+            print("\nper round (the order reversed every other round): P' TTFT s, and its load from disk as the scheduler"
+                  " saw it (submit_load until get_finished_jobs reports it), ms")
+            print(f"{'round':>5} " + " ".join(f"{n + ' TTFT':>24} {'load ms':>8}" for n in names))
+            for i, row in enumerate(e["rounds"]):
+                print(f"{i + 1:5d} " + " ".join(f"{row[n]['ttft_s']:24.3f} " + (f"{1e3 * row[n]['load_s']:8.1f}"
+                                                                              if row[n]["load_s"] is not None else f"{'-':>8}")
+                                                for n in names))
+            if "vLLM fs" in names:
+                for n in (n for n in names if n != "vLLM fs"):
+                    tt = [row[n]["ttft_s"] / row["vLLM fs"]["ttft_s"] for row in e["rounds"]]
+                    ld = [row[n]["load_s"] / row["vLLM fs"]["load_s"] for row in e["rounds"]
+                          if row[n]["load_s"] and row["vLLM fs"]["load_s"]]
+                    print(f"{n} / vLLM fs, per round: TTFT " + ", ".join(f"{x:.2f}" for x in tt)
+                          + "; load " + ", ".join(f"{x:.2f}" for x in ld))
         if not a.skip_crash:
             figures["crash"] = c = crash_bench(tmp, a.kills)
             print("\n3. SIGKILL while storing, restart on the same directory, the six prefixes again")

@@ -3,9 +3,11 @@ with its scheduler-side calls timed, loaded by the engine through ``module_path=
 
 Each records, in the engine process (the scheduler, where the tiers run): the wall time spent in the tier's
 methods on the scheduler thread (they never block, so it is their CPU cost there), the number of scheduler steps
-(``on_schedule_end`` calls), and the process CPU time (every thread: the scheduler and the tier's own I/O
-threads) from the first call to shutdown. ``timing_path`` (a key of the tier's config, taken out before the tier
-sees it) receives them as JSON at shutdown.
+(``on_schedule_end`` calls), the process CPU time (every thread: the scheduler and the tier's own I/O
+threads) from the first call to shutdown, and each load job's time from ``submit_load`` until
+``get_finished_jobs`` reports it (read start to the chunks in host memory, as the scheduler sees it: both tiers
+are polled once a step, so the step's length bounds the resolution alike). ``timing_path`` (a key of the tier's
+config, taken out before the tier sees it) receives them as JSON at shutdown.
 """
 from __future__ import annotations
 
@@ -25,8 +27,22 @@ def _timed(cls: type) -> type:
     """A subclass of tier class ``cls`` whose scheduler-side methods are timed (see the module docstring)."""
 
     def __init__(self: Any, *args: Any, timing_path: str = "", **config: Any) -> None:
-        self._timing = {"path": timing_path, "calls": 0, "scheduler_s": 0.0, "steps": 0, "cpu0": None}
+        self._timing = {"path": timing_path, "calls": 0, "scheduler_s": 0.0, "steps": 0, "cpu0": None, "loads": []}
+        self._load_started: dict[Any, tuple[float, int]] = {}
         cls.__init__(self, *args, **config)
+
+    def submit_load(self: Any, job: Any) -> None:  # the load's clock starts as the scheduler hands it over
+        self._load_started[job.job_id] = (time.perf_counter(), len(job.keys))
+        timed_submit_load(self, job)
+
+    def get_finished_jobs(self: Any) -> Any:  # and stops when the scheduler is told the job has landed
+        results = list(timed_get_finished(self))
+        now = time.perf_counter()
+        for r in results:
+            started = self._load_started.pop(r.job_id, None)
+            if started is not None:
+                self._timing["loads"].append({"s": now - started[0], "chunks": started[1], "ok": bool(r.success)})
+        return results
 
     def wrap(name: str) -> Any:
         base = getattr(cls, name)
@@ -51,9 +67,11 @@ def _timed(cls: type) -> type:
         if t["path"]:
             with open(t["path"], "w") as f:
                 json.dump({"calls": t["calls"], "scheduler_s": t["scheduler_s"], "steps": t["steps"],
-                           "process_cpu_s": cpu}, f)
+                           "process_cpu_s": cpu, "loads": t["loads"]}, f)
 
-    body = {"__init__": __init__, "shutdown": shutdown, **{n: wrap(n) for n in TIMED}}
+    timed_submit_load, timed_get_finished = wrap("submit_load"), wrap("get_finished_jobs")
+    body = {**{n: wrap(n) for n in TIMED}, "__init__": __init__, "shutdown": shutdown, "submit_load": submit_load,
+            "get_finished_jobs": get_finished_jobs}
     return type(f"Timed{cls.__name__}", (cls,), body)
 
 
