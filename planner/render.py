@@ -403,6 +403,7 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
     """
     n = plan.num_ranges
     nb = plan.nbytes
+    credit = region_credit(plan, layout)  # once: the histogram and per_region read it
     per_call = np.add.reduceat(nb, plan.call_offsets[:-1]) if n else np.zeros(0, np.uint64)
     out: dict[str, Any] = {
         "direction": plan.direction.value, "target": plan.target.label, "api": plan.api.value,
@@ -413,9 +414,8 @@ def stats(plan: TransferPlan, layout: Layout | None = None) -> dict[str, Any]:
                          "max": int(nb.max())} if n else None),
         "largest_range": _range_record(plan, int(np.argmax(nb))) if n else None,
         "smallest_range": _range_record(plan, int(np.argmin(nb))) if n else None,
-        "run_length_histogram": run_length_histogram(plan, layout),
+        "run_length_histogram": run_length_histogram(plan, layout, credit),
     }
-    credit = region_credit(plan, layout)
     r_ranges, r_bytes = _totals(credit.region, credit.nbytes, len(plan.regions))
     out["per_region"] = {name: {"ranges": c, "bytes": b}
                          for name, c, b in zip(plan.regions, r_ranges, r_bytes) if c}
