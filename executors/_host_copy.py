@@ -36,7 +36,7 @@ Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 STREAM_BYTES = 8 << 20  # a share of at least this many bytes is written with non-temporal (streaming) stores
-STREAM_RANGE = 16 << 10  # copies (ranges merged with their neighbours) shorter than this take memmove even then
+STREAM_RANGE = 1 << 10  # copies (ranges merged with their neighbours) shorter than this take memmove even then
 
 
 @functools.cache
@@ -46,13 +46,16 @@ def kernel() -> Kernel:
 
     Per range (ranges adjacent on both sides taken as one): the next range's first KiB is prefetched (a page
     found at random otherwise waits for the hardware prefetcher to start again), then the bytes are copied. A
-    call moving at least STREAM_BYTES writes copies of STREAM_RANGE bytes and more with non-temporal stores, 32
-    bytes at a time, and ends with a store fence: a job larger than the caches gains nothing from keeping its
-    destination cached, and writing around the cache skips reading each destination line first (libc's memcpy
-    does this only above a size it derives from the last-level cache, which per-layer tensors of 16 MiB stayed
-    under on one machine: they copied at 0.6x one 128 MiB memcpy there). Single pages found at random take
-    memmove: streamed, 4 KiB pages to scattered destinations ran at half memmove's speed on another machine
-    (benchmarks/NOTES.md). Smaller calls and the ragged ends call ``memmove`` (LLVM's intrinsic, libc's)."""
+    call moving at least STREAM_BYTES writes copies of STREAM_RANGE bytes and more with non-temporal stores, whole
+    64-byte cache lines from the destination's first line boundary on, and ends with a store fence: a job larger
+    than the caches gains nothing from keeping its destination cached, and writing around the cache skips reading
+    each destination line first (libc's memcpy does this only above a size it derives from the last-level cache,
+    which per-layer tensors of 16 MiB stayed under on one machine: they copied at 0.6x one 128 MiB memcpy there).
+    The partial lines at either end take ``memmove``: a line written partly by streaming stores and partly by
+    ordinary ones costs the write-combining buffer a partial flush, which made streamed 4 KiB pages whose
+    destination sat 16 bytes past a line (numpy's large arrays do) run at 0.3x memcpy, where whole lines run at
+    0.85-1.3x (benchmarks/NOTES.md, "Host paths, fourth look"). Smaller calls and smaller copies call ``memmove``
+    (LLVM's intrinsic, libc's)."""
     numba: Any = import_optional("numba", "the batched host copier")
     ir: Any = importlib.import_module("llvmlite.ir")  # installed with numba
     cgutils: Any = importlib.import_module("numba.core.cgutils")
@@ -114,7 +117,7 @@ def kernel() -> Kernel:
                 for line in range(16):
                     prefetch(src[i] + np.uint64(64 * line))
             if streaming and m >= STREAM_RANGE:
-                head = (np.uint64(32) - (d & np.uint64(31))) & np.uint64(31)  # to a 32-byte aligned destination
+                head = (np.uint64(64) - (d & np.uint64(63))) & np.uint64(63)  # to the destination's next line
                 memmove(d, s, head)
                 d += head
                 s += head

@@ -196,6 +196,38 @@ def test_large_jobs_copy_byte_for_byte_with_streaming_stores_and_merged_neighbou
 
 
 @numba_only
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shift", [0, 16, 63])  # where the destination buffer starts against a 64-byte line
+def test_streamed_jobs_of_small_copies_at_every_line_offset_copy_byte_for_byte(threads, shift):
+    """A job above STREAM_BYTES made of copies around STREAM_RANGE (one byte below it, at it, just above, a
+    line or two above) at every offset against the destination's cache lines: the lines streamed, the partial
+    lines at either end copied plainly, every byte as a slice assignment gives it, the gaps between untouched."""
+    rng = np.random.default_rng(threads * 100 + shift)
+    floor = _host_copy.STREAM_RANGE
+    sizes = [floor - 1, floor, floor + 1, floor + 63, floor + 64, floor + 127, floor + 130, 2 * floor + 5, 64, 1]
+    slot = 2 * floor + 256
+    count = _host_copy.STREAM_BYTES * len(sizes) // sum(sizes) + 64  # enough bytes to stream
+    raw_src = rng.integers(0, 256, count * slot + 64, dtype=np.uint8)
+    raw_dst = rng.integers(0, 256, count * slot + 64, dtype=np.uint8)
+    src, dst = raw_src[(-raw_src.ctypes.data) % 64:], raw_dst[(-raw_dst.ctypes.data + shift) % 64:]
+    ranges = []
+    for d_slot, s_slot in zip(range(count), rng.permutation(count)):
+        n = sizes[d_slot % len(sizes)]
+        ranges.append((d_slot * slot + int(rng.integers(0, slot - n)), int(s_slot) * slot + int(rng.integers(0, 200)), n))
+    assert sum(n for _, _, n in ranges) >= _host_copy.STREAM_BYTES
+    want = dst.copy()
+    for d, s, n in ranges:
+        want[d:d + n] = src[s:s + n]
+    cols = [np.array([dst.ctypes.data + d for d, _, _ in ranges], np.uint64),
+            np.array([src.ctypes.data + s for _, s, _ in ranges], np.uint64),
+            np.array([n for _, _, n in ranges], np.uint64)]
+    copier = HostCopier.load(threads)
+    copier.copy(*cols)
+    copier.close()
+    assert np.array_equal(dst, want)
+
+
+@numba_only
 def test_a_job_compiles_nothing_the_loop_and_lowering_were_compiled_at_bind():
     """The copy loop and lowering's pass hold the signatures compiled at bind, for the read-only arrays lowering
     hands over: a job never compiles (numba would otherwise compile another version inside the first job)."""
