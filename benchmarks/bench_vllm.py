@@ -9,7 +9,7 @@ long prompts that evict P's blocks from the engine's cache (80 blocks), then P' 
 suffix). Every request generates one token, so the wall time of a generate call is its time to first token.
 Two engines run in this process: without offloading (P' recomputes the prefix) and with kvxfer's spec (P'
 loads it). The memcpy baseline is ``np.copyto`` of the loaded (stored) byte count between two buffers, best of
-5, in this process. Last, the same load through kvxfer's vLLM worker outside any engine, with the process
+5, in this process. Last, the same store and load through kvxfer's vLLM worker outside any engine, with the process
 otherwise idle and with another Python thread spinning (what vLLM's worker thread does beside the copies).
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--layers 8] [--hidden 512] [--prefix-blocks 64]
@@ -47,10 +47,10 @@ def _memcpy_s(nbytes: int, reps: int = 5) -> float:
     return best
 
 
-def outside_engine(layers: int, page_bytes: int, blocks: int, busy: bool, reps: int = 5) -> float:
-    """GB/s of the engine's load (``blocks`` blocks x ``layers`` tensors, descending device ids against ascending
-    chunks: one range per page, as in the engine) through kvxfer's vLLM worker with vLLM's own spec classes,
-    outside any engine; ``busy``: while another Python thread spins (the engine's worker thread)."""
+def outside_engine(layers: int, page_bytes: int, blocks: int, busy: bool, reps: int = 5, direction: str = "load") -> float:
+    """GB/s of the engine's load or store (``direction``; ``blocks`` blocks x ``layers`` tensors, descending device ids
+    against ascending chunks: one range per page, as in the engine) through kvxfer's vLLM worker with vLLM's own spec
+    classes, outside any engine; ``busy``: while another Python thread spins (the engine's worker thread)."""
     import threading
 
     import torch
@@ -81,8 +81,12 @@ def outside_engine(layers: int, page_bytes: int, blocks: int, busy: bool, reps: 
     best = float("inf")
     try:
         core.submit_store(0, GPULoadStoreSpec(device, [blocks], [0]), CPULoadStoreSpec(host))
+        core.wait({0})
         for job in range(1, reps + 1):
-            core.submit_load(job, CPULoadStoreSpec(host), GPULoadStoreSpec(device, [blocks], [0]))
+            if direction == "store":
+                core.submit_store(job, GPULoadStoreSpec(device, [blocks], [0]), CPULoadStoreSpec(host))
+            else:
+                core.submit_load(job, CPULoadStoreSpec(host), GPULoadStoreSpec(device, [blocks], [0]))
             core.wait({job})
             best = min([best] + [r.transfer_time for r in core.get_finished() if r.job_id == job])
     finally:
@@ -164,14 +168,16 @@ def main() -> None:
         figures[f"{d}_gbs"], figures[f"{d}_memcpy_gbs"] = gbs, mem_gbs
         print(f"{d:5} {nbytes / 2**20:7.1f} {ranges:7d} {gbs:11.2f} {mem_gbs:11.2f} {gbs / mem_gbs:6.2f}")
     page_bytes = heads * 32 * 2 * 64 * 4
-    print(f"\nthe same load outside the engine ({a.prefix_blocks} blocks x {a.layers} layers of {page_bytes >> 10} KiB, "
+    print(f"\nthe same jobs outside the engine ({a.prefix_blocks} blocks x {a.layers} layers of {page_bytes >> 10} KiB, "
           f"{a.prefix_blocks * a.layers} ranges, best of 5) vs one memcpy")
     copy_gbs = stats["bytes_loaded"] / _memcpy_s(stats["bytes_loaded"]) / 1e9
-    for busy in (False, True):
-        gbs = outside_engine(a.layers, page_bytes, a.prefix_blocks, busy)
-        figures[f"outside_{'busy' if busy else 'idle'}_gbs"] = gbs
-        print(f"{'another Python thread spinning' if busy else 'process otherwise idle':32} {gbs:6.2f} GB/s, memcpy "
-              f"{copy_gbs:6.2f} GB/s, ratio {gbs / copy_gbs:5.2f}")
+    for d in ("store", "load"):
+        for busy in (False, True):
+            gbs = outside_engine(a.layers, page_bytes, a.prefix_blocks, busy, direction=d)
+            key = f"outside_{'' if d == 'load' else 'store_'}{'busy' if busy else 'idle'}_gbs"  # loads: the old keys
+            figures[key] = gbs
+            print(f"{d:5} {'another Python thread spinning' if busy else 'process otherwise idle':32} {gbs:6.2f} GB/s, "
+                  f"memcpy {copy_gbs:6.2f} GB/s, ratio {gbs / copy_gbs:5.2f}")
     if a.json:
         a.json.write_text(json.dumps(figures, indent=1))
 
